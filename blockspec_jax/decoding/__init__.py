@@ -1,0 +1,1 @@
+"""Decoding loops. ``reference``: the jitted speculative loop over tabular models used to prove rules lossless."""

@@ -1,0 +1,140 @@
+"""Logits -> the exact probability vectors drafter and target sample from.
+
+Speculative decoding is lossless with respect to the *transformed* target: the law obtained after temperature,
+top-k and top-p have been applied. Verification rules need the full transformed rows of both models, and the draft
+row ``q`` must be the very law the draft token was drawn from. Drafter and target therefore go through the one
+function in this module, :func:`probs_from_logits`, and tokens are drawn from its output with :func:`sample`.
+
+Transform order (the common one): temperature, then top-k, then top-p, then renormalise.
+
+* ``temperature == 0`` gives the one-hot vector at ``argmax`` (first index on ties); top-k / top-p do not change it.
+* ``top_k == 0`` disables top-k. Otherwise the tokens whose logit is >= the k-th largest logit are kept (ties at the
+  threshold are all kept, so the law does not depend on an arbitrary tie break).
+* ``top_p == 1`` disables top-p. Otherwise tokens are sorted by probability (descending, stable) and token ``j`` is
+  kept iff the mass strictly before it is < ``top_p``; the most likely token is always kept.
+
+All settings are Python scalars (static under ``jax.jit``): the transform's code depends on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["Sampler", "probs_from_logits", "sample", "sample_from_weights", "greedy_sampler"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+  """Static sampling settings shared by drafter and target. Hashable: pass it as a static argument."""
+
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    if not (self.temperature >= 0.0):  # also rejects NaN
+      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+    if int(self.top_k) != self.top_k or self.top_k < 0:
+      raise ValueError(f"top_k must be a non-negative integer (0 disables it), got {self.top_k}")
+    if not (0.0 < self.top_p <= 1.0):
+      raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
+
+  @property
+  def is_greedy(self) -> bool:
+    return self.temperature == 0.0
+
+  def probs(self, logits_xV: jax.Array) -> jax.Array:
+    """Transformed probabilities, float32, same leading shape as ``logits_xV``."""
+    return probs_from_logits(logits_xV, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+
+def greedy_sampler() -> Sampler:
+  return Sampler(temperature=0.0)
+
+
+def probs_from_logits(logits_xV: jax.Array, *, temperature: float = 1.0, top_k: int = 0,
+                      top_p: float = 1.0) -> jax.Array:
+  """Turn logits ``[..., V]`` into the transformed law ``[..., V]`` (float32, rows sum to 1).
+
+  ``-inf`` logits (masked tokens) get probability 0. A row whose logits are all ``-inf`` is an error upstream; it
+  yields NaN here so that :func:`blockspec_jax.verify.distribution_errors` reports it rather than hiding it.
+  """
+  Sampler(temperature, top_k, top_p)  # validates the settings
+  logits_xV = jnp.asarray(logits_xV).astype(jnp.float32)
+  vocab = logits_xV.shape[-1]
+  if temperature == 0.0:
+    return jax.nn.one_hot(jnp.argmax(logits_xV, axis=-1), vocab, dtype=jnp.float32)
+  scaled_xV = logits_xV / jnp.float32(temperature)
+  if top_k and top_k < vocab:
+    kth_x1 = jax.lax.top_k(scaled_xV, top_k)[0][..., -1:]
+    scaled_xV = jnp.where(scaled_xV >= kth_x1, scaled_xV, -jnp.inf)
+  probs_xV = jax.nn.softmax(scaled_xV, axis=-1)
+  if top_p < 1.0:
+    order_xV = jnp.argsort(-probs_xV, axis=-1, stable=True)
+    sorted_xV = jnp.take_along_axis(probs_xV, order_xV, axis=-1)
+    mass_before_xV = jnp.cumsum(sorted_xV, axis=-1) - sorted_xV
+    keep_sorted_xV = mass_before_xV < jnp.float32(top_p)
+    keep_sorted_xV = keep_sorted_xV.at[..., 0].set(True)
+    # Scatter the keep mask back to vocabulary order.
+    inverse_xV = jnp.argsort(order_xV, axis=-1)
+    keep_xV = jnp.take_along_axis(keep_sorted_xV, inverse_xV, axis=-1)
+    probs_xV = jnp.where(keep_xV, probs_xV, 0.0)
+    probs_xV = probs_xV / jnp.sum(probs_xV, axis=-1, keepdims=True)
+  return probs_xV
+
+
+_FANOUT = 128  # children per node of the summation tree used by the sampler
+
+
+def _pad_to_multiple(x_N: jax.Array, multiple: int) -> jax.Array:
+  pad = (-x_N.shape[-1]) % multiple
+  return x_N if pad == 0 else jnp.pad(x_N, (0, pad))
+
+
+def _first_crossing(weights_F: jax.Array, target: jax.Array):
+  """Index ``j`` of the first positive weight whose running sum exceeds ``target``, and the mass before it.
+
+  ``weights_F`` has ``_FANOUT`` entries; the running sum is a triangular matmul at full f32 precision (XLA's CPU
+  cumsum is slow). When rounding puts ``target`` past the end, the last positive entry is returned.
+  """
+  fanout = weights_F.shape[-1]
+  upper_FxF = jnp.triu(jnp.ones((fanout, fanout), jnp.float32))
+  cumsum_F = jnp.matmul(weights_F, upper_FxF, precision=jax.lax.Precision.HIGHEST)
+  positive_F = weights_F > 0
+  crossing_F = (cumsum_F > target) & positive_F
+  last_positive = (fanout - 1) - jnp.argmax(positive_F[::-1])
+  j = jnp.where(jnp.any(crossing_F), jnp.argmax(crossing_F), last_positive)
+  mass_before = cumsum_F[j] - weights_F[j]
+  return j, mass_before
+
+
+def sample_from_weights(key: jax.Array, weights_V: jax.Array) -> jax.Array:
+  """Draw one index with probability proportional to non-negative ``weights_V`` (need not be normalised).
+
+  Inverse-CDF sampling with one uniform ``u``: the index whose cumulative mass interval contains ``u * total``.
+  Cumulative sums are taken over a tree of fan-out 128 (block sums, then a descent that looks at 128 entries per
+  level), which keeps f32 rounding at the level of a few ulps of the total (a flat running sum over 150k entries
+  would not) and costs one read of the row. Indices with weight 0 are never returned. An all-zero row returns 0;
+  callers that can produce one handle it (see :mod:`blockspec_jax.verify`). Returns int32 scalar; batch with
+  ``jax.vmap``.
+  """
+  weights_V = jnp.maximum(jnp.asarray(weights_V, jnp.float32), 0.0)
+  levels = [_pad_to_multiple(weights_V, _FANOUT)]
+  while levels[-1].shape[-1] > _FANOUT:
+    levels.append(_pad_to_multiple(levels[-1].reshape(-1, _FANOUT).sum(-1), _FANOUT))
+  target = jax.random.uniform(key, (), dtype=jnp.float32) * jnp.sum(levels[-1])
+  index = jnp.int32(0)
+  for level_N in reversed(levels):
+    segment_F = jax.lax.dynamic_slice_in_dim(level_N, index * _FANOUT, _FANOUT)
+    j, mass_before = _first_crossing(segment_F, target)
+    target = jnp.maximum(target - mass_before, 0.0)
+    index = index * _FANOUT + j.astype(jnp.int32)
+  return index
+
+
+def sample(key: jax.Array, probs_V: jax.Array) -> jax.Array:
+  """Draw a token from a probability row ``probs_V`` (int32 scalar). The law drawn from is exactly ``probs_V``."""
+  return sample_from_weights(key, probs_V)

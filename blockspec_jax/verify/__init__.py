@@ -1,0 +1,17 @@
+"""Verification rules for speculative decoding (see rules.py for the single-block contract)."""
+
+from blockspec_jax.verify.rules import (VerifyResult, block_acceptance_thresholds, block_verify, block_verify_eager,
+                                        block_weights,
+                                        clipped_ratio, exact_match_verify, greedy_verify, token_verify)
+from blockspec_jax.verify.validation import (BAD_SUM, NEGATIVE, NOT_FINITE, check_block_shapes, describe_errors,
+                                             distribution_errors, validate_block, validate_distributions)
+from blockspec_jax.verify.verifiers import (DEFAULT_VERIFIER, VERIFIERS, BlockVerifier, ExactMatchVerifier,
+                                            GreedyVerifier, TokenVerifier, Verifier, get_verifier, row_keys)
+
+import jax as _jax
+
+#: Batched forms: the single-block rules mapped over a leading batch axis (one key per row).
+token_verify_batch = _jax.vmap(token_verify)
+block_verify_batch = _jax.vmap(block_verify)
+greedy_verify_batch = _jax.vmap(greedy_verify)
+exact_match_verify_batch = _jax.vmap(exact_match_verify)
