@@ -1,0 +1,33 @@
+"""Exact theory of speculative decoding on small tabular models (numpy/scipy only: no jax, no gin).
+
+* :mod:`~blockspec_jax.theory.tabular`: :class:`TabularLM`, the next-token law as a table.
+* :mod:`~blockspec_jax.theory.exact`: exact laws of one iteration by enumeration, closed forms, the
+  full-information bound, i.i.d. formulas, losslessness checks.
+* :mod:`~blockspec_jax.theory.estimators`: Rao–Blackwellised and counting estimates of ``E[τ]`` from sampled drafts.
+* :mod:`~blockspec_jax.theory.stats`: χ² goodness of fit against exact laws.
+"""
+
+from blockspec_jax.theory.estimators import (DraftSample, Estimate, block_weights, clipped_ratio, counting_estimate,
+                                             rao_blackwell_accepted, sample_drafts, token_weights)
+from blockspec_jax.theory.exact import (RULES, acceptance_rate, conditional_law, emitted_prefix_law,
+                                        exact_outcome_law, exact_tau_law, expected_accepted,
+                                        expected_accepted_block_closed_form, expected_accepted_token_closed_form,
+                                        full_information_bound, iid_block_efficiency, iid_expected_accepted,
+                                        paper_toy, sequence_law)
+from blockspec_jax.theory.stats import Chi2Result, chi2_gof
+from blockspec_jax.theory.tabular import TabularLM, num_rows_for, row_offsets
+
+__all__ = [
+    # tabular
+    "TabularLM", "row_offsets", "num_rows_for",
+    # exact
+    "RULES", "conditional_law", "exact_outcome_law", "exact_tau_law", "expected_accepted",
+    "expected_accepted_token_closed_form", "expected_accepted_block_closed_form", "full_information_bound",
+    "sequence_law", "emitted_prefix_law", "iid_expected_accepted", "iid_block_efficiency", "acceptance_rate",
+    "paper_toy",
+    # estimators
+    "Estimate", "DraftSample", "clipped_ratio", "token_weights", "block_weights", "rao_blackwell_accepted",
+    "counting_estimate", "sample_drafts",
+    # stats
+    "Chi2Result", "chi2_gof",
+]

@@ -1,0 +1,397 @@
+"""Exact laws of one speculative-decoding iteration by enumeration (numpy, float64; V up to ~8, γ up to ~4).
+
+Conventions (ALGORITHMS.md §1-3). Context ``c``; drafter ``M_s`` with rows ``q``, target ``M_b`` with rows ``p``;
+draft ``X^γ ~ M_s(·|c)``. At a draft, row ``i`` of a model is its law given ``c ⊕ X^i`` (i = 0..γ): the target has
+``γ + 1`` rows ``p_0..p_γ``, the drafter ``γ`` rows ``q_0..q_{γ-1}``. Every rule returns ``τ ∈ [0, γ]`` accepted draft
+tokens and one extra token ``Y``; the iteration emits ``(X_1..X_τ, Y)``.
+
+For every draft the conditional law ``P(τ = t, Y = y | X^γ = x)`` is computed in closed form
+(:func:`conditional_law`, a ``[γ+1, V]`` table) and the outcome laws are sums over all ``V**γ`` drafts weighted by
+``q(x^γ) = M_s(x^γ | c)``. Drafts with ``q(x^γ) = 0`` are skipped (they carry no mass).
+
+Rules (:data:`RULES`):
+
+* ``"token"``: ``a_i = min(1, p_{i-1}(x_i)/q_{i-1}(x_i))`` (1 if ``q = 0 < p``, 0 if ``p = 0``);
+  ``P(τ=t|x) = Π_{j≤t} a_j · (1 − a_{t+1})`` for ``t < γ``, ``Π_{j≤γ} a_j`` for ``t = γ``;
+  ``Y | τ=t<γ ~ norm(max(p_t − q_t, 0))``, ``Y | τ=γ ~ p_γ``.
+* ``"block"``: ``w_0 = 1``, ``w_i = min(1, w_{i-1} p_{i-1}(x_i)/q_{i-1}(x_i))``; for ``i < γ``
+  ``Z_i = Σ_v max(w_i p_i(v) − q_i(v), 0)``, ``h_i = Z_i / (Z_i + (1 − w_i))`` (1 if both terms are 0); ``h_γ = w_γ``,
+  ``h_0 := 1``. Independent coins ``η_i ≤ h_i``, ``τ`` the last success:
+  ``P(τ=t|x) = h_t Π_{j=t+1..γ} (1 − h_j)``; ``Y | τ=t<γ ~ norm(max(w_t p_t − q_t, 0))``, ``Y | τ=γ ~ p_γ``.
+* ``"greedy"``: ``τ`` = number of leading ``i`` with ``x_i == argmax p_{i-1}`` (first index on ties);
+  ``Y = argmax p_τ``. Lossless only for a one-hot (greedy) target.
+* ``"exact_match"``: ``Y_i ~ p_i`` independently (i = 0..γ), accept while ``Y_{i-1} == x_i``, emit the first
+  mismatching sample: ``P(τ=t, Y=y|x) = Π_{j≤t} p_{j-1}(x_j) · p_t(y) · [y ≠ x_{t+1}]`` (t < γ),
+  ``Π_{j≤γ} p_{j-1}(x_j) · p_γ(y)`` (t = γ).
+
+Numerical fallback (token and block): a residual with zero total mass is replaced by the target row ``p_t``. This
+only happens where ``P(τ = t | x) = 0`` in exact arithmetic (or through rounding), so the laws are unaffected; it
+mirrors ``blockspec_jax.verify.rules``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from blockspec_jax.theory.estimators import clipped_ratio
+from blockspec_jax.theory.tabular import TabularLM
+
+__all__ = ["RULES", "conditional_law", "exact_outcome_law", "exact_tau_law", "expected_accepted",
+           "expected_accepted_token_closed_form", "expected_accepted_block_closed_form", "full_information_bound",
+           "sequence_law", "emitted_prefix_law", "iid_expected_accepted", "iid_block_efficiency", "acceptance_rate",
+           "paper_toy"]
+
+RULES = ("token", "block", "greedy", "exact_match")
+_RULES_NEEDING_DRAFT_PROBS = ("token", "block")
+
+
+# --- argument checks ---------------------------------------------------------------------------------------------
+
+def _check_rule(rule: str) -> str:
+  if rule not in RULES:
+    raise ValueError(f"unknown rule {rule!r}; known rules: {', '.join(RULES)}")
+  return rule
+
+
+def _check_gamma(gamma, minimum: int = 1) -> int:
+  if isinstance(gamma, (bool, np.bool_)) or not isinstance(gamma, (int, np.integer)) or gamma < minimum:
+    raise ValueError(f"gamma must be an integer >= {minimum}, got {gamma!r}")
+  return int(gamma)
+
+
+def _check_models(drafter: TabularLM, target: TabularLM, context: Sequence[int]) -> tuple[int, ...]:
+  """Both models are TabularLMs over the same vocabulary; ``context`` as a validated tuple of ints."""
+  for name, model in (("drafter", drafter), ("target", target)):
+    if not isinstance(model, TabularLM):
+      raise ValueError(f"{name} must be a TabularLM, got {type(model).__name__}")
+  if drafter.vocab_size != target.vocab_size:
+    raise ValueError(f"drafter and target vocabularies differ: {drafter.vocab_size} vs {target.vocab_size}")
+  return target._checked_prefix(context)  # pylint: disable=protected-access
+
+
+def _check_args(rule, drafter, target, context, gamma) -> tuple[str, tuple[int, ...], int]:
+  return _check_rule(rule), _check_models(drafter, target, context), _check_gamma(gamma)
+
+
+# --- one draft: the conditional law of (τ, Y) --------------------------------------------------------------------
+
+def _normalised_or_fallback(residual_V: np.ndarray, fallback_V: np.ndarray) -> np.ndarray:
+  """``residual / Σ residual``, or ``fallback`` when the residual has no mass."""
+  mass = residual_V.sum()
+  return residual_V / mass if mass > 0 else np.array(fallback_V, dtype=np.float64)
+
+
+def _token_law(p_rows_Gp1xV, q_rows_GxV, draft_G) -> np.ndarray:
+  gamma = len(draft_G)
+  law = np.zeros(p_rows_Gp1xV.shape, dtype=np.float64)
+  reach = 1.0  # Π_{j≤t} a_j
+  for t in range(gamma):
+    a_next = float(clipped_ratio(1.0, p_rows_Gp1xV[t, draft_G[t]], q_rows_GxV[t, draft_G[t]]))
+    residual_V = np.maximum(p_rows_Gp1xV[t] - q_rows_GxV[t], 0.0)
+    law[t] = reach * (1.0 - a_next) * _normalised_or_fallback(residual_V, p_rows_Gp1xV[t])
+    reach *= a_next
+  law[gamma] = reach * p_rows_Gp1xV[gamma]
+  return law
+
+
+def _block_weights_and_thresholds(p_rows_Gp1xV, q_rows_GxV, draft_G) -> tuple[np.ndarray, np.ndarray]:
+  """``w_0..w_γ`` and ``h_0..h_γ`` (``w_0 = h_0 = 1``), float64 ``[γ+1]`` each."""
+  gamma = len(draft_G)
+  w = np.ones(gamma + 1, dtype=np.float64)
+  h = np.ones(gamma + 1, dtype=np.float64)
+  for i in range(1, gamma + 1):
+    w[i] = clipped_ratio(w[i - 1], p_rows_Gp1xV[i - 1, draft_G[i - 1]], q_rows_GxV[i - 1, draft_G[i - 1]])
+    if i < gamma:
+      mass = np.maximum(w[i] * p_rows_Gp1xV[i] - q_rows_GxV[i], 0.0).sum()
+      denominator = mass + (1.0 - w[i])  # this order keeps h_i's precision when w_i ≈ 1
+      h[i] = mass / denominator if denominator > 0 else 1.0
+    else:
+      h[i] = w[i]
+  return w, h
+
+
+def _block_law(p_rows_Gp1xV, q_rows_GxV, draft_G) -> np.ndarray:
+  gamma = len(draft_G)
+  w, h = _block_weights_and_thresholds(p_rows_Gp1xV, q_rows_GxV, draft_G)
+  law = np.zeros(p_rows_Gp1xV.shape, dtype=np.float64)
+  all_later_fail = 1.0  # Π_{j=t+1..γ} (1 − h_j), built from the top
+  for t in range(gamma, -1, -1):
+    prob_t = h[t] * all_later_fail
+    if t == gamma:
+      law[t] = prob_t * p_rows_Gp1xV[gamma]
+    else:
+      residual_V = np.maximum(w[t] * p_rows_Gp1xV[t] - q_rows_GxV[t], 0.0)
+      law[t] = prob_t * _normalised_or_fallback(residual_V, p_rows_Gp1xV[t])
+    all_later_fail *= 1.0 - h[t]
+  return law
+
+
+def _greedy_law(p_rows_Gp1xV, draft_G) -> np.ndarray:
+  gamma = len(draft_G)
+  tau = 0
+  while tau < gamma and draft_G[tau] == int(np.argmax(p_rows_Gp1xV[tau])):
+    tau += 1
+  law = np.zeros(p_rows_Gp1xV.shape, dtype=np.float64)
+  law[tau, int(np.argmax(p_rows_Gp1xV[tau]))] = 1.0
+  return law
+
+
+def _exact_match_law(p_rows_Gp1xV, draft_G) -> np.ndarray:
+  gamma = len(draft_G)
+  law = np.zeros(p_rows_Gp1xV.shape, dtype=np.float64)
+  reach = 1.0  # Π_{j≤t} p_{j-1}(x_j)
+  for t in range(gamma):
+    mismatch_V = np.array(p_rows_Gp1xV[t], dtype=np.float64)
+    mismatch_V[draft_G[t]] = 0.0
+    law[t] = reach * mismatch_V
+    reach *= float(p_rows_Gp1xV[t, draft_G[t]])
+  law[gamma] = reach * p_rows_Gp1xV[gamma]
+  return law
+
+
+def conditional_law(rule: str, p_rows_Gp1xV, q_rows_GxV, draft_G) -> np.ndarray:
+  """``P(τ = t, Y = y | X^γ = draft)`` for one draft: float64 ``[γ+1, V]`` (entries sum to 1).
+
+  Args:
+    rule: one of :data:`RULES`.
+    p_rows_Gp1xV: target rows ``p_i = M_b(·|c ⊕ x^i)``, i = 0..γ, float ``[γ+1, V]``.
+    q_rows_GxV: drafter rows ``q_i = M_s(·|c ⊕ x^i)``, i = 0..γ-1, float ``[γ, V]``; may be None for "greedy" and
+      "exact_match" (they do not read it).
+    draft_G: the draft tokens ``x_1..x_γ``, ints ``[γ]``.
+  """
+  _check_rule(rule)
+  p_rows = np.asarray(p_rows_Gp1xV, dtype=np.float64)
+  draft = tuple(int(x) for x in np.asarray(draft_G).reshape(-1))
+  gamma = _check_gamma(len(draft))
+  if p_rows.ndim != 2 or p_rows.shape[0] != gamma + 1:
+    raise ValueError(f"target rows must have shape [gamma+1, V] = [{gamma + 1}, V], got {p_rows.shape}")
+  vocab_size = p_rows.shape[1]
+  if any(not 0 <= x < vocab_size for x in draft):
+    raise ValueError(f"draft tokens must lie in [0, {vocab_size}), got {draft}")
+  if rule in _RULES_NEEDING_DRAFT_PROBS:
+    if q_rows_GxV is None:
+      raise ValueError(f"rule {rule!r} needs the drafter rows q_rows_GxV")
+    q_rows = np.asarray(q_rows_GxV, dtype=np.float64)
+    if q_rows.shape != (gamma, vocab_size):
+      raise ValueError(f"drafter rows must have shape [gamma, V] = [{gamma}, {vocab_size}], got {q_rows.shape}")
+    return _token_law(p_rows, q_rows, draft) if rule == "token" else _block_law(p_rows, q_rows, draft)
+  return _greedy_law(p_rows, draft) if rule == "greedy" else _exact_match_law(p_rows, draft)
+
+
+# --- enumeration over drafts -------------------------------------------------------------------------------------
+
+def _model_rows(model: TabularLM, context: tuple[int, ...], draft: tuple[int, ...], num_rows: int) -> np.ndarray:
+  """Rows ``M(·|c ⊕ x^i)`` for i = 0..num_rows-1: float64 ``[num_rows, V]``."""
+  return np.stack([model.next_probs(context + draft[:i]) for i in range(num_rows)])
+
+
+def _drafts(vocab_size: int, length: int):
+  return itertools.product(range(vocab_size), repeat=length)
+
+
+def _conditional_laws(rule, drafter, target, context, gamma):
+  """Yields ``(draft, M_s(draft | c), conditional_law)`` for every draft of positive drafter probability."""
+  for draft in _drafts(target.vocab_size, gamma):
+    draft_prob = drafter.sequence_prob(context, draft)
+    if draft_prob == 0.0:
+      continue
+    p_rows = _model_rows(target, context, draft, gamma + 1)
+    q_rows = _model_rows(drafter, context, draft, gamma) if rule in _RULES_NEEDING_DRAFT_PROBS else None
+    yield draft, draft_prob, conditional_law(rule, p_rows, q_rows, draft)
+
+
+def exact_outcome_law(rule: str, drafter: TabularLM, target: TabularLM, context: Sequence[int],
+                      gamma: int) -> dict[tuple[int, ...], float]:
+  """Law of the emitted tuple ``(X_1..X_τ, Y)`` (length ``τ + 1``) of one iteration.
+
+  ``P(o) = Σ_{x^γ} q(x^γ) P(τ = t, Y = y | x^γ)`` over drafts with ``x^t = o[:t]``. Only outcomes of positive
+  probability are keys (every term is non-negative, so a missing key has probability exactly 0); keys are sorted.
+  """
+  rule, context, gamma = _check_args(rule, drafter, target, context, gamma)
+  law: dict[tuple[int, ...], float] = {}
+  for draft, draft_prob, law_Gp1xV in _conditional_laws(rule, drafter, target, context, gamma):
+    for t, y in zip(*np.nonzero(law_Gp1xV)):
+      outcome = draft[:t] + (int(y),)
+      law[outcome] = law.get(outcome, 0.0) + draft_prob * float(law_Gp1xV[t, y])
+  return {outcome: law[outcome] for outcome in sorted(law)}
+
+
+def exact_tau_law(rule: str, drafter: TabularLM, target: TabularLM, context: Sequence[int], gamma: int) -> np.ndarray:
+  """``P(τ = t)`` for t = 0..γ: float64 ``[γ+1]``."""
+  rule, context, gamma = _check_args(rule, drafter, target, context, gamma)
+  tau_law = np.zeros(gamma + 1, dtype=np.float64)
+  for _, draft_prob, law_Gp1xV in _conditional_laws(rule, drafter, target, context, gamma):
+    tau_law += draft_prob * law_Gp1xV.sum(axis=1)
+  return tau_law
+
+
+def expected_accepted(rule: str, drafter: TabularLM, target: TabularLM, context: Sequence[int], gamma: int) -> float:
+  """``E[τ] = Σ_t t P(τ = t)`` from :func:`exact_tau_law` (block efficiency is this + 1)."""
+  tau_law = exact_tau_law(rule, drafter, target, context, gamma)
+  return float(np.dot(np.arange(tau_law.shape[0], dtype=np.float64), tau_law))
+
+
+# --- closed forms ------------------------------------------------------------------------------------------------
+
+def _sum_over_prefixes(drafter: TabularLM, target: TabularLM, context: tuple[int, ...], gamma: int,
+                       step: Callable[[float, float, float], float]) -> float:
+  """``Σ_{i=1..γ} Σ_{x^i} v(x^i)`` with ``v(x^0) = 1``, ``v(x^i) = step(v(x^{i-1}), p_{i-1}(x_i), q_{i-1}(x_i))``.
+
+  Depth-first over prefixes; a prefix with ``v = 0`` is pruned (``step`` maps 0 to 0 in all uses here).
+  """
+  total = 0.0
+
+  def visit(prefix: tuple[int, ...], value: float) -> None:
+    nonlocal total
+    if len(prefix) == gamma:
+      return
+    p_V = target.next_probs(context + prefix)
+    q_V = drafter.next_probs(context + prefix)
+    for x in range(target.vocab_size):
+      child = step(value, float(p_V[x]), float(q_V[x]))
+      if child != 0.0:
+        total += child
+        visit(prefix + (x,), child)
+
+  visit((), 1.0)
+  return total
+
+
+def expected_accepted_token_closed_form(drafter: TabularLM, target: TabularLM, context: Sequence[int],
+                                        gamma: int) -> float:
+  """``E[τ_token] = Σ_{i=1..γ} Σ_{x^i} Π_{j≤i} min(q_{j-1}(x_j), p_{j-1}(x_j))``."""
+  context = _check_models(drafter, target, context)
+  gamma = _check_gamma(gamma)
+  return _sum_over_prefixes(drafter, target, context, gamma, lambda value, p, q: value * min(q, p))
+
+
+def expected_accepted_block_closed_form(drafter: TabularLM, target: TabularLM, context: Sequence[int],
+                                        gamma: int) -> float:
+  """``E[τ_block] = Σ_{i=1..γ} E_{X^i ~ M_s}[w_i]`` (``P(τ ≥ i | X^i) = w_i``).
+
+  Accumulates ``M_s(x^i|c) · w_i(x^i)`` over prefixes; the running value carries ``(M_s(x^i|c), w_i)``.
+  """
+  context = _check_models(drafter, target, context)
+  gamma = _check_gamma(gamma)
+  total = 0.0
+
+  def visit(prefix: tuple[int, ...], draft_prob: float, w: float) -> None:
+    nonlocal total
+    if len(prefix) == gamma:
+      return
+    p_V = target.next_probs(context + prefix)
+    q_V = drafter.next_probs(context + prefix)
+    for x in range(target.vocab_size):
+      child_prob = draft_prob * float(q_V[x])
+      if child_prob == 0.0:
+        continue
+      child_w = float(clipped_ratio(w, p_V[x], q_V[x]))
+      total += child_prob * child_w
+      visit(prefix + (x,), child_prob, child_w)
+
+  visit((), 1.0, 1.0)
+  return total
+
+
+def full_information_bound(drafter: TabularLM, target: TabularLM, context: Sequence[int], gamma: int) -> float:
+  """``Σ_{i=1..γ} Σ_{x^i} min(M_s(x^i|c), M_b(x^i|c))`` (joint sequence probabilities).
+
+  An upper bound on ``E[τ]`` for any valid verifier that sees one draft; reachable only with state carried across
+  iterations (ALGORITHMS.md §2).
+  """
+  context = _check_models(drafter, target, context)
+  gamma = _check_gamma(gamma)
+  total = 0.0
+
+  def visit(prefix: tuple[int, ...], draft_prob: float, target_prob: float) -> None:
+    nonlocal total
+    if len(prefix) == gamma:
+      return
+    p_V = target.next_probs(context + prefix)
+    q_V = drafter.next_probs(context + prefix)
+    for x in range(target.vocab_size):
+      child_q, child_p = draft_prob * float(q_V[x]), target_prob * float(p_V[x])
+      if child_q == 0.0 or child_p == 0.0:
+        continue  # min is 0 here and for every extension
+      total += min(child_q, child_p)
+      visit(prefix + (x,), child_q, child_p)
+
+  visit((), 1.0, 1.0)
+  return total
+
+
+# --- sequence laws and losslessness -----------------------------------------------------------------------------
+
+def sequence_law(model: TabularLM, context: Sequence[int], n: int) -> dict[tuple[int, ...], float]:
+  """Law of the next ``n`` tokens after ``context``: all ``V**n`` tuples (zeros included), lexicographic order."""
+  context = model._checked_prefix(context)  # pylint: disable=protected-access
+  n = _check_gamma(n, minimum=0)
+  return {tokens: model.sequence_prob(context, tokens) for tokens in _drafts(model.vocab_size, n)}
+
+
+def emitted_prefix_law(outcome_law: Mapping[tuple[int, ...], float], target: TabularLM, context: Sequence[int],
+                       n: int) -> dict[tuple[int, ...], float]:
+  """Law of the first ``n`` tokens when one iteration (law ``outcome_law``) is followed by the target itself.
+
+  ``P(s) = Σ_o P(o) · [o[:n] = s]`` for outcomes with ``len(o) ≥ n``, plus
+  ``Σ_o P(o) · M_b(s[len(o):] | c ⊕ o) · [s[:len(o)] = o]`` for shorter ones. A lossless rule gives exactly
+  :func:`sequence_law` ``(target, context, n)``. Returns all ``V**n`` tuples (zeros included), lexicographic order.
+  """
+  context = target._checked_prefix(context)  # pylint: disable=protected-access
+  n = _check_gamma(n, minimum=0)
+  law = {tokens: 0.0 for tokens in _drafts(target.vocab_size, n)}
+  for outcome, prob in outcome_law.items():
+    outcome = target._checked_prefix(outcome)  # pylint: disable=protected-access
+    if len(outcome) >= n:
+      law[outcome[:n]] += prob
+      continue
+    for rest in _drafts(target.vocab_size, n - len(outcome)):
+      law[outcome + rest] += prob * target.sequence_prob(context + outcome, rest)
+  return law
+
+
+# --- i.i.d. formulas ---------------------------------------------------------------------------------------------
+
+def _check_alpha(alpha) -> float:
+  alpha = float(alpha)
+  if not 0.0 <= alpha <= 1.0:
+    raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+  return alpha
+
+
+def iid_expected_accepted(alpha: float, gamma: int) -> float:
+  """``E[τ] = Σ_{i=1..γ} α^i`` when every draft token is accepted independently with probability ``α`` (γ ≥ 0)."""
+  alpha, gamma = _check_alpha(alpha), _check_gamma(gamma, minimum=0)
+  return float(sum(alpha**i for i in range(1, gamma + 1)))
+
+
+def iid_block_efficiency(alpha: float, gamma: int) -> float:
+  """``E[τ] + 1 = (1 − α^{γ+1}) / (1 − α)`` (``γ + 1`` at ``α = 1``), evaluated as ``Σ_{i=0..γ} α^i`` (γ ≥ 0).
+
+  The sum form is the same quantity without the cancellation of the quotient near ``α = 1``.
+  """
+  alpha, gamma = _check_alpha(alpha), _check_gamma(gamma, minimum=0)
+  return float(sum(alpha**i for i in range(gamma + 1)))
+
+
+def acceptance_rate(p_V, q_V) -> float:
+  """Token acceptance probability ``α = Σ_v min(p(v), q(v)) = 1 − TV(p, q)``; float ``[V]`` each."""
+  p_V = np.asarray(p_V, dtype=np.float64)
+  q_V = np.asarray(q_V, dtype=np.float64)
+  if p_V.ndim != 1 or p_V.shape != q_V.shape:
+    raise ValueError(f"p_V and q_V must be 1-D of the same length, got {p_V.shape} and {q_V.shape}")
+  return float(np.minimum(p_V, q_V).sum())
+
+
+def paper_toy() -> tuple[TabularLM, TabularLM, int]:
+  """The toy of ALGORITHMS.md §2: ``(drafter, target, gamma=2)``, V = {a, b}, context-free.
+
+  ``q = (2/3, 1/3)``, ``p = (1/3, 2/3)``: token verification accepts 10/9, block 11/9, the full-information bound
+  is 12/9 tokens per iteration.
+  """
+  drafter = TabularLM.context_free(np.array([2.0, 1.0]) / 3.0)
+  target = TabularLM.context_free(np.array([1.0, 2.0]) / 3.0)
+  return drafter, target, 2

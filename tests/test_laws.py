@@ -1,0 +1,224 @@
+"""Exact laws: every rule against enumeration (blockspec_jax.theory), and the reference loop's emitted sequence
+against the target law. χ² goodness of fit with fixed seeds; thresholds are p > 1e-3 for exact rules (the seeds
+are fixed, so the outcome is deterministic) and p < 1e-6 where a bias must be detected.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from blockspec_jax import sampling, theory, verify
+from blockspec_jax.decoding import reference as ref
+
+PASS_P = 1e-3
+BIAS_P = 1e-6
+
+
+def _encode(tuples_N, vocab):
+  """Emitted tuples of different lengths → ints, unique across lengths (tuple (t_1..t_k) ↦ offset_k + base-V)."""
+  return {tuple(t): i for i, t in enumerate(tuples_N)}
+
+
+@functools.partial(jax.jit, static_argnames=("gamma", "rule", "depths"))
+def _one_block(keys_N, drafter_RxV, target_RxV, context_C, *, gamma, rule, depths):
+  """Draft γ tokens from the drafter table after ``context_C``, verify against the target table; per key."""
+  drafter = ref.TabularTables(drafter_RxV, depths[0])
+  target = ref.TabularTables(target_RxV, depths[1])
+  c = context_C.shape[0]
+
+  def one(key):
+    key_draft, key_verify = jax.random.split(key)
+    tokens_T = jnp.zeros((c + gamma + 1,), jnp.int32).at[:c].set(context_C)
+
+    def step(tokens_T, xs):
+      i, k = xs
+      q_V = ref.tabular_probs(drafter, tokens_T, c + i)
+      x = sampling.sample(k, q_V)
+      return tokens_T.at[c + i].set(x), (x, q_V)
+
+    tokens_T, (draft_G, q_GxV) = jax.lax.scan(step, tokens_T, (jnp.arange(gamma), jax.random.split(key_draft, gamma)))
+    p_G1xV = jax.vmap(lambda i: ref.tabular_probs(target, tokens_T, c + i))(jnp.arange(gamma + 1))
+    res = verify.get_verifier(rule)(key_verify, draft_G, q_GxV, p_G1xV)
+    return draft_G, res
+
+  return jax.vmap(one)(keys_N)
+
+
+def sample_outcomes(drafter, target, context, gamma, rule, num_samples, seed):
+  keys = jax.random.split(jax.random.key(seed), num_samples)
+  draft, res = _one_block(keys, jnp.asarray(drafter.probs, jnp.float32), jnp.asarray(target.probs, jnp.float32),
+                          jnp.asarray(context, jnp.int32), gamma=gamma, rule=rule,
+                          depths=(drafter.depth, target.depth))
+  draft, tau, y = np.asarray(draft), np.asarray(res.num_accepted), np.asarray(res.next_token)
+  return draft, tau, y, np.asarray(res.acceptance_probs)
+
+
+def outcome_counts(draft, tau, y):
+  counts = {}
+  for d, t, last in zip(draft, tau, y):
+    key = tuple(int(v) for v in d[:t]) + (int(last),)
+    counts[key] = counts.get(key, 0) + 1
+  return counts
+
+
+MODELS = {
+    "toy": (lambda: theory.paper_toy()[:2], ()),
+    "random_v3_d2": (lambda: (theory.TabularLM.random(1, 3, 2, 0.5), theory.TabularLM.random(2, 3, 2, 0.5)), (0,)),
+    "random_v4_d1": (lambda: (theory.TabularLM.random(3, 4, 1, 1.0), theory.TabularLM.random(4, 4, 1, 1.0)), (2,)),
+}
+
+
+def _top_k_pair(seed, vocab, depth, k):
+  """Drafter and target after the *same* top-k transform (rows with zeros): losslessness w.r.t. the transformed law."""
+  rng = np.random.default_rng(seed)
+  rows = theory.num_rows_for(vocab, depth)
+  pair = []
+  for scale in (1.0, 2.0):
+    logits = scale * rng.normal(size=(rows, vocab))
+    probs = np.asarray(sampling.probs_from_logits(jnp.asarray(logits, jnp.float32), top_k=k), np.float64)
+    pair.append(theory.TabularLM(probs / probs.sum(-1, keepdims=True), depth))
+  return tuple(pair)
+
+
+def test_toy_monte_carlo_numbers():
+  """10/9 (token) and 11/9 (block) accepted tokens per iteration on the paper's toy, by simulation (seeded)."""
+  drafter, target, gamma = theory.paper_toy()
+  n = 400_000
+  for rule, exact in (("token", 10 / 9), ("block", 11 / 9)):
+    _, tau, _, acc = sample_outcomes(drafter, target, (), gamma, rule, n, seed=17)
+    counted = theory.counting_estimate(tau)
+    rb = theory.rao_blackwell_accepted(acc.astype(np.float64))
+    print(f"toy {rule}: counted {counted.mean:.4f} ± {counted.stderr:.4f}, RB {rb.mean:.4f} ± {rb.stderr:.4f}, "
+          f"exact {exact:.4f}")
+    assert abs(counted.mean - exact) < 5 * counted.stderr
+    assert abs(rb.mean - exact) < 5 * rb.stderr
+    assert rb.stderr < counted.stderr  # Rao–Blackwellisation reduces variance
+  assert theory.full_information_bound(drafter, target, (), gamma) == pytest.approx(12 / 9, rel=1e-12)
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("rule", ["token", "block", "exact_match"])
+def test_single_block_law_matches_enumeration(model, rule):
+  """Law of (X_1..X_τ, Y) from the jitted rule = exact enumeration; 200k seeded samples, χ²."""
+  make, context = MODELS[model]
+  drafter, target = make()
+  gamma = 3
+  draft, tau, y, _ = sample_outcomes(drafter, target, context, gamma, rule, 200_000, seed=hash((model, rule)) % 2**31)
+  law = theory.exact_outcome_law(rule, drafter, target, context, gamma)
+  res = theory.chi2_gof(outcome_counts(draft, tau, y), law)
+  tau_res = theory.chi2_gof(np.bincount(tau, minlength=gamma + 1),
+                            theory.exact_tau_law(rule, drafter, target, context, gamma))
+  print(f"single-block {rule} {model}: outcome χ² p = {res.p_value:.4g} (dof {res.dof}), τ χ² p = "
+        f"{tau_res.p_value:.4g}")
+  assert res.p_value > PASS_P and tau_res.p_value > PASS_P
+
+
+def test_single_block_greedy_law():
+  drafter, _ = MODELS["random_v3_d2"][0]()
+  target = theory.TabularLM.random(5, 3, 2, 0.5).one_hot_argmax()
+  draft, tau, y, _ = sample_outcomes(drafter, target, (1,), 3, "greedy", 50_000, seed=3)
+  law = theory.exact_outcome_law("greedy", drafter, target, (1,), 3)
+  res = theory.chi2_gof(outcome_counts(draft, tau, y), law)
+  print(f"single-block greedy: χ² p = {res.p_value:.4g}")
+  assert res.p_value > PASS_P
+
+
+def _loop_sequences(drafter, target, prompt, gamma, rule, num_tokens, num_samples, seed, coin_keying="iteration"):
+  d, t = ref.TabularTables.from_lm(drafter), ref.TabularTables.from_lm(target)
+  run = jax.jit(jax.vmap(lambda k: ref.speculative_decode_tabular(
+      k, d, t, jnp.asarray(prompt, jnp.int32), gamma=gamma, num_tokens=num_tokens, verifier=rule,
+      coin_keying=coin_keying)))
+  tokens, state = run(jax.random.split(jax.random.key(seed), num_samples))
+  return np.asarray(tokens), state
+
+
+def _sequence_chi2(tokens_NxT, target, prompt):
+  n_tok = tokens_NxT.shape[1]
+  counts = {}
+  for row in map(tuple, tokens_NxT.tolist()):
+    counts[row] = counts.get(row, 0) + 1
+  return theory.chi2_gof(counts, theory.sequence_law(target, prompt, n_tok))
+
+
+LOOP_CASES = {
+    "random_v3_d2_g3": (MODELS["random_v3_d2"][0], (0,), 3),
+    "random_v4_d1_g2": (MODELS["random_v4_d1"][0], (2,), 2),
+    "topk2_v4_d2_g4": (lambda: _top_k_pair(8, 4, 2, 2), (1, 3), 4),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOOP_CASES))
+@pytest.mark.parametrize("rule", ["token", "block", "exact_match"])
+def test_reference_loop_first_four_tokens_have_target_law(case, rule):
+  """Several iterations of draft → verify → commit: the first 4 emitted tokens follow the target law exactly."""
+  make, prompt, gamma = LOOP_CASES[case]
+  drafter, target = make()
+  tokens, state = _loop_sequences(drafter, target, prompt, gamma, rule, 4, 200_000, seed=hash((case, rule)) % 2**31)
+  res = _sequence_chi2(tokens, target, prompt)
+  iters = float(np.mean(np.asarray(state.iteration)))
+  print(f"loop {rule} {case}: χ² p = {res.p_value:.4g} (dof {res.dof}), mean iterations {iters:.2f}")
+  assert res.p_value > PASS_P
+  assert iters > 1.2  # several iterations really happened (the law spans block boundaries)
+
+
+def test_reference_loop_greedy_rule_emits_target_argmax_chain():
+  drafter, _ = MODELS["random_v3_d2"][0]()
+  target = theory.TabularLM.random(6, 3, 2, 0.5).one_hot_argmax()
+  tokens, state = _loop_sequences(drafter, target, (0,), 3, "greedy", 6, 2_000, seed=0)
+  expected, prefix = [], [0]
+  for _ in range(6):
+    nxt = int(np.argmax(target.next_probs(tuple(prefix))))
+    expected.append(nxt)
+    prefix.append(nxt)
+  np.testing.assert_array_equal(tokens, np.tile(expected, (2_000, 1)))
+  assert float(np.mean(np.asarray(state.num_accepted))) > 0
+
+
+def test_block_beats_token_in_the_loop():
+  """Fewer target calls for the same tokens: mean iterations to emit 8 tokens, block < token (seeded)."""
+  drafter, target = MODELS["random_v3_d2"][0]()
+  _, s_tok = _loop_sequences(drafter, target, (0,), 4, "token", 8, 50_000, seed=1)
+  _, s_blk = _loop_sequences(drafter, target, (0,), 4, "block", 8, 50_000, seed=1)
+  it_tok, it_blk = float(np.mean(np.asarray(s_tok.iteration))), float(np.mean(np.asarray(s_blk.iteration)))
+  print(f"iterations for 8 tokens: token {it_tok:.3f}, block {it_blk:.3f}")
+  assert it_blk < it_tok - 0.02
+
+
+def test_position_keyed_coins_bias_block_but_not_token():
+  """Uniforms keyed by absolute position are reused when a position is re-drafted. Token verification never looks
+  past its first rejection, so it stays exact; block verification scans every coin, so its output law shifts."""
+  drafter, target = MODELS["random_v3_d2"][0]()
+  prompt, gamma = (0,), 2
+  results = {}
+  for rule in ("token", "block"):
+    for keying in ("iteration", "position"):
+      tokens, _ = _loop_sequences(drafter, target, prompt, gamma, rule, 4, 200_000, seed=0, coin_keying=keying)
+      results[rule, keying] = _sequence_chi2(tokens, target, prompt).p_value
+  print("position keying χ² p-values:", {f"{r}/{k}": f"{p:.3g}" for (r, k), p in results.items()})
+  assert results["block", "position"] < BIAS_P
+  assert results["block", "iteration"] > PASS_P
+  assert results["token", "position"] > PASS_P
+  assert results["token", "iteration"] > PASS_P
+
+
+def test_reference_loop_errors():
+  d = ref.TabularTables.from_lm(theory.TabularLM.random(0, 3, 1))
+  t4 = ref.TabularTables.from_lm(theory.TabularLM.random(0, 4, 1))
+  with pytest.raises(ValueError, match="vocabulary mismatch"):
+    ref.speculative_decode_tabular(jax.random.key(0), d, t4, jnp.array([0]), gamma=2, num_tokens=3)
+  with pytest.raises(ValueError, match="gamma must be >= 1"):
+    ref.speculative_decode_tabular(jax.random.key(0), d, d, jnp.array([0]), gamma=0, num_tokens=3)
+  with pytest.raises(ValueError, match="unknown verifier"):
+    ref.speculative_decode_tabular(jax.random.key(0), d, d, jnp.array([0]), gamma=2, num_tokens=3, verifier="x")
+
+
+def test_row_index_matches_numpy():
+  lm = theory.TabularLM.random(0, 3, 3)
+  rng = np.random.default_rng(0)
+  for length in range(0, 7):
+    tokens = rng.integers(0, 3, size=8)
+    got = int(ref.tabular_row_index(jnp.asarray(tokens, jnp.int32), jnp.int32(length), 3, 3))
+    assert got == lm.row_index(tuple(int(t) for t in tokens[:length]))
