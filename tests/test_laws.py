@@ -17,41 +17,11 @@ PASS_P = 1e-3
 BIAS_P = 1e-6
 
 
-def _encode(tuples_N, vocab):
-  """Emitted tuples of different lengths → ints, unique across lengths (tuple (t_1..t_k) ↦ offset_k + base-V)."""
-  return {tuple(t): i for i, t in enumerate(tuples_N)}
-
-
-@functools.partial(jax.jit, static_argnames=("gamma", "rule", "depths"))
-def _one_block(keys_N, drafter_RxV, target_RxV, context_C, *, gamma, rule, depths):
-  """Draft γ tokens from the drafter table after ``context_C``, verify against the target table; per key."""
-  drafter = ref.TabularTables(drafter_RxV, depths[0])
-  target = ref.TabularTables(target_RxV, depths[1])
-  c = context_C.shape[0]
-
-  def one(key):
-    key_draft, key_verify = jax.random.split(key)
-    tokens_T = jnp.zeros((c + gamma + 1,), jnp.int32).at[:c].set(context_C)
-
-    def step(tokens_T, xs):
-      i, k = xs
-      q_V = ref.tabular_probs(drafter, tokens_T, c + i)
-      x = sampling.sample(k, q_V)
-      return tokens_T.at[c + i].set(x), (x, q_V)
-
-    tokens_T, (draft_G, q_GxV) = jax.lax.scan(step, tokens_T, (jnp.arange(gamma), jax.random.split(key_draft, gamma)))
-    p_G1xV = jax.vmap(lambda i: ref.tabular_probs(target, tokens_T, c + i))(jnp.arange(gamma + 1))
-    res = verify.get_verifier(rule)(key_verify, draft_G, q_GxV, p_G1xV)
-    return draft_G, res
-
-  return jax.vmap(one)(keys_N)
-
-
 def sample_outcomes(drafter, target, context, gamma, rule, num_samples, seed):
   keys = jax.random.split(jax.random.key(seed), num_samples)
-  draft, res = _one_block(keys, jnp.asarray(drafter.probs, jnp.float32), jnp.asarray(target.probs, jnp.float32),
-                          jnp.asarray(context, jnp.int32), gamma=gamma, rule=rule,
-                          depths=(drafter.depth, target.depth))
+  run = jax.jit(functools.partial(ref.verify_blocks_tabular, gamma=gamma, verifier=rule))
+  draft, res = run(keys, ref.TabularTables.from_lm(drafter), ref.TabularTables.from_lm(target),
+                   jnp.asarray(context, jnp.int32))
   draft, tau, y = np.asarray(draft), np.asarray(res.num_accepted), np.asarray(res.next_token)
   return draft, tau, y, np.asarray(res.acceptance_probs)
 

@@ -24,7 +24,8 @@ from flax import struct
 from blockspec_jax import sampling
 from blockspec_jax.verify import Verifier, get_verifier
 
-__all__ = ["TabularTables", "ReferenceState", "tabular_row_index", "tabular_probs", "speculative_decode_tabular"]
+__all__ = ["TabularTables", "ReferenceState", "tabular_row_index", "tabular_probs", "verify_blocks_tabular",
+           "speculative_decode_tabular"]
 
 COIN_KEYINGS = ("iteration", "position")
 
@@ -71,6 +72,50 @@ class ReferenceState:
   expected_accepted: jax.Array  # f32 [] Σ over iterations of Σ_i P(τ ≥ i | X^i) (Rao–Blackwellised)
 
 
+def _draft_and_score(key_draft, drafter: TabularTables, target: TabularTables, tokens_T, length, gamma: int):
+  """γ drafter steps (``lax.scan``) after ``tokens_T[:length]`` and the γ+1 target rows of the drafted prefix.
+
+  Returns ``(tokens_T with the draft written at length.., draft_G, q_GxV, p_G1xV)``; ``q_GxV`` are exactly the rows
+  the draft tokens were sampled from.
+  """
+  def draft_step(carry, key_i):
+    tokens_T, position = carry
+    q_V = tabular_probs(drafter, tokens_T, position)
+    x = sampling.sample(key_i, q_V)
+    return (tokens_T.at[position].set(x), position + 1), (x, q_V)
+
+  (tokens_T, _), (draft_G, q_GxV) = jax.lax.scan(draft_step, (tokens_T, length), jax.random.split(key_draft, gamma))
+  p_G1xV = jax.vmap(lambda i: tabular_probs(target, tokens_T, length + i))(jnp.arange(gamma + 1))
+  return tokens_T, draft_G, q_GxV, p_G1xV
+
+
+def _check_pair(drafter: TabularTables, target: TabularTables, gamma: int):
+  if gamma < 1:
+    raise ValueError(f"block length gamma must be >= 1, got {gamma}")
+  if drafter.vocab_size != target.vocab_size:
+    raise ValueError(f"vocabulary mismatch: drafter V = {drafter.vocab_size}, target V = {target.vocab_size}")
+
+
+def verify_blocks_tabular(keys_N, drafter: TabularTables, target: TabularTables, context_C, *, gamma: int,
+                          verifier: Verifier | str = "block"):
+  """One iteration (draft γ tokens after ``context_C``, verify) per key: ``(draft_NxG, VerifyResult [N])``.
+
+  The measured counterpart of the exact single-iteration laws in :mod:`blockspec_jax.theory`.
+  """
+  verifier = get_verifier(verifier)
+  _check_pair(drafter, target, gamma)
+  context_C = jnp.asarray(context_C, jnp.int32)
+  length = context_C.shape[0]
+  tokens_T = jnp.zeros((length + gamma + 1,), jnp.int32).at[:length].set(context_C)
+
+  def one(key):
+    key_draft, key_verify = jax.random.split(key)
+    _, draft_G, q_GxV, p_G1xV = _draft_and_score(key_draft, drafter, target, tokens_T, jnp.int32(length), gamma)
+    return draft_G, verifier(key_verify, draft_G, q_GxV, p_G1xV)
+
+  return jax.vmap(one)(keys_N)
+
+
 def speculative_decode_tabular(key, drafter: TabularTables, target: TabularTables, prompt_P, *, gamma: int,
                                num_tokens: int, verifier: Verifier | str = "block",
                                coin_keying: str = "iteration"):
@@ -79,10 +124,7 @@ def speculative_decode_tabular(key, drafter: TabularTables, target: TabularTable
   Jittable with ``gamma``, ``num_tokens``, ``verifier`` and ``coin_keying`` static; vmap it over keys for laws.
   """
   verifier = get_verifier(verifier)
-  if gamma < 1:
-    raise ValueError(f"block length gamma must be >= 1, got {gamma}")
-  if drafter.vocab_size != target.vocab_size:
-    raise ValueError(f"vocabulary mismatch: drafter V = {drafter.vocab_size}, target V = {target.vocab_size}")
+  _check_pair(drafter, target, gamma)
   if coin_keying not in COIN_KEYINGS:
     raise ValueError(f"unknown coin_keying {coin_keying!r}; known: {COIN_KEYINGS}")
   if coin_keying == "position" and verifier.name not in ("token", "block"):
@@ -94,18 +136,11 @@ def speculative_decode_tabular(key, drafter: TabularTables, target: TabularTable
   tokens_T = jnp.zeros((buffer_len,), jnp.int32).at[:prompt_len].set(prompt_P)
   key_iterations, key_positions = jax.random.split(key)
 
-  def draft_step(carry, key_i):
-    tokens_T, length = carry
-    q_V = tabular_probs(drafter, tokens_T, length)
-    x = sampling.sample(key_i, q_V)
-    return (tokens_T.at[length].set(x), length + 1), (x, q_V)
-
   def body(state: ReferenceState) -> ReferenceState:
     key_iter = jax.random.fold_in(key_iterations, state.iteration)
     key_draft, key_verify = jax.random.split(key_iter)
-    (tokens_T, _), (draft_G, q_GxV) = jax.lax.scan(
-        draft_step, (state.tokens_T, state.length), jax.random.split(key_draft, gamma))
-    p_G1xV = jax.vmap(lambda i: tabular_probs(target, tokens_T, state.length + i))(jnp.arange(gamma + 1))
+    tokens_T, draft_G, q_GxV, p_G1xV = _draft_and_score(key_draft, drafter, target, state.tokens_T, state.length,
+                                                         gamma)
     if coin_keying == "position":
       positions_G = state.length + jnp.arange(gamma)
       coins_G = jax.vmap(lambda t: jax.random.uniform(jax.random.fold_in(key_positions, t)))(positions_G)
