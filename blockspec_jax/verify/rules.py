@@ -166,6 +166,24 @@ def _block_tau(eta_G, w_G, q_GxV, p_G1xV) -> jax.Array:
   return tau.astype(jnp.int32)
 
 
+def _block_tau_eager(eta_G, w_G, q_GxV, p_G1xV) -> jax.Array:
+  """``τ = max{i : η_i < h_i}`` with every threshold computed up front (the literal algorithm)."""
+  gamma = w_G.shape[0]
+  success_G = eta_G < block_acceptance_thresholds(w_G, q_GxV, p_G1xV)
+  return jnp.where(jnp.any(success_G), gamma - jnp.argmax(success_G[::-1]), 0).astype(jnp.int32)
+
+
+def _block_verify(key, draft_tokens, draft_probs, target_probs, coins, tau_fn) -> VerifyResult:
+  gamma, _, q_GxV, p_G1xV, q_tok_G, p_tok_G = _prepare(draft_tokens, draft_probs, target_probs)
+  key_coins, key_next = jax.random.split(key)
+  eta_G = _coins(key_coins, gamma, coins)
+  w_G = block_weights(p_tok_G, q_tok_G)
+  tau = tau_fn(eta_G, w_G, q_GxV, p_G1xV)
+  w_tau = jnp.concatenate([jnp.ones((1,), jnp.float32), w_G])[tau]
+  next_token = _correction(key_next, tau, w_tau, q_GxV, p_G1xV)
+  return VerifyResult(tau, next_token, w_G)
+
+
 def block_verify(key, draft_tokens, draft_probs, target_probs, coins=None) -> VerifyResult:
   """Block verification (Sun et al., ICLR 2025, arXiv 2403.10444): optimal and lossless.
 
@@ -174,15 +192,9 @@ def block_verify(key, draft_tokens, draft_probs, target_probs, coins=None) -> Ve
   successes accept the whole prefix, so every coin counts; :func:`_block_tau` computes it lazily) and
   ``Y ~ norm(max(w_τ p_τ − q_τ, 0))`` or ``p_γ``. ``P(τ ≥ i | X^i) = w_i ≥ Π_{j≤i} min(1, p_j/q_j)``, so it never
   accepts fewer tokens in expectation than :func:`token_verify`, and equals it for γ = 1 and a one-hot target.
+  ``coins`` optionally supplies ``η`` (``[γ]``); by default they come from ``key``.
   """
-  gamma, _, q_GxV, p_G1xV, q_tok_G, p_tok_G = _prepare(draft_tokens, draft_probs, target_probs)
-  key_coins, key_next = jax.random.split(key)
-  eta_G = _coins(key_coins, gamma, coins)
-  w_G = block_weights(p_tok_G, q_tok_G)
-  tau = _block_tau(eta_G, w_G, q_GxV, p_G1xV)
-  w_tau = jnp.concatenate([jnp.ones((1,), jnp.float32), w_G])[tau]
-  next_token = _correction(key_next, tau, w_tau, q_GxV, p_G1xV)
-  return VerifyResult(tau, next_token, w_G)
+  return _block_verify(key, draft_tokens, draft_probs, target_probs, coins, _block_tau)
 
 
 def block_verify_eager(key, draft_tokens, draft_probs, target_probs, coins=None) -> VerifyResult:
@@ -190,15 +202,7 @@ def block_verify_eager(key, draft_tokens, draft_probs, target_probs, coins=None)
 
   Same key → same result as :func:`block_verify`; kept as the literal transcription of the algorithm for tests.
   """
-  gamma, _, q_GxV, p_G1xV, q_tok_G, p_tok_G = _prepare(draft_tokens, draft_probs, target_probs)
-  key_coins, key_next = jax.random.split(key)
-  eta_G = _coins(key_coins, gamma, coins)
-  w_G = block_weights(p_tok_G, q_tok_G)
-  success_G = eta_G < block_acceptance_thresholds(w_G, q_GxV, p_G1xV)
-  tau = jnp.where(jnp.any(success_G), gamma - jnp.argmax(success_G[::-1]), 0).astype(jnp.int32)
-  w_tau = jnp.concatenate([jnp.ones((1,), jnp.float32), w_G])[tau]
-  next_token = _correction(key_next, tau, w_tau, q_GxV, p_G1xV)
-  return VerifyResult(tau, next_token, w_G)
+  return _block_verify(key, draft_tokens, draft_probs, target_probs, coins, _block_tau_eager)
 
 
 def greedy_verify(key, draft_tokens, draft_probs, target_probs) -> VerifyResult:
