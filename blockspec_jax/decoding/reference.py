@@ -48,10 +48,10 @@ class TabularTables:
 def tabular_row_index(tokens_T: jax.Array, length: jax.Array, vocab_size: int, depth: int) -> jax.Array:
   """Row of the prefix ``tokens_T[:length]``: ``offset(m) + Σ_j s_j V^(m−1−j)`` over its last ``m = min(length,
   depth)`` tokens ``s``, where ``offset(m) = Σ_{l<m} V^l``. Matches ``TabularLM.row_index``."""
-  m = jnp.minimum(length, depth)
-  offsets_D1 = jnp.cumsum(jnp.array([0] + [vocab_size ** l for l in range(depth)], jnp.int32))
   if depth == 0:
     return jnp.int32(0)
+  m = jnp.minimum(length, depth)
+  offsets_D1 = jnp.cumsum(jnp.array([0] + [vocab_size ** l for l in range(depth)], jnp.int32))
   k_D = jnp.arange(depth, dtype=jnp.int32)
   positions_D = length - m + k_D
   digits_D = jnp.where(k_D < m, tokens_T[jnp.clip(positions_D, 0, tokens_T.shape[0] - 1)], 0)
