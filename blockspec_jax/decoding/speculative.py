@@ -1,0 +1,262 @@
+"""Autoregressive and speculative decoding, each one ``jax.jit``-compiled ``lax.while_loop``.
+
+Layout of a row (t5x-style padding slots, so ragged rows never need an early exit)::
+
+    tokens_BxS[b, :length_B[b]]   prompt + committed tokens
+    cache slots                   valid for positions < length − 1; the last committed token is fed next
+    S = max_prompt_len + max_new_tokens + γ + 1: a finished row keeps computing on its padding without committing
+
+One speculative iteration: the drafter proposes ``X_1..X_γ`` with their rows ``q`` (``lax.scan`` inside the
+drafter), the target scores ``[last, X_1..X_γ]`` at positions ``length−1 .. length+γ−1`` in one pass (γ+1 rows
+``p``), the verifier (vmapped over rows) returns ``τ`` and ``Y``, and each row commits ``X_1..X_τ, Y`` cut at its
+first stop token and then at its token budget. Rollback is moving ``length``: stale cache entries beyond it are
+overwritten before they are attended to.
+
+Randomness: row ``b`` uses ``fold_in(keys_B[b], iteration)`` only, so a row's output does not depend on its batch
+neighbours, on padding or on the device count. The autoregressive sampler is the same machinery without a drafter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from blockspec_jax import sampling
+from blockspec_jax.drafters.base import Drafter, feed
+from blockspec_jax.models import decoder as decoder_lib
+from blockspec_jax.verify import Verifier, distribution_errors, get_verifier
+
+__all__ = ["DecodeMetrics", "DecodeState", "DecodeOutput", "prepare_prompts", "generate_autoregressive",
+           "generate_speculative"]
+
+
+@struct.dataclass
+class DecodeMetrics:
+  """Per-row counters (names of ALGORITHMS.md §7). All int32 ``[B]`` unless noted."""
+  num_drafts: jax.Array                 # iterations in which the row was active (= target calls for the row)
+  num_draft_tokens: jax.Array           # γ per draft
+  num_accepted_tokens: jax.Array        # Σ τ (before stop / budget cuts: what the verifier accepted)
+  accepted_per_position_BxG: jax.Array  # int32 [B, γ]: number of drafts with τ ≥ i
+  num_emitted_tokens: jax.Array         # tokens committed after the prompt
+  expected_accepted: jax.Array          # f32 [B]: Σ over drafts of Σ_i P(τ ≥ i | X^i) (Rao–Blackwellised)
+  invalid_prob_rows: jax.Array          # rows of p or q that were not distributions (should stay 0)
+
+  @classmethod
+  def zeros(cls, batch: int, gamma: int) -> "DecodeMetrics":
+    z = jnp.zeros((batch,), jnp.int32)
+    return cls(z, z, z, jnp.zeros((batch, max(gamma, 1)), jnp.int32), z, jnp.zeros((batch,), jnp.float32), z)
+
+
+@struct.dataclass
+class DecodeState:
+  tokens_BxS: jax.Array   # int32 [B, S]
+  length_B: jax.Array     # int32 [B]  committed tokens (prompt + generated)
+  done_B: jax.Array       # bool  [B]
+  target_cache: Any       # decoder KVCache
+  drafter_state: Any      # drafter-specific (None for autoregressive)
+  iteration: jax.Array    # int32 []
+  metrics: DecodeMetrics
+
+
+@struct.dataclass
+class DecodeOutput:
+  tokens_BxN: jax.Array       # int32 [B, max_new_tokens], generated tokens, ``pad_id`` after a row's end
+  num_tokens_B: jax.Array     # int32 [B]
+  stopped_B: jax.Array        # bool [B]: ended on a stop token (else on the budget)
+  iterations: jax.Array       # int32 []: loop iterations (target calls of the longest row)
+  metrics: DecodeMetrics
+
+
+def prepare_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0):
+  """Ragged Python prompts → ``(tokens_BxP int32, prompt_len_B int32)``, right-padded with ``pad_id``."""
+  if len(prompts) == 0:
+    raise ValueError("no prompts given")
+  lengths = [len(p) for p in prompts]
+  if min(lengths) < 1:
+    raise ValueError(f"every prompt needs at least one token (e.g. BOS); prompt lengths {lengths}")
+  width = max(lengths)
+  rows = [list(p) + [pad_id] * (width - len(p)) for p in prompts]
+  return jnp.asarray(rows, jnp.int32), jnp.asarray(lengths, jnp.int32)
+
+
+def _check_common(config: decoder_lib.DecoderConfig, tokens_BxP, prompt_len_B, max_new_tokens, cache_len):
+  if tokens_BxP.ndim != 2:
+    raise ValueError(f"prompt tokens must be [B, P], got shape {tokens_BxP.shape}")
+  if prompt_len_B.shape != (tokens_BxP.shape[0],):
+    raise ValueError(f"prompt_len_B must be [B] = [{tokens_BxP.shape[0]}], got {prompt_len_B.shape}")
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  if cache_len > config.max_len:
+    raise ValueError(
+        f"prompt too long for the cache: longest prompt {tokens_BxP.shape[1]} + max_new_tokens {max_new_tokens} + "
+        f"draft slots needs {cache_len} positions, model max_len is {config.max_len}")
+
+
+def _commit(state_tokens_BxS, length_B, done_B, block_BxK, num_valid_B, generated_B, max_new_tokens: int,
+            stop_ids: tuple[int, ...]):
+  """Write ``block_BxK[:, :n]`` at each row's ``length`` where n = tokens kept after the stop and budget cuts.
+
+  A stop token inside the block ends the row there (the stop token is kept); then the budget is applied. Finished
+  rows commit nothing. Returns ``(tokens_BxS, length_B, done_B, num_kept_B, stopped_B)``.
+  """
+  k = block_BxK.shape[1]
+  index_K = jnp.arange(k)
+  in_block_BxK = index_K[None, :] < num_valid_B[:, None]
+  if stop_ids:
+    is_stop_BxK = jnp.isin(block_BxK, jnp.asarray(stop_ids, jnp.int32)) & in_block_BxK
+    has_stop_B = jnp.any(is_stop_BxK, axis=1)
+    first_stop_B = jnp.argmax(is_stop_BxK, axis=1)
+    num_kept_B = jnp.where(has_stop_B, first_stop_B + 1, num_valid_B)
+  else:
+    has_stop_B = jnp.zeros_like(done_B)
+    num_kept_B = num_valid_B
+  budget_left_B = max_new_tokens - generated_B
+  stopped_B = has_stop_B & (num_kept_B <= budget_left_B) & ~done_B
+  num_kept_B = jnp.where(done_B, 0, jnp.minimum(num_kept_B, budget_left_B))
+  rows_B = jnp.arange(block_BxK.shape[0])
+  slots_BxK = length_B[:, None] + index_K[None, :]
+  write_BxK = index_K[None, :] < num_kept_B[:, None]
+  current_BxK = state_tokens_BxS[rows_B[:, None], jnp.minimum(slots_BxK, state_tokens_BxS.shape[1] - 1)]
+  tokens_BxS = state_tokens_BxS.at[rows_B[:, None], jnp.minimum(slots_BxK, state_tokens_BxS.shape[1] - 1)].set(
+      jnp.where(write_BxK, block_BxK, current_BxK))
+  new_generated_B = generated_B + num_kept_B
+  done_B = done_B | stopped_B | (new_generated_B >= max_new_tokens)
+  return tokens_BxS, length_B + num_kept_B, done_B, num_kept_B, stopped_B
+
+
+def _init(config, target_params, tokens_BxP, prompt_len_B, cache_len):
+  batch, width = tokens_BxP.shape
+  tokens_BxS = jnp.zeros((batch, cache_len), jnp.int32).at[:, :width].set(tokens_BxP)
+  cache = decoder_lib.init_cache(config, batch, cache_len, config.dtype)
+  module = decoder_lib.Decoder(config)
+  positions_BxP = jnp.broadcast_to(jnp.arange(width), (batch, width))
+  _, cache = feed(module, target_params, tokens_BxP, positions_BxP, cache, cache_len)
+  return tokens_BxS, cache
+
+
+def _output(state: DecodeState, prompt_len_B, max_new_tokens: int, pad_id: int, stopped_B) -> DecodeOutput:
+  rows_B = jnp.arange(state.tokens_BxS.shape[0])
+  index_N = jnp.arange(max_new_tokens)
+  slots_BxN = jnp.minimum(prompt_len_B[:, None] + index_N[None, :], state.tokens_BxS.shape[1] - 1)
+  num_B = state.length_B - prompt_len_B
+  tokens_BxN = jnp.where(index_N[None, :] < num_B[:, None], state.tokens_BxS[rows_B[:, None], slots_BxN], pad_id)
+  return DecodeOutput(tokens_BxN, num_B, stopped_B, state.iteration, state.metrics)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "sampler", "stop_ids", "pad_id"))
+def generate_autoregressive(target_params, keys_B, tokens_BxP, prompt_len_B, *, config, max_new_tokens: int,
+                            sampler: sampling.Sampler = sampling.Sampler(), stop_ids: tuple[int, ...] = (),
+                            pad_id: int = 0) -> DecodeOutput:
+  """The baseline: prefill, then one target step per token (``lax.while_loop``). Row keys as in the speculative
+  loop, so the autoregressive law per row is directly comparable."""
+  cache_len = tokens_BxP.shape[1] + max_new_tokens + 1
+  _check_common(config, tokens_BxP, prompt_len_B, max_new_tokens, cache_len)
+  module = decoder_lib.Decoder(config)
+  batch = tokens_BxP.shape[0]
+  tokens_BxS, cache = _init(config, target_params, tokens_BxP, prompt_len_B, cache_len)
+  rows_B = jnp.arange(batch)
+  init = DecodeState(tokens_BxS, prompt_len_B, jnp.zeros((batch,), bool), cache, None, jnp.int32(0),
+                     DecodeMetrics.zeros(batch, 0))
+
+  def body(carry):
+    state, stopped_B = carry
+    position_B = state.length_B - 1
+    last_B = state.tokens_BxS[rows_B, position_B]
+    logits_Bx1xV, cache = feed(module, target_params, last_B[:, None], position_B[:, None], state.target_cache,
+                               cache_len)
+    probs_BxV = sampler.probs(logits_Bx1xV[:, 0])
+    step_keys_B = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_B, state.iteration)
+    next_B = jax.vmap(sampling.sample)(step_keys_B, probs_BxV)
+    generated_B = state.length_B - prompt_len_B
+    tokens_BxS, length_B, done_B, kept_B, stop_B = _commit(
+        state.tokens_BxS, state.length_B, state.done_B, next_B[:, None], jnp.ones((batch,), jnp.int32),
+        generated_B, max_new_tokens, stop_ids)
+    m = state.metrics
+    metrics = m.replace(num_emitted_tokens=m.num_emitted_tokens + kept_B,
+                        invalid_prob_rows=m.invalid_prob_rows + (distribution_errors(probs_BxV) != 0))
+    new_state = DecodeState(tokens_BxS, length_B, done_B, cache, None, state.iteration + 1, metrics)
+    return new_state, stopped_B | stop_B
+
+  state, stopped_B = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done_B), body, (init, jnp.zeros((batch,), bool)))
+  return _output(state, prompt_len_B, max_new_tokens, pad_id, stopped_B)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "drafter", "gamma", "max_new_tokens", "verifier", "sampler",
+                                             "stop_ids", "pad_id"))
+def generate_speculative(target_params, drafter_params, keys_B, tokens_BxP, prompt_len_B, *, config,
+                         drafter: Drafter, gamma: int, max_new_tokens: int, verifier: Verifier | str = "block",
+                         sampler: sampling.Sampler = sampling.Sampler(), stop_ids: tuple[int, ...] = (),
+                         pad_id: int = 0) -> DecodeOutput:
+  """Speculative decoding of ``max_new_tokens`` per row in one compiled program. See the module docstring.
+
+  Lossless for lossless verifiers: every row's tokens have the target's law under ``sampler``, because drafter and
+  target rows both come from ``sampler.probs`` and the draft is sampled from exactly the rows passed as ``q``.
+  """
+  verifier = get_verifier(verifier)
+  if gamma < 1:
+    raise ValueError(f"block length gamma must be >= 1, got {gamma}")
+  drafter_vocab = getattr(getattr(drafter, "config", None), "vocab_size", config.vocab_size)
+  if drafter_vocab != config.vocab_size:
+    raise ValueError(f"vocabulary mismatch between drafter (V = {drafter_vocab}) and target "
+                     f"(V = {config.vocab_size}); both models must share one tokenizer")
+  cache_len = tokens_BxP.shape[1] + max_new_tokens + gamma + 1
+  _check_common(config, tokens_BxP, prompt_len_B, max_new_tokens, cache_len)
+  drafter_max = getattr(getattr(drafter, "config", None), "max_len", cache_len)
+  if cache_len > drafter_max:
+    raise ValueError(f"prompt too long for the drafter's cache: needs {cache_len} positions, drafter max_len is "
+                     f"{drafter_max}")
+  module = decoder_lib.Decoder(config)
+  batch = tokens_BxP.shape[0]
+  tokens_BxS, cache = _init(config, target_params, tokens_BxP, prompt_len_B, cache_len)
+  drafter_state = drafter.init_state(drafter_params, tokens_BxS, prompt_len_B, cache_len)
+  init = DecodeState(tokens_BxS, prompt_len_B, jnp.zeros((batch,), bool), cache, drafter_state, jnp.int32(0),
+                     DecodeMetrics.zeros(batch, gamma))
+  rows_B = jnp.arange(batch)
+
+  def body(carry):
+    state, stopped_B = carry
+    iter_keys_B = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_B, state.iteration)
+    split_Bx2 = jax.vmap(jax.random.split)(iter_keys_B)
+    draft_keys_BxG = jax.vmap(lambda k: jax.random.split(k, gamma))(split_Bx2[:, 0])
+    verify_keys_B = split_Bx2[:, 1]
+    drafter_state, draft_BxG, q_BxGxV = drafter.propose(drafter_params, state.drafter_state, state.tokens_BxS,
+                                                        state.length_B, draft_keys_BxG, gamma, sampler)
+    # Target pass over [last committed, X_1..X_γ] at positions length−1 .. length+γ−1.
+    positions_BxG1 = state.length_B[:, None] - 1 + jnp.arange(gamma + 1)[None, :]
+    last_B = state.tokens_BxS[rows_B, state.length_B - 1]
+    inputs_BxG1 = jnp.concatenate([last_B[:, None], draft_BxG], axis=1)
+    logits_BxG1xV, cache = feed(module, target_params, inputs_BxG1, positions_BxG1, state.target_cache, cache_len)
+    p_BxG1xV = sampler.probs(logits_BxG1xV)
+    result = verifier.batch(verify_keys_B, draft_BxG, q_BxGxV, p_BxG1xV)
+    tau_B = result.num_accepted
+    block_BxG1 = jnp.concatenate([draft_BxG, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+    block_BxG1 = block_BxG1.at[rows_B, tau_B].set(result.next_token)
+    generated_B = state.length_B - prompt_len_B
+    tokens_BxS, length_B, done_B, kept_B, stop_B = _commit(
+        state.tokens_BxS, state.length_B, state.done_B, block_BxG1, tau_B + 1, generated_B, max_new_tokens,
+        stop_ids)
+    drafter_state = drafter.commit(drafter_state, length_B)
+    active_B = ~state.done_B
+    active_i = active_B.astype(jnp.int32)
+    m = state.metrics
+    bad_rows_B = (jnp.sum(distribution_errors(p_BxG1xV) != 0, axis=1)
+                  + jnp.sum(distribution_errors(q_BxGxV) != 0, axis=1))
+    metrics = DecodeMetrics(
+        num_drafts=m.num_drafts + active_i,
+        num_draft_tokens=m.num_draft_tokens + gamma * active_i,
+        num_accepted_tokens=m.num_accepted_tokens + tau_B * active_i,
+        accepted_per_position_BxG=m.accepted_per_position_BxG
+        + ((jnp.arange(1, gamma + 1)[None, :] <= tau_B[:, None]) & active_B[:, None]).astype(jnp.int32),
+        num_emitted_tokens=m.num_emitted_tokens + kept_B,
+        expected_accepted=m.expected_accepted + jnp.where(active_B, jnp.sum(result.acceptance_probs, axis=1), 0.0),
+        invalid_prob_rows=m.invalid_prob_rows + jnp.where(active_B, bad_rows_B, 0))
+    new_state = DecodeState(tokens_BxS, length_B, done_B, cache, drafter_state, state.iteration + 1, metrics)
+    return new_state, stopped_B | stop_B
+
+  state, stopped_B = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done_B), body, (init, jnp.zeros((batch,), bool)))
+  return _output(state, prompt_len_B, max_new_tokens, pad_id, stopped_B)

@@ -1,0 +1,92 @@
+"""The drafter protocol and the model drafter.
+
+A drafter proposes γ tokens per iteration together with the full rows ``q`` they were drawn from. Cache convention
+shared with the target (see :mod:`blockspec_jax.decoding.speculative`): at the start of an iteration a row has
+``length`` committed tokens and its model caches hold valid keys/values for positions ``< length − 1`` at least;
+the last committed token has not been fed yet. Rollback is therefore nothing but the row's ``length``: entries at
+or beyond it are stale and are overwritten before anything attends to them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from blockspec_jax import sampling
+from blockspec_jax.models import decoder as decoder_lib
+
+__all__ = ["Drafter", "ModelDrafter", "feed"]
+
+
+def feed(module, params, tokens_BxT, positions_BxT, cache, max_len: int):
+  """One forward of ``tokens_BxT`` at ``positions_BxT`` against ``cache``: ``(logits_BxTxV f32, cache)``."""
+  logits, cache = module.apply({"params": params}, tokens_BxT, positions_BxT, cache,
+                               decoder_lib.causal_mask(positions_BxT, max_len))
+  return logits.astype(jnp.float32), cache
+
+
+class Drafter(Protocol):
+  """What the speculative loop needs from a drafter. Implementations are frozen dataclasses (static under jit)."""
+
+  def init_state(self, params, tokens_BxS: jax.Array, prompt_len_B: jax.Array, max_len: int) -> Any:
+    """Prefill on the prompts (all tokens but each row's last), returning the drafter's loop state."""
+
+  def propose(self, params, state, tokens_BxS, length_B, keys_BxG, gamma: int, sampler: sampling.Sampler):
+    """Draft γ tokens after ``tokens_BxS[:, :length_B]``: ``(state, draft_BxG int32, q_BxGxV f32)``.
+
+    ``q_BxGxV[b, i]`` must be exactly the law ``draft_BxG[b, i]`` was drawn from (after ``sampler``).
+    """
+
+  def commit(self, state, length_B: jax.Array) -> Any:
+    """Called after verification with the new committed lengths (rollback point)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDrafter:
+  """A small decoder-only model as drafter (the standard pairing: same tokenizer, fewer layers / params)."""
+
+  config: decoder_lib.DecoderConfig
+
+  @property
+  def module(self):
+    return decoder_lib.Decoder(self.config)
+
+  def init_state(self, params, tokens_BxS, prompt_len_B, max_len):
+    batch, prompt_width = tokens_BxS.shape[0], tokens_BxS.shape[1]
+    cache = decoder_lib.init_cache(self.config, batch, max_len, self.config.dtype)
+    positions_BxP = jnp.broadcast_to(jnp.arange(prompt_width), (batch, prompt_width))
+    _, cache = feed(self.module, params, tokens_BxS, positions_BxP, cache, max_len)
+    return cache
+
+  def propose(self, params, state, tokens_BxS, length_B, keys_BxG, gamma, sampler):
+    cache = state
+    max_len = tokens_BxS.shape[1]
+    batch = tokens_BxS.shape[0]
+    rows_B = jnp.arange(batch)
+    # First step feeds the last two committed tokens: when the previous block was fully accepted the drafter has
+    # not seen X_γ yet; otherwise re-feeding position length−2 rewrites the same key/value. Static shapes either way.
+    positions_Bx2 = jnp.maximum(length_B[:, None] + jnp.array([[-2, -1]]), 0)
+    tokens_Bx2 = tokens_BxS[rows_B[:, None], positions_Bx2]
+    logits_Bx2xV, cache = feed(self.module, params, tokens_Bx2, positions_Bx2, cache, max_len)
+    q_BxV = sampler.probs(logits_Bx2xV[:, -1])
+
+    def step(carry, key_B):
+      cache, q_BxV, position_B = carry
+      x_B = jax.vmap(sampling.sample)(key_B, q_BxV)
+      logits_Bx1xV, cache = feed(self.module, params, x_B[:, None], position_B[:, None], cache, max_len)
+      return (cache, sampler.probs(logits_Bx1xV[:, 0]), position_B + 1), (x_B, q_BxV)
+
+    keys_GxB = jnp.swapaxes(keys_BxG, 0, 1)
+    # γ − 1 steps that also feed their token, then the last draft token is sampled without a forward.
+    (cache, q_last_BxV, _), (draft_GmxB, q_GmxBxV) = jax.lax.scan(step, (cache, q_BxV, length_B), keys_GxB[:-1])
+    x_last_B = jax.vmap(sampling.sample)(keys_GxB[-1], q_last_BxV)
+    draft_BxG = jnp.concatenate([jnp.swapaxes(draft_GmxB, 0, 1), x_last_B[:, None]], axis=1)
+    q_BxGxV = jnp.concatenate([jnp.swapaxes(q_GmxBxV, 0, 1), q_last_BxV[:, None]], axis=1)
+    return cache, draft_BxG.astype(jnp.int32), q_BxGxV
+
+  def commit(self, state, length_B):
+    del length_B  # the cache is indexed by position: moving the row's length is the rollback
+    return state

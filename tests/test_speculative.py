@@ -1,0 +1,190 @@
+"""The decoding engine: greedy equality, exact law at T = 1, ragged rows, stop tokens, budgets, keys, errors."""
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from blockspec_jax import sampling, theory
+from blockspec_jax.decoding import speculative as spec
+from blockspec_jax.drafters import ModelDrafter
+from blockspec_jax.models import decoder as dec
+
+GREEDY = sampling.Sampler(temperature=0.0)
+
+
+def init_params(config, seed):
+  cache = dec.init_cache(config, 1, 4)
+  pos = jnp.zeros((1, 1), jnp.int32)
+  return dec.Decoder(config).init(jax.random.key(seed), jnp.zeros((1, 1), jnp.int32), pos, cache,
+                                  dec.causal_mask(pos, 4))["params"]
+
+
+def perturbed(params, seed, scale):
+  """A drafter close to the target: its weights plus Gaussian noise (high, imperfect agreement)."""
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return jax.tree.unflatten(tree, [x + scale * jnp.std(x) * jax.random.normal(k, x.shape)
+                                   for x, k in zip(leaves, keys)])
+
+
+@functools.lru_cache(maxsize=None)
+def model_pair(vocab=64, seed=0, noise=0.3, layers=2):
+  config = dec.DecoderConfig.tiny(vocab_size=vocab, num_layers=layers)
+  target = init_params(config, seed)
+  return config, target, perturbed(target, seed + 1, noise)
+
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+
+
+def run_ar(config, params, prompts, keys, max_new, sampler=GREEDY, stop_ids=()):
+  tokens, lens = spec.prepare_prompts(prompts)
+  return spec.generate_autoregressive(params, keys, tokens, lens, config=config, max_new_tokens=max_new,
+                                      sampler=sampler, stop_ids=stop_ids)
+
+
+def run_spec(config, target, drafter_params, prompts, keys, max_new, gamma, verifier="block", sampler=GREEDY,
+             stop_ids=(), drafter_config=None):
+  tokens, lens = spec.prepare_prompts(prompts)
+  return spec.generate_speculative(target, drafter_params, keys, tokens, lens, config=config,
+                                   drafter=ModelDrafter(drafter_config or config), gamma=gamma,
+                                   max_new_tokens=max_new, verifier=verifier, sampler=sampler, stop_ids=stop_ids)
+
+
+@pytest.mark.parametrize("gamma", [1, 4, 8])
+@pytest.mark.parametrize("verifier", ["token", "block"])
+def test_greedy_speculative_equals_autoregressive(gamma, verifier):
+  config, target, drafter = model_pair()
+  keys = jax.random.split(jax.random.key(0), 4)
+  ar = run_ar(config, target, PROMPTS, keys, 20)
+  out = run_spec(config, target, drafter, PROMPTS, keys, 20, gamma, verifier)
+  np.testing.assert_array_equal(out.tokens_BxN, ar.tokens_BxN)
+  np.testing.assert_array_equal(out.num_tokens_B, [20] * 4)
+  m = out.metrics
+  accepted = int(m.num_accepted_tokens.sum())
+  assert 0 < accepted < int(m.num_draft_tokens.sum())  # some but not all drafts accepted: a real test
+  np.testing.assert_array_equal(m.num_draft_tokens, gamma * m.num_drafts)
+  np.testing.assert_array_equal(m.accepted_per_position_BxG[:, 0] >= m.accepted_per_position_BxG[:, -1], True)
+
+
+def test_greedy_with_a_smaller_drafter():
+  config, target, _ = model_pair()
+  small = dec.DecoderConfig.tiny(vocab_size=64, num_layers=1)
+  keys = jax.random.split(jax.random.key(0), 4)
+  ar = run_ar(config, target, PROMPTS, keys, 12)
+  out = run_spec(config, target, init_params(small, 5), PROMPTS, keys, 12, 3, drafter_config=small)
+  np.testing.assert_array_equal(out.tokens_BxN, ar.tokens_BxN)
+
+
+def target_sequence_law(config, params, prompt, n):
+  """Exact law of the next n tokens at T = 1, by enumerating all V^n continuations in one batched forward."""
+  vocab = config.vocab_size
+  conts = np.array(list(itertools.product(range(vocab), repeat=n)), np.int32)
+  seqs = np.concatenate([np.tile(prompt, (len(conts), 1)), conts], axis=1).astype(np.int32)
+  width = seqs.shape[1]
+  positions = jnp.broadcast_to(jnp.arange(width), seqs.shape)
+  cache = dec.init_cache(config, len(seqs), width)
+  logits, _ = dec.Decoder(config).apply({"params": params}, jnp.asarray(seqs), positions, cache,
+                                        dec.causal_mask(positions, width))
+  logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), np.float64)
+  p0 = len(prompt)
+  total = np.zeros(len(conts))
+  for j in range(n):
+    total += logp[np.arange(len(conts)), p0 - 1 + j, conts[:, j]]
+  probs = np.exp(total)
+  return {tuple(c): float(p) for c, p in zip(conts.tolist(), probs / probs.sum())}
+
+
+@pytest.mark.parametrize("verifier", ["token", "block"])
+def test_first_three_tokens_have_the_target_law(verifier):
+  """T = 1, V = 6: the law of the first 3 emitted tokens equals the target's (χ², 30k seeded rows, γ = 2)."""
+  config, target, drafter = model_pair(vocab=6, seed=3, noise=1.0)
+  prompt = [1, 4]
+  law = target_sequence_law(config, target, prompt, 3)
+  n = 30_000
+  keys = jax.random.split(jax.random.key(42), n)
+  out = run_spec(config, target, drafter, [prompt] * n, keys, 3, 2, verifier, sampling.Sampler(1.0))
+  counts = {}
+  for row in map(tuple, np.asarray(out.tokens_BxN).tolist()):
+    counts[row] = counts.get(row, 0) + 1
+  res = theory.chi2_gof(counts, law)
+  m = out.metrics
+  rate = float(m.num_accepted_tokens.sum() / m.num_draft_tokens.sum())
+  print(f"engine {verifier}: χ² p = {res.p_value:.4g} (dof {res.dof}), acceptance rate {rate:.3f}")
+  assert res.p_value > 1e-3
+  assert 0.2 < rate < 0.95
+  assert int(m.invalid_prob_rows.sum()) == 0
+
+
+def test_row_output_does_not_depend_on_the_batch():
+  config, target, drafter = model_pair()
+  keys = jax.random.split(jax.random.key(7), 4)
+  t1 = sampling.Sampler(1.0)
+  full = run_spec(config, target, drafter, PROMPTS, keys, 16, 3, "block", t1)
+  for b in (0, 1, 3):
+    alone = run_spec(config, target, drafter, [PROMPTS[b]], keys[b:b + 1], 16, 3, "block", t1)
+    np.testing.assert_array_equal(full.tokens_BxN[b], alone.tokens_BxN[0])
+  ar_full = run_ar(config, target, PROMPTS, keys, 10, t1)
+  ar_alone = run_ar(config, target, [PROMPTS[2]], keys[2:3], 10, t1)
+  np.testing.assert_array_equal(ar_full.tokens_BxN[2], ar_alone.tokens_BxN[0])
+
+
+def test_same_key_same_output():
+  config, target, drafter = model_pair()
+  keys = jax.random.split(jax.random.key(9), 4)
+  a = run_spec(config, target, drafter, PROMPTS, keys, 16, 4, "block", sampling.Sampler(1.0))
+  b = run_spec(config, target, drafter, PROMPTS, keys, 16, 4, "block", sampling.Sampler(1.0))
+  np.testing.assert_array_equal(a.tokens_BxN, b.tokens_BxN)
+  c = run_spec(config, target, drafter, PROMPTS, jax.random.split(jax.random.key(10), 4), 16, 4, "block",
+               sampling.Sampler(1.0))
+  assert not np.array_equal(a.tokens_BxN, c.tokens_BxN)
+
+
+def test_stop_token_inside_an_accepted_block():
+  """Drafter = target at T = 0: every block is accepted whole, so the stop token lands inside one."""
+  config, target, _ = model_pair()
+  keys = jax.random.split(jax.random.key(0), 4)
+  ar = np.asarray(run_ar(config, target, PROMPTS, keys, 20).tokens_BxN)
+  stop = int(ar[0, 7])  # the 8th token of row 0: inside the second block of γ + 1 = 5
+  out = run_spec(config, target, target, PROMPTS, keys, 20, 4, stop_ids=(stop,))
+  ar_stop = run_ar(config, target, PROMPTS, keys, 20, stop_ids=(stop,))
+  np.testing.assert_array_equal(out.tokens_BxN, ar_stop.tokens_BxN)
+  np.testing.assert_array_equal(out.num_tokens_B, ar_stop.num_tokens_B)
+  first = int(np.argmax(ar[0] == stop))
+  assert int(out.num_tokens_B[0]) == first + 1 and bool(out.stopped_B[0])
+  assert np.all(np.asarray(out.tokens_BxN[0, first + 1:]) == 0)  # pad after the row's end
+  assert int(out.metrics.num_accepted_tokens[0]) == 4 * int(out.metrics.num_drafts[0])
+
+
+def test_budget_reached_mid_block():
+  config, target, _ = model_pair()
+  keys = jax.random.split(jax.random.key(0), 4)
+  ar = run_ar(config, target, PROMPTS, keys, 13)
+  out = run_spec(config, target, target, PROMPTS, keys, 13, 4)  # 13 = 5 + 5 + 3: the third block is cut
+  np.testing.assert_array_equal(out.tokens_BxN, ar.tokens_BxN)
+  np.testing.assert_array_equal(out.num_tokens_B, [13] * 4)
+  np.testing.assert_array_equal(out.metrics.num_emitted_tokens, [13] * 4)
+  assert int(out.iterations) == 3 and not bool(np.any(out.stopped_B))
+
+
+def test_errors():
+  config, target, drafter = model_pair()
+  keys = jax.random.split(jax.random.key(0), 4)
+  with pytest.raises(ValueError, match="gamma must be >= 1"):
+    run_spec(config, target, drafter, PROMPTS, keys, 8, 0)
+  other = dec.DecoderConfig.tiny(vocab_size=32)
+  with pytest.raises(ValueError, match="vocabulary mismatch"):
+    run_spec(config, target, init_params(other, 0), PROMPTS, keys, 8, 2, drafter_config=other)
+  short = dec.DecoderConfig.tiny(vocab_size=64, max_len=16)
+  with pytest.raises(ValueError, match="prompt too long for the cache"):
+    run_spec(short, target, drafter, PROMPTS, keys, 8, 2)
+  with pytest.raises(ValueError, match="prompt too long for the cache"):
+    run_ar(short, target, PROMPTS, keys, 10)
+  with pytest.raises(ValueError, match="at least one token"):
+    spec.prepare_prompts([[1, 2], []])
+  with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+    run_ar(config, target, PROMPTS, keys, 0)
