@@ -18,8 +18,6 @@ neighbours, on padding or on the device count. The autoregressive sampler is the
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from typing import Any, Sequence
 
 import jax
@@ -31,8 +29,9 @@ from blockspec_jax.drafters.base import Drafter, feed
 from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.verify import Verifier, distribution_errors, get_verifier
 
-__all__ = ["DecodeMetrics", "DecodeState", "DecodeOutput", "prepare_prompts", "generate_autoregressive",
-           "generate_speculative"]
+__all__ = ["DecodeMetrics", "DecodeState", "DecodeOutput", "prepare_prompts", "autoregressive_program",
+           "speculative_program", "generate_autoregressive", "generate_speculative", "AUTOREGRESSIVE_STATIC",
+           "SPECULATIVE_STATIC", "summarize_metrics"]
 
 
 @struct.dataclass
@@ -129,10 +128,17 @@ def _commit(state_tokens_BxS, length_B, done_B, block_BxK, num_valid_B, generate
   return tokens_BxS, length_B + num_kept_B, done_B, num_kept_B, stopped_B
 
 
-def _init(config, target_params, tokens_BxP, prompt_len_B, cache_len):
+def constrain_caches(tree, cache_sharding):
+  """Pin every KV cache in ``tree`` to ``cache_sharding`` (a NamedSharding from blockspec_jax.parallel, or None)."""
+  if cache_sharding is None:
+    return tree
+  return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, cache_sharding) if x.ndim == 5 else x, tree)
+
+
+def _init(config, target_params, tokens_BxP, prompt_len_B, cache_len, cache_sharding=None):
   batch, width = tokens_BxP.shape
   tokens_BxS = jnp.zeros((batch, cache_len), jnp.int32).at[:, :width].set(tokens_BxP)
-  cache = decoder_lib.init_cache(config, batch, cache_len, config.dtype)
+  cache = constrain_caches(decoder_lib.init_cache(config, batch, cache_len, config.dtype), cache_sharding)
   module = decoder_lib.Decoder(config)
   positions_BxP = jnp.broadcast_to(jnp.arange(width), (batch, width))
   _, cache = feed(module, target_params, tokens_BxP, positions_BxP, cache, cache_len)
@@ -148,17 +154,19 @@ def _output(state: DecodeState, prompt_len_B, max_new_tokens: int, pad_id: int, 
   return DecodeOutput(tokens_BxN, num_B, stopped_B, state.iteration, state.metrics)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "sampler", "stop_ids", "pad_id"))
-def generate_autoregressive(target_params, keys_B, tokens_BxP, prompt_len_B, *, config, max_new_tokens: int,
+AUTOREGRESSIVE_STATIC = ("config", "max_new_tokens", "sampler", "stop_ids", "pad_id", "cache_sharding")
+
+
+def autoregressive_program(target_params, keys_B, tokens_BxP, prompt_len_B, *, config, max_new_tokens: int,
                             sampler: sampling.Sampler = sampling.Sampler(), stop_ids: tuple[int, ...] = (),
-                            pad_id: int = 0) -> DecodeOutput:
+                            pad_id: int = 0, cache_sharding=None) -> DecodeOutput:
   """The baseline: prefill, then one target step per token (``lax.while_loop``). Row keys as in the speculative
   loop, so the autoregressive law per row is directly comparable."""
   cache_len = tokens_BxP.shape[1] + max_new_tokens + 1
   _check_common(config, tokens_BxP, prompt_len_B, max_new_tokens, cache_len)
   module = decoder_lib.Decoder(config)
   batch = tokens_BxP.shape[0]
-  tokens_BxS, cache = _init(config, target_params, tokens_BxP, prompt_len_B, cache_len)
+  tokens_BxS, cache = _init(config, target_params, tokens_BxP, prompt_len_B, cache_len, cache_sharding)
   rows_B = jnp.arange(batch)
   init = DecodeState(tokens_BxS, prompt_len_B, jnp.zeros((batch,), bool), cache, None, jnp.int32(0),
                      DecodeMetrics.zeros(batch, 0))
@@ -186,12 +194,18 @@ def generate_autoregressive(target_params, keys_B, tokens_BxP, prompt_len_B, *, 
   return _output(state, prompt_len_B, max_new_tokens, pad_id, stopped_B)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "drafter", "gamma", "max_new_tokens", "verifier", "sampler",
-                                             "stop_ids", "pad_id"))
-def generate_speculative(target_params, drafter_params, keys_B, tokens_BxP, prompt_len_B, *, config,
+#: The compiled autoregressive loop.
+generate_autoregressive = jax.jit(autoregressive_program, static_argnames=AUTOREGRESSIVE_STATIC)
+
+
+SPECULATIVE_STATIC = ("config", "drafter", "gamma", "max_new_tokens", "verifier", "sampler", "stop_ids", "pad_id",
+                      "cache_sharding")
+
+
+def speculative_program(target_params, drafter_params, keys_B, tokens_BxP, prompt_len_B, *, config,
                          drafter: Drafter, gamma: int, max_new_tokens: int, verifier: Verifier | str = "block",
                          sampler: sampling.Sampler = sampling.Sampler(), stop_ids: tuple[int, ...] = (),
-                         pad_id: int = 0) -> DecodeOutput:
+                         pad_id: int = 0, cache_sharding=None) -> DecodeOutput:
   """Speculative decoding of ``max_new_tokens`` per row in one compiled program. See the module docstring.
 
   Lossless for lossless verifiers: every row's tokens have the target's law under ``sampler``, because drafter and
@@ -212,8 +226,9 @@ def generate_speculative(target_params, drafter_params, keys_B, tokens_BxP, prom
                      f"{drafter_max}")
   module = decoder_lib.Decoder(config)
   batch = tokens_BxP.shape[0]
-  tokens_BxS, cache = _init(config, target_params, tokens_BxP, prompt_len_B, cache_len)
-  drafter_state = drafter.init_state(drafter_params, tokens_BxS, prompt_len_B, cache_len)
+  tokens_BxS, cache = _init(config, target_params, tokens_BxP, prompt_len_B, cache_len, cache_sharding)
+  drafter_state = constrain_caches(drafter.init_state(drafter_params, tokens_BxS, prompt_len_B, cache_len),
+                                   cache_sharding)
   init = DecodeState(tokens_BxS, prompt_len_B, jnp.zeros((batch,), bool), cache, drafter_state, jnp.int32(0),
                      DecodeMetrics.zeros(batch, gamma))
   rows_B = jnp.arange(batch)
@@ -260,3 +275,34 @@ def generate_speculative(target_params, drafter_params, keys_B, tokens_BxP, prom
 
   state, stopped_B = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done_B), body, (init, jnp.zeros((batch,), bool)))
   return _output(state, prompt_len_B, max_new_tokens, pad_id, stopped_B)
+
+
+#: The compiled speculative loop (one device or default placement). For meshes see ``blockspec_jax.parallel``.
+generate_speculative = jax.jit(speculative_program, static_argnames=SPECULATIVE_STATIC)
+
+
+def summarize_metrics(metrics: DecodeMetrics) -> dict:
+  """Batch totals with the names of ALGORITHMS.md §7 (host-side; call on a finished run's ``metrics``).
+
+  ``mean_acceptance_length = 1 + accepted / drafts`` (block efficiency), ``draft_acceptance_rate = accepted /
+  drafted``, ``acceptance_per_position[i] = P(τ ≥ i+1)`` over drafts, ``expected_accepted_per_draft`` the
+  Rao–Blackwellised ``E[τ]``, and per-row acceptance lengths (a histogram source for per-request statistics).
+  """
+  import numpy as np  # host-side only
+
+  drafts = int(np.sum(metrics.num_drafts))
+  drafted = int(np.sum(metrics.num_draft_tokens))
+  accepted = int(np.sum(metrics.num_accepted_tokens))
+  per_row_drafts = np.maximum(np.asarray(metrics.num_drafts), 1)
+  return dict(
+      num_drafts=drafts,
+      num_draft_tokens=drafted,
+      num_accepted_tokens=accepted,
+      num_emitted_tokens=int(np.sum(metrics.num_emitted_tokens)),
+      mean_acceptance_length=1.0 + accepted / max(drafts, 1),
+      draft_acceptance_rate=accepted / max(drafted, 1),
+      acceptance_per_position=(np.sum(metrics.accepted_per_position_BxG, axis=0) / max(drafts, 1)).tolist(),
+      expected_accepted_per_draft=float(np.sum(metrics.expected_accepted)) / max(drafts, 1),
+      per_row_mean_acceptance_length=(1.0 + np.asarray(metrics.num_accepted_tokens) / per_row_drafts).tolist(),
+      invalid_prob_rows=int(np.sum(metrics.invalid_prob_rows)),
+  )

@@ -1,0 +1,51 @@
+"""Sharding: rules, errors, and sharded = unsharded on 8 CPU devices (in a subprocess: XLA_FLAGS must be set before
+JAX starts, and this process already has a single-device backend)."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from blockspec_jax import parallel
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_sharded_equals_unsharded_on_eight_devices():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, os.path.join(HERE, "sharded_equality_script.py")], env=env,
+                        capture_output=True, text=True, timeout=900)
+  print(proc.stdout[-3000:], proc.stderr[-3000:])
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "ALL EQUAL" in proc.stdout
+  assert proc.stdout.count("equal=True") == 6
+
+
+class _FakeMesh:
+  shape = {"data": 2, "model": 2}
+
+
+@pytest.mark.parametrize("path,shape,expected", [
+    (("embed", "embedding"), (64, 32), P("model", None)),
+    (("layers_0", "attn", "q", "kernel"), (32, 32), P(None, "model")),
+    (("layers_0", "attn", "q", "bias"), (32,), P("model")),
+    (("layers_0", "attn", "o", "kernel"), (32, 32), P("model", None)),
+    (("layers_0", "mlp", "down", "kernel"), (64, 32), P("model", None)),
+    (("layers_0", "mlp", "gate", "kernel"), (32, 64), P(None, "model")),
+    (("layers_0", "attn_norm", "scale"), (32,), P()),
+    (("lm_head", "kernel"), (32, 63), P()),  # 63 not divisible by 2: replicated
+])
+def test_param_spec_rules(path, shape, expected):
+  assert parallel.param_spec(path, shape, _FakeMesh()) == expected
+
+
+def test_mesh_and_batch_errors():
+  with pytest.raises(ValueError, match="does not match"):
+    parallel.make_mesh(data=2, model=1)  # one CPU device here
+  mesh = parallel.make_mesh()
+  assert mesh.shape == {"data": len(jax.devices()), "model": 1}
+  if len(jax.devices()) == 1:
+    parallel.batch_sharding(mesh, 3)  # any batch divides a 1-wide data axis
