@@ -188,3 +188,17 @@ def test_errors():
     spec.prepare_prompts([[1, 2], []])
   with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
     run_ar(config, target, PROMPTS, keys, 0)
+
+
+def test_summarize_metrics_names_and_values():
+  config, target, drafter = model_pair()
+  keys = jax.random.split(jax.random.key(0), 4)
+  out = run_spec(config, target, drafter, PROMPTS, keys, 12, 3)
+  s = spec.summarize_metrics(out.metrics)
+  m = out.metrics
+  assert s["num_drafts"] == int(m.num_drafts.sum()) and s["num_draft_tokens"] == 3 * s["num_drafts"]
+  assert s["mean_acceptance_length"] == pytest.approx(1 + s["num_accepted_tokens"] / s["num_drafts"])
+  assert s["draft_acceptance_rate"] == pytest.approx(s["num_accepted_tokens"] / s["num_draft_tokens"])
+  assert s["acceptance_per_position"][0] >= s["acceptance_per_position"][-1]
+  assert sum(s["acceptance_per_position"]) == pytest.approx(s["num_accepted_tokens"] / s["num_drafts"])
+  assert s["num_emitted_tokens"] == 48 and s["invalid_prob_rows"] == 0
