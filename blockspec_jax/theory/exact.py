@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -237,26 +238,29 @@ def expected_accepted(rule: str, drafter: TabularLM, target: TabularLM, context:
 # --- closed forms ------------------------------------------------------------------------------------------------
 
 def _sum_over_prefixes(drafter: TabularLM, target: TabularLM, context: tuple[int, ...], gamma: int,
-                       step: Callable[[float, float, float], float]) -> float:
-  """``Σ_{i=1..γ} Σ_{x^i} v(x^i)`` with ``v(x^0) = 1``, ``v(x^i) = step(v(x^{i-1}), p_{i-1}(x_i), q_{i-1}(x_i))``.
+                       step: Callable[[Any, float, float], Any], init: Any = 1.0,
+                       contribution: Callable[[Any], float] = float) -> float:
+  """``Σ_{i=1..γ} Σ_{x^i} contribution(s(x^i))`` with ``s(x^0) = init``,
+  ``s(x^i) = step(s(x^{i-1}), p_{i-1}(x_i), q_{i-1}(x_i))``.
 
-  Depth-first over prefixes; a prefix with ``v = 0`` is pruned (``step`` maps 0 to 0 in all uses here).
+  Depth-first over prefixes; a prefix contributing 0 is pruned (in every use here its extensions contribute 0 too).
   """
   total = 0.0
 
-  def visit(prefix: tuple[int, ...], value: float) -> None:
+  def visit(prefix: tuple[int, ...], state) -> None:
     nonlocal total
     if len(prefix) == gamma:
       return
     p_V = target.next_probs(context + prefix)
     q_V = drafter.next_probs(context + prefix)
     for x in range(target.vocab_size):
-      child = step(value, float(p_V[x]), float(q_V[x]))
-      if child != 0.0:
-        total += child
+      child = step(state, float(p_V[x]), float(q_V[x]))
+      value = contribution(child)
+      if value != 0.0:
+        total += value
         visit(prefix + (x,), child)
 
-  visit((), 1.0)
+  visit((), init)
   return total
 
 
@@ -272,28 +276,14 @@ def expected_accepted_block_closed_form(drafter: TabularLM, target: TabularLM, c
                                         gamma: int) -> float:
   """``E[τ_block] = Σ_{i=1..γ} E_{X^i ~ M_s}[w_i]`` (``P(τ ≥ i | X^i) = w_i``).
 
-  Accumulates ``M_s(x^i|c) · w_i(x^i)`` over prefixes; the running value carries ``(M_s(x^i|c), w_i)``.
+  Accumulates ``M_s(x^i|c) · w_i(x^i)`` over prefixes; the running state is ``(M_s(x^i|c), w_i)``.
   """
   context = _check_models(drafter, target, context)
   gamma = _check_gamma(gamma)
-  total = 0.0
-
-  def visit(prefix: tuple[int, ...], draft_prob: float, w: float) -> None:
-    nonlocal total
-    if len(prefix) == gamma:
-      return
-    p_V = target.next_probs(context + prefix)
-    q_V = drafter.next_probs(context + prefix)
-    for x in range(target.vocab_size):
-      child_prob = draft_prob * float(q_V[x])
-      if child_prob == 0.0:
-        continue
-      child_w = float(clipped_ratio(w, p_V[x], q_V[x]))
-      total += child_prob * child_w
-      visit(prefix + (x,), child_prob, child_w)
-
-  visit((), 1.0, 1.0)
-  return total
+  return _sum_over_prefixes(
+      drafter, target, context, gamma,
+      lambda state, p, q: (state[0] * q, float(clipped_ratio(state[1], p, q))), init=(1.0, 1.0),
+      contribution=lambda state: state[0] * state[1])
 
 
 def full_information_bound(drafter: TabularLM, target: TabularLM, context: Sequence[int], gamma: int) -> float:
@@ -304,23 +294,9 @@ def full_information_bound(drafter: TabularLM, target: TabularLM, context: Seque
   """
   context = _check_models(drafter, target, context)
   gamma = _check_gamma(gamma)
-  total = 0.0
-
-  def visit(prefix: tuple[int, ...], draft_prob: float, target_prob: float) -> None:
-    nonlocal total
-    if len(prefix) == gamma:
-      return
-    p_V = target.next_probs(context + prefix)
-    q_V = drafter.next_probs(context + prefix)
-    for x in range(target.vocab_size):
-      child_q, child_p = draft_prob * float(q_V[x]), target_prob * float(p_V[x])
-      if child_q == 0.0 or child_p == 0.0:
-        continue  # min is 0 here and for every extension
-      total += min(child_q, child_p)
-      visit(prefix + (x,), child_q, child_p)
-
-  visit((), 1.0, 1.0)
-  return total
+  return _sum_over_prefixes(drafter, target, context, gamma,
+                            lambda state, p, q: (state[0] * q, state[1] * p), init=(1.0, 1.0),
+                            contribution=lambda state: min(state))
 
 
 # --- sequence laws and losslessness -----------------------------------------------------------------------------
