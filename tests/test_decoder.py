@@ -204,3 +204,207 @@ def test_bad_shapes_raise():
   positions = arange_positions(1, 0, 3)
   with pytest.raises(ValueError):
     model.apply(params, tokens, positions, init_cache(config, 1, S), causal_mask(positions, S + 1))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Gemma 3 options: q/k norms, post-norms, (1 + scale) norms, GeGLU, embedding scale, local/global layers.
+
+GEMMA_OPTIONS = dict(qk_norm=True, post_norms=True, embed_scale=True, mlp_activation="gelu_tanh", query_scale=0.3)
+WINDOW = 4
+
+
+def _randomize_norms(params, seed=0):
+  """Norm scales drawn around 1 (init is all ones / zeros), so the norms are not identities."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+  out = []
+  for (path, leaf), key in zip(leaves, keys):
+    if getattr(path[-1], "key", None) == "scale":
+      leaf = leaf + 0.5 * jax.random.normal(key, leaf.shape)
+    out.append(leaf)
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@pytest.mark.parametrize("overrides", [
+    GEMMA_OPTIONS,
+    dict(GEMMA_OPTIONS, norm_plus_one=True, rope_style="interleaved", qkv_bias=True),
+    dict(GEMMA_OPTIONS, sliding_window=WINDOW, layer_types=("sliding", "full"), rope_theta_local=100.0),
+    dict(sliding_window=WINDOW, layer_types=("full", "sliding")),
+])
+def test_incremental_equals_full_gemma_options(overrides):
+  config = DecoderConfig.tiny(**overrides)
+  model, params = make(config, batch=2)
+  params = _randomize_norms(params)
+  length, prefill = 11, 3
+  tokens = tokens_for(2, length, seed=21)
+  full, _ = forward(model, params, tokens, arange_positions(2, 0, length), init_cache(config, 2, S))
+  for chunk in (1, 4):
+    cache = init_cache(config, 2, S)
+    parts = []
+    logits, cache = forward(model, params, tokens[:, :prefill], arange_positions(2, 0, prefill), cache)
+    parts.append(logits)
+    for start in range(prefill, length, chunk):
+      end = min(start + chunk, length)
+      logits, cache = forward(model, params, tokens[:, start:end], arange_positions(2, start, end - start), cache)
+      parts.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(parts, axis=1), full, atol=ATOL, rtol=0)
+
+
+def _influence(config, change_at, length=10, seed=23):
+  """Max |Δ logits| per query position when token ``change_at`` is replaced (full forward, causal mask)."""
+  model, params = make(config)
+  tokens = tokens_for(1, length, seed=seed)
+  changed = tokens.at[0, change_at].set((tokens[0, change_at] + 1) % config.vocab_size)
+  positions = arange_positions(1, 0, length)
+  a, _ = forward(model, params, tokens, positions, init_cache(config, 1, S))
+  b, _ = forward(model, params, changed, positions, init_cache(config, 1, S))
+  return np.max(np.abs(np.asarray(a - b))[0], axis=-1)
+
+
+def test_sliding_window_limits_influence():
+  # One local layer: query p sees slots p - WINDOW + 1 .. p, so token 2 reaches positions 2 .. 2 + WINDOW - 1 only.
+  local = DecoderConfig.tiny(num_layers=1, sliding_window=WINDOW, layer_types=("sliding",), **GEMMA_OPTIONS)
+  delta = _influence(local, change_at=2)
+  assert np.all(delta[2:2 + WINDOW] > 1e-4), delta
+  assert np.all(delta[2 + WINDOW:] == 0.0), delta
+  assert np.all(delta[:2] == 0.0)
+  # The same layer as a global one (or sliding_window without local layers): every later position is influenced.
+  for overrides in (dict(layer_types=("full",)), dict(layer_types=None)):
+    full = DecoderConfig.tiny(num_layers=1, sliding_window=WINDOW, **dict(GEMMA_OPTIONS, **overrides))
+    assert np.all(_influence(full, change_at=2)[2:] > 1e-4)
+  # Two local layers: the receptive field grows to 2 * (WINDOW - 1) back.
+  two = DecoderConfig.tiny(sliding_window=WINDOW, layer_types=("sliding", "sliding"))
+  delta = _influence(two, change_at=1, length=12)
+  reach = 1 + 2 * (WINDOW - 1)
+  assert np.all(delta[1:reach + 1] > 1e-6) and np.all(delta[reach + 1:] == 0.0), delta
+
+
+def test_sliding_window_uses_query_positions_when_decoding():
+  """The window is applied from the query positions inside the decoder: cached decoding and ragged rows."""
+  config = DecoderConfig.tiny(num_layers=1, sliding_window=WINDOW, layer_types=("sliding",), **GEMMA_OPTIONS)
+  model, params = make(config, batch=2)
+  tokens = tokens_for(2, 10, seed=29)
+
+  def step_logits(tokens_2x10):
+    # Row 0 prefills 9 tokens and decodes position 9; row 1 prefills 6 (then padding) and decodes position 6.
+    cache = init_cache(config, 2, S)
+    valid = jnp.array([9, 6], jnp.int32)
+    prompt_positions = arange_positions(2, 0, 9)
+    _, cache = forward(model, params, tokens_2x10[:, :9], prompt_positions, cache,
+                       causal_mask(prompt_positions, S, valid))
+    step_positions = valid[:, None]
+    out, _ = forward(model, params, tokens_2x10[:, 9:10], step_positions, cache,
+                     causal_mask(step_positions, S, valid + 1))
+    return np.asarray(out[:, 0])
+
+  base = step_logits(tokens)
+  for row, query_pos in ((0, 9), (1, 6)):
+    inside = query_pos - WINDOW + 1  # oldest slot in the window
+    for slot, influences in ((inside, True), (inside - 1, False), (0, False)):
+      changed = tokens.at[row, slot].set((tokens[row, slot] + 1) % config.vocab_size)
+      delta = np.max(np.abs(step_logits(changed)[row] - base[row]))
+      assert (delta > 1e-4) == influences, (row, slot, delta)
+
+
+def test_norm_plus_one_equals_shifted_scales():
+  plain = DecoderConfig.tiny(**GEMMA_OPTIONS)
+  plus_one = DecoderConfig.tiny(norm_plus_one=True, **GEMMA_OPTIONS)
+  model, params = make(plus_one)
+  assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(params["params"]["layers_0"]["post_mlp_norm"]))
+  params = _randomize_norms(params)
+  shifted = jax.tree_util.tree_map_with_path(
+      lambda path, x: x + 1.0 if getattr(path[-1], "key", None) == "scale" else x, params)
+  tokens = tokens_for(1, 7, seed=31)
+  positions = arange_positions(1, 0, 7)
+  a, _ = forward(model, params, tokens, positions, init_cache(plus_one, 1, S))
+  b, _ = forward(Decoder(plain), shifted, tokens, positions, init_cache(plain, 1, S))
+  np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
+
+
+def test_gemma_param_tree():
+  config = DecoderConfig.tiny(tie_embeddings=True, **GEMMA_OPTIONS)
+  _, params = make(config)
+  layer = params["params"]["layers_1"]
+  assert set(layer) == {"attn_norm", "attn", "post_attn_norm", "mlp_norm", "mlp", "post_mlp_norm"}
+  assert set(layer["attn"]) == {"q", "k", "v", "o", "q_norm", "k_norm"}
+  assert layer["attn"]["q_norm"]["scale"].shape == (8,) and layer["attn"]["k_norm"]["scale"].shape == (8,)
+  assert layer["post_attn_norm"]["scale"].shape == (32,) and layer["post_mlp_norm"]["scale"].shape == (32,)
+  # Window / local layers / activation / scales add no parameters.
+  _, plain = make(DecoderConfig.tiny(sliding_window=3, layer_types=("sliding", "full"), rope_theta_local=5.0,
+                                     mlp_activation="gelu_tanh", embed_scale=True, query_scale=0.1))
+  assert set(plain["params"]["layers_0"]) == {"attn_norm", "attn", "mlp_norm", "mlp"}
+  assert set(plain["params"]["layers_0"]["attn"]) == {"q", "k", "v", "o"}
+
+
+@pytest.mark.parametrize("overrides", [dict(mlp_activation="gelu_tanh"), dict(embed_scale=True),
+                                       dict(query_scale=0.1), dict(rope_theta_local=7.0, sliding_window=3,
+                                                                   layer_types=("sliding", "sliding"))])
+def test_each_gemma_option_changes_the_output(overrides):
+  base_cfg = DecoderConfig.tiny()
+  model, params = make(base_cfg)
+  tokens = tokens_for(1, 9, seed=37)
+  positions = arange_positions(1, 0, 9)
+  a, _ = forward(model, params, tokens, positions, init_cache(base_cfg, 1, S))
+  cfg = DecoderConfig.tiny(**overrides)
+  b, _ = forward(Decoder(cfg), params, tokens, positions, init_cache(cfg, 1, S))
+  assert np.max(np.abs(np.asarray(a - b))) > 1e-4
+
+
+@pytest.mark.parametrize("overrides", [dict(layer_types=("sliding",)), dict(layer_types=("sliding", "full")),
+                                       dict(layer_types=("full", "local"), sliding_window=4),
+                                       dict(sliding_window=0), dict(sliding_window=True),
+                                       dict(mlp_activation="gelu"), dict(query_scale=0.0),
+                                       dict(rope_theta_local=0.0)])
+def test_bad_gemma_config_raises(overrides):
+  with pytest.raises(ValueError):
+    DecoderConfig.tiny(**overrides)
+
+
+def test_layer_types_list_becomes_tuple():
+  config = DecoderConfig.tiny(sliding_window=4, layer_types=["sliding", "full"])
+  assert config.layer_types == ("sliding", "full") and hash(config) is not None
+  assert [config.layer_type(i) for i in range(2)] == ["sliding", "full"]
+  assert DecoderConfig.tiny().layer_type(1) == "full"
+
+
+def test_matches_transformers_gemma3_tiny():
+  """A random tiny transformers Gemma3 (eager attention, window 4 < sequence) and ours with its weights copied."""
+  transformers = pytest.importorskip("transformers")
+  torch = pytest.importorskip("torch")
+  layer_types = ["sliding_attention", "sliding_attention", "full_attention"]
+  hf_cfg = transformers.Gemma3TextConfig(
+      vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+      num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=16, sliding_window=WINDOW, layer_types=layer_types,
+      max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=True,
+      rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000.0},
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 10.0}},
+      attn_implementation="eager")
+  torch.manual_seed(0)
+  hf = transformers.Gemma3ForCausalLM(hf_cfg).eval()
+  with torch.no_grad():
+    for name, p in hf.named_parameters():
+      p.copy_(0.3 * torch.randn_like(p))  # norm weights too: (1 + w) with w != 0
+  sd = {k: v.detach().numpy().astype(np.float32) for k, v in hf.state_dict().items()}
+  config = DecoderConfig(vocab_size=64, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
+                         ffn_dim=64, rope_theta=1000.0, rms_eps=1e-6, tie_embeddings=True, norm_plus_one=True,
+                         **dict(GEMMA_OPTIONS, query_scale=16 ** -0.5), sliding_window=WINDOW,
+                         layer_types=("sliding", "sliding", "full"), rope_theta_local=10.0)
+  tree = {"embed": {"embedding": sd["model.embed_tokens.weight"]}, "final_norm": {"scale": sd["model.norm.weight"]}}
+  for i in range(3):
+    pre = f"model.layers.{i}."
+    lin = lambda name: {"kernel": sd[pre + name + ".weight"].T}
+    norm = lambda name: {"scale": sd[pre + name + ".weight"]}
+    tree[f"layers_{i}"] = {
+        "attn_norm": norm("input_layernorm"), "post_attn_norm": norm("post_attention_layernorm"),
+        "mlp_norm": norm("pre_feedforward_layernorm"), "post_mlp_norm": norm("post_feedforward_layernorm"),
+        "attn": {"q": lin("self_attn.q_proj"), "k": lin("self_attn.k_proj"), "v": lin("self_attn.v_proj"),
+                 "o": lin("self_attn.o_proj"), "q_norm": norm("self_attn.q_norm"),
+                 "k_norm": norm("self_attn.k_norm")},
+        "mlp": {"gate": lin("mlp.gate_proj"), "up": lin("mlp.up_proj"), "down": lin("mlp.down_proj")}}
+  params = {"params": tree}
+  length = 12
+  tokens = tokens_for(1, length, seed=41)
+  with torch.no_grad():
+    ref = hf(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits[0].numpy()
+  ours, _ = forward(Decoder(config), params, tokens, arange_positions(1, 0, length), init_cache(config, 1, S))
+  np.testing.assert_allclose(np.asarray(ours[0]), ref, atol=2e-4 * max(1.0, np.abs(ref).max()), rtol=0)

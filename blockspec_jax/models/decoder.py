@@ -1,4 +1,4 @@
-"""Decoder-only transformer (llama / qwen2 family) with a KV cache written at per-row positions.
+"""Decoder-only transformer (llama / qwen2 / gemma3 family) with a KV cache written at per-row positions.
 
 One forward serves prefill, single-token decoding, multi-token verification and tree drafts (DESIGN.md, "The decode
 loop")::
@@ -18,13 +18,23 @@ normally contiguous (p0..p0+T-1), but the write is a scatter, so any distinct sl
 stale entries are excluded by the mask and overwritten by the next write.
 
 Layer structure (pre-norm): x += Attn(RMSNorm(x)); x += SwiGLU(RMSNorm(x)); logits = head(RMSNorm(x)).
+Gemma 3 options (all off by default, so llama / qwen2 are unchanged): ``qk_norm`` (RMSNorm over head_dim of every q
+and k head, before rotary), ``post_norms`` (x += RMSNorm(Attn(...)), x += RMSNorm(MLP(...))), ``embed_scale``
+(embeddings * sqrt(D), in the compute dtype), ``mlp_activation="gelu_tanh"`` (GeGLU), ``query_scale`` (score scale,
+default head_dim**-0.5), ``norm_plus_one`` (RMSNorms multiply by 1 + scale; GGUF files already store 1 + w, so
+converted gemma3 weights use the plain convention), and local layers: ``layer_types[i] == "sliding"`` layers
+rotate with ``rope_theta_local`` and additionally mask every slot s with ``position - s >= sliding_window`` (ANDed
+with the caller's mask inside the decoder; the window is measured in slot indices, which equal positions).
 Parameter tree (Dense kernels are (in, out))::
 
     embed/embedding                       [V, D]
     layers_{i}/attn_norm/scale            [D]
     layers_{i}/attn/{q,k,v}/kernel        [D, N*H] / [D, K*H]   (+ bias when ``qkv_bias``)
     layers_{i}/attn/o/kernel              [N*H, D]
+    layers_{i}/attn/{q,k}_norm/scale      [H]                   (only when ``qk_norm``)
+    layers_{i}/post_attn_norm/scale       [D]                   (only when ``post_norms``)
     layers_{i}/mlp_norm/scale             [D]
+    layers_{i}/post_mlp_norm/scale        [D]                   (only when ``post_norms``)
     layers_{i}/mlp/{gate,up}/kernel       [D, F];  layers_{i}/mlp/down/kernel [F, D]
     final_norm/scale                      [D]
     lm_head/kernel                        [D, V]  (absent when ``tie_embeddings``: logits = x @ embed.T)
@@ -48,6 +58,8 @@ from flax import struct
 __all__ = ["DecoderConfig", "KVCache", "init_cache", "causal_mask", "apply_rotary", "Decoder"]
 
 ROPE_STYLES = ("interleaved", "half")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full", "sliding")
 # Masked attention logits: large, negative and finite (f32 softmax of an all-masked row stays finite).
 _MASK_VALUE = -1e30
 
@@ -69,8 +81,36 @@ class DecoderConfig:
   tie_embeddings: bool = False
   dtype: Any = jnp.float32
   max_len: int = 8192  # longest sequence (prompt + generation + draft slots) a cache may be built for
+  # Gemma 3 options; the defaults reproduce llama / qwen2 exactly.
+  qk_norm: bool = False  # RMSNorm of each q / k head over head_dim (before rotary): attn/{q,k}_norm/scale
+  post_norms: bool = False  # RMSNorm of the attention and MLP outputs before the residual add
+  norm_plus_one: bool = False  # every RMSNorm multiplies by (1 + scale) instead of scale (HF Gemma weights)
+  embed_scale: bool = False  # multiply embeddings by sqrt(d_model) (in the compute dtype)
+  mlp_activation: str = "silu"  # gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, gelu_pytorch_tanh)
+  query_scale: float | None = None  # attention score scale; None = head_dim ** -0.5
+  sliding_window: int | None = None  # local layers see slots s with position - s < sliding_window
+  layer_types: tuple[str, ...] | None = None  # per layer "full" / "sliding"; None = all "full"
+  rope_theta_local: float | None = None  # rotary base of "sliding" layers; None = rope_theta
 
   def __post_init__(self):
+    if self.layer_types is not None:
+      object.__setattr__(self, "layer_types", tuple(self.layer_types))  # JSON round trips give lists
+      if len(self.layer_types) != self.num_layers:
+        raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+      bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+      if bad:
+        raise ValueError(f"layer_types entries must be in {LAYER_TYPES}, got {bad[0]!r}")
+      if "sliding" in self.layer_types and self.sliding_window is None:
+        raise ValueError("layer_types has sliding layers but sliding_window is None")
+    if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
+                                            or not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
+      raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
+    if self.mlp_activation not in MLP_ACTIVATIONS:
+      raise ValueError(f"mlp_activation must be one of {MLP_ACTIVATIONS}, got {self.mlp_activation!r}")
+    if self.query_scale is not None and not self.query_scale > 0:
+      raise ValueError(f"query_scale must be > 0 or None, got {self.query_scale}")
+    if self.rope_theta_local is not None and not self.rope_theta_local > 0:
+      raise ValueError(f"rope_theta_local must be > 0 or None, got {self.rope_theta_local}")
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_dim",
                  "max_len"):
       value = getattr(self, name)
@@ -91,6 +131,10 @@ class DecoderConfig:
   def group_size(self) -> int:
     """Query heads per KV head (grouped-query attention)."""
     return self.num_heads // self.num_kv_heads
+
+  def layer_type(self, i: int) -> str:
+    """"full" or "sliding" for layer ``i``."""
+    return "full" if self.layer_types is None else self.layer_types[i]
 
   @classmethod
   def tiny(cls, **overrides) -> "DecoderConfig":
@@ -159,21 +203,26 @@ def _write_slots(cache_BxSxKxH: jax.Array, new_BxTxKxH: jax.Array, positions_BxT
 
 
 class RMSNorm(nn.Module):
-  """x * rsqrt(mean(x^2) + eps) * scale, computed in float32."""
+  """x * rsqrt(mean(x^2) + eps) * scale (or * (1 + scale) with ``plus_one``) over the last axis, in float32."""
   eps: float
   dtype: Any = jnp.float32
+  plus_one: bool = False
 
   @nn.compact
   def __call__(self, x_BxTxD):
-    scale_D = self.param("scale", nn.initializers.ones, (x_BxTxD.shape[-1],), jnp.float32)
+    init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+    scale_D = self.param("scale", init, (x_BxTxD.shape[-1],), jnp.float32).astype(jnp.float32)
+    if self.plus_one:
+      scale_D = 1.0 + scale_D
     x = x_BxTxD.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-    return (x * scale_D[None, None, :]).astype(self.dtype)
+    return (x * scale_D.reshape((1,) * (x.ndim - 1) + scale_D.shape)).astype(self.dtype)
 
 
 class Attention(nn.Module):
   """Grouped-query attention over all S cache slots with an explicit mask; writes the new k/v first."""
   config: DecoderConfig
+  sliding: bool = False  # local layer: rope_theta_local and the sliding-window mask
 
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, k_BxSxKxH, v_BxSxKxH, attn_mask_BxTxS):
@@ -185,15 +234,25 @@ class Attention(nn.Module):
     q_BxTxNxH = dense(n * h, "q", cfg.qkv_bias)(x_BxTxD).reshape(b, t, n, h)
     k_BxTxKxH = dense(kh * h, "k", cfg.qkv_bias)(x_BxTxD).reshape(b, t, kh, h)
     v_BxTxKxH = dense(kh * h, "v", cfg.qkv_bias)(x_BxTxD).reshape(b, t, kh, h)
-    q_BxTxNxH = apply_rotary(q_BxTxNxH, positions_BxT, cfg.rope_theta, cfg.rope_style)
-    k_BxTxKxH = apply_rotary(k_BxTxKxH, positions_BxT, cfg.rope_theta, cfg.rope_style)
+    if cfg.qk_norm:
+      q_BxTxNxH = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.norm_plus_one, name="q_norm")(q_BxTxNxH)
+      k_BxTxKxH = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.norm_plus_one, name="k_norm")(k_BxTxKxH)
+    theta = cfg.rope_theta
+    if self.sliding and cfg.rope_theta_local is not None:
+      theta = cfg.rope_theta_local
+    q_BxTxNxH = apply_rotary(q_BxTxNxH, positions_BxT, theta, cfg.rope_style)
+    k_BxTxKxH = apply_rotary(k_BxTxKxH, positions_BxT, theta, cfg.rope_style)
 
     k_BxSxKxH = _write_slots(k_BxSxKxH, k_BxTxKxH, positions_BxT)
     v_BxSxKxH = _write_slots(v_BxSxKxH, v_BxTxKxH, positions_BxT)
 
+    scale = h ** -0.5 if cfg.query_scale is None else cfg.query_scale
     q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, kh, g, h)  # query head n = kv head (n // g), as in HF repeat_kv
     scores_BxKxGxTxS = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH.astype(jnp.float32),
-                                  k_BxSxKxH.astype(jnp.float32)) * (h ** -0.5)
+                                  k_BxSxKxH.astype(jnp.float32)) * scale
+    if self.sliding:
+      slots_S = jnp.arange(k_BxSxKxH.shape[1], dtype=jnp.int32)
+      attn_mask_BxTxS = attn_mask_BxTxS & (positions_BxT[:, :, None] - slots_S[None, None, :] < cfg.sliding_window)
     mask_Bx1x1xTxS = attn_mask_BxTxS[:, None, None, :, :]
     scores_BxKxGxTxS = jnp.where(mask_Bx1x1xTxS, scores_BxKxGxTxS, _MASK_VALUE)
     probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1)
@@ -205,7 +264,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-  """SwiGLU: down(silu(gate(x)) * up(x))."""
+  """SwiGLU: down(silu(gate(x)) * up(x)); GeGLU (tanh-approximated gelu) with ``mlp_activation="gelu_tanh"``."""
   config: DecoderConfig
 
   @nn.compact
@@ -214,22 +273,33 @@ class MLP(nn.Module):
     dense = lambda feats, name: nn.Dense(feats, use_bias=False, dtype=cfg.dtype, param_dtype=jnp.float32, name=name)
     gate_BxTxF = dense(cfg.ffn_dim, "gate")(x_BxTxD)
     up_BxTxF = dense(cfg.ffn_dim, "up")(x_BxTxD)
-    return dense(cfg.d_model, "down")(nn.silu(gate_BxTxF) * up_BxTxF)
+    if cfg.mlp_activation == "gelu_tanh":
+      act_BxTxF = jax.nn.gelu(gate_BxTxF, approximate=True)
+    else:
+      act_BxTxF = nn.silu(gate_BxTxF)
+    return dense(cfg.d_model, "down")(act_BxTxF * up_BxTxF)
 
 
 class Block(nn.Module):
-  """Pre-norm transformer layer."""
+  """Pre-norm transformer layer (with ``post_norms``, the sublayer outputs are normalised too)."""
   config: DecoderConfig
+  sliding: bool = False
 
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, k_BxSxKxH, v_BxSxKxH, attn_mask_BxTxS):
     cfg = self.config
-    h_BxTxD = RMSNorm(cfg.rms_eps, cfg.dtype, name="attn_norm")(x_BxTxD)
-    attn_BxTxD, k_BxSxKxH, v_BxSxKxH = Attention(cfg, name="attn")(h_BxTxD, positions_BxT, k_BxSxKxH, v_BxSxKxH,
-                                                                   attn_mask_BxTxS)
+    norm = lambda name: RMSNorm(cfg.rms_eps, cfg.dtype, cfg.norm_plus_one, name=name)
+    h_BxTxD = norm("attn_norm")(x_BxTxD)
+    attn_BxTxD, k_BxSxKxH, v_BxSxKxH = Attention(cfg, self.sliding, name="attn")(
+        h_BxTxD, positions_BxT, k_BxSxKxH, v_BxSxKxH, attn_mask_BxTxS)
+    if cfg.post_norms:
+      attn_BxTxD = norm("post_attn_norm")(attn_BxTxD)
     x_BxTxD = x_BxTxD + attn_BxTxD
-    h_BxTxD = RMSNorm(cfg.rms_eps, cfg.dtype, name="mlp_norm")(x_BxTxD)
-    x_BxTxD = x_BxTxD + MLP(cfg, name="mlp")(h_BxTxD)
+    h_BxTxD = norm("mlp_norm")(x_BxTxD)
+    mlp_BxTxD = MLP(cfg, name="mlp")(h_BxTxD)
+    if cfg.post_norms:
+      mlp_BxTxD = norm("post_mlp_norm")(mlp_BxTxD)
+    x_BxTxD = x_BxTxD + mlp_BxTxD
     return x_BxTxD, k_BxSxKxH, v_BxSxKxH
 
 
@@ -255,13 +325,15 @@ class Decoder(nn.Module):
     embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=jnp.float32,
                      embedding_init=nn.initializers.normal(stddev=0.02), name="embed")
     x_BxTxD = embed(tokens_BxT)
+    if cfg.embed_scale:
+      x_BxTxD = x_BxTxD * jnp.asarray(cfg.d_model ** 0.5, dtype=x_BxTxD.dtype)
     k_LxBxSxKxH, v_LxBxSxKxH = cache.k_LxBxSxKxH, cache.v_LxBxSxKxH
     for i in range(cfg.num_layers):
-      x_BxTxD, k_BxSxKxH, v_BxSxKxH = Block(cfg, name=f"layers_{i}")(
+      x_BxTxD, k_BxSxKxH, v_BxSxKxH = Block(cfg, cfg.layer_type(i) == "sliding", name=f"layers_{i}")(
           x_BxTxD, positions_BxT, k_LxBxSxKxH[i], v_LxBxSxKxH[i], attn_mask_BxTxS)
       k_LxBxSxKxH = k_LxBxSxKxH.at[i].set(k_BxSxKxH)
       v_LxBxSxKxH = v_LxBxSxKxH.at[i].set(v_BxSxKxH)
-    hidden_BxTxD = RMSNorm(cfg.rms_eps, cfg.dtype, name="final_norm")(x_BxTxD)
+    hidden_BxTxD = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.norm_plus_one, name="final_norm")(x_BxTxD)
     if cfg.tie_embeddings:
       logits_BxTxV = embed.attend(hidden_BxTxD)
     else:
