@@ -35,24 +35,29 @@ def arange_positions(batch, start, length):
   return jnp.broadcast_to(jnp.arange(start, start + length, dtype=jnp.int32)[None, :], (batch, length))
 
 
+def assert_incremental_matches_full(model, params, config, tokens, prefill, chunks):
+  """Prefill, then decode the rest in chunks of each size: logits equal one full forward over all tokens."""
+  batch, length = tokens.shape
+  full, _ = forward(model, params, tokens, arange_positions(batch, 0, length), init_cache(config, batch, S))
+  for chunk in chunks:
+    cache = init_cache(config, batch, S)
+    logits, cache = forward(model, params, tokens[:, :prefill], arange_positions(batch, 0, prefill), cache)
+    parts = [logits]
+    for start in range(prefill, length, chunk):
+      end = min(start + chunk, length)
+      logits, cache = forward(model, params, tokens[:, start:end], arange_positions(batch, start, end - start),
+                              cache)
+      parts.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(parts, axis=1), full, atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("style,qkv_bias", [("half", True), ("interleaved", False)])
 def test_incremental_equals_full(style, qkv_bias):
   config = DecoderConfig.tiny(rope_style=style, qkv_bias=qkv_bias)
   model, params = make(config, batch=2)
   length, prefill = 10, 4
   tokens = tokens_for(2, length)
-  full, _ = forward(model, params, tokens, arange_positions(2, 0, length), init_cache(config, 2, S))
-
-  for chunk in (1, 3):
-    cache = init_cache(config, 2, S)
-    parts = []
-    logits, cache = forward(model, params, tokens[:, :prefill], arange_positions(2, 0, prefill), cache)
-    parts.append(logits)
-    for start in range(prefill, length, chunk):
-      end = min(start + chunk, length)
-      logits, cache = forward(model, params, tokens[:, start:end], arange_positions(2, start, end - start), cache)
-      parts.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(parts, axis=1), full, atol=ATOL, rtol=0)
+  assert_incremental_matches_full(model, params, config, tokens, prefill, chunks=(1, 3))
 
 
 def test_ragged_batch_matches_single_rows():
@@ -237,17 +242,7 @@ def test_incremental_equals_full_gemma_options(overrides):
   params = _randomize_norms(params)
   length, prefill = 11, 3
   tokens = tokens_for(2, length, seed=21)
-  full, _ = forward(model, params, tokens, arange_positions(2, 0, length), init_cache(config, 2, S))
-  for chunk in (1, 4):
-    cache = init_cache(config, 2, S)
-    parts = []
-    logits, cache = forward(model, params, tokens[:, :prefill], arange_positions(2, 0, prefill), cache)
-    parts.append(logits)
-    for start in range(prefill, length, chunk):
-      end = min(start + chunk, length)
-      logits, cache = forward(model, params, tokens[:, start:end], arange_positions(2, start, end - start), cache)
-      parts.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(parts, axis=1), full, atol=ATOL, rtol=0)
+  assert_incremental_matches_full(model, params, config, tokens, prefill, chunks=(1, 4))
 
 
 def _influence(config, change_at, length=10, seed=23):
