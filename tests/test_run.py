@@ -33,7 +33,7 @@ def test_main_job_on_smollm2(tmp_path, capsys):
     for field in ("block_efficiency", "draft_acceptance_rate", "acceptance_per_position", "target_calls",
                   "tokens_generated", "wall_s", "tokens_per_s", "speedup"):
       assert field in r
-    assert r["block_efficiency"] == pytest.approx(4.0) or r["tokens_generated"] < 24  # drafter = target: all accepted
+    assert r["block_efficiency"] == pytest.approx(4.0)  # drafter = target at T = 0: every draft token accepted
     assert r["invalid_prob_rows"] == 0
   # Greedy: the same text from every method (speculative decoding is lossless; the drafter is the target here).
   texts = report["sample_text"]
