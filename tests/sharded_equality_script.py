@@ -47,7 +47,7 @@ def main():
               and np.array_equal(np.asarray(ar.tokens_BxN), np.asarray(ar_ref.tokens_BxN)))
       spec_layout = out.tokens_BxN.sharding.spec
       print(f"T={sampler.temperature} mesh data={data} model={model}: equal={same} output sharding {spec_layout}, "
-            f"q kernel {t_sh['layers_0']['attn']['q']['kernel'].sharding.spec}")
+            f"q weight {t_sh['layers_0']['attn']['q']['weight'].sharding.spec}")
       ok &= same
   print("ALL EQUAL" if ok else "MISMATCH")
   return 0 if ok else 1

@@ -79,12 +79,12 @@ def test_ragged_batch_matches_single_rows():
     np.testing.assert_allclose(step_logits[row, 0], solo[0, n], atol=ATOL, rtol=0)
 
 
-def _interleave_columns(kernel_DxNH, bias_NH, num_heads, head_dim):
-  """Half-layout q/k weights -> interleaved layout: each head's columns reordered [0, H/2, 1, H/2+1, ...]."""
+def _interleave_rows(weight_NHxD, bias_NH, num_heads, head_dim):
+  """Half-layout q/k weights -> interleaved layout: each head's output rows reordered [0, H/2, 1, H/2+1, ...]."""
   half = head_dim // 2
   perm_H = np.stack([np.arange(half), np.arange(half) + half], axis=1).reshape(-1)
   perm = (np.arange(num_heads)[:, None] * head_dim + perm_H[None, :]).reshape(-1)
-  return kernel_DxNH[:, perm], (None if bias_NH is None else bias_NH[perm])
+  return weight_NHxD[perm], (None if bias_NH is None else bias_NH[perm])
 
 
 @pytest.mark.parametrize("qkv_bias", [False, True])
@@ -97,8 +97,8 @@ def test_interleaved_equals_half_after_permutation(qkv_bias):
   for i in range(half_cfg.num_layers):
     attn = inter_params["params"][f"layers_{i}"]["attn"]
     for name, heads in (("q", half_cfg.num_heads), ("k", half_cfg.num_kv_heads)):
-      kernel, bias = _interleave_columns(attn[name]["kernel"], attn[name].get("bias"), heads, half_cfg.head_dim)
-      attn[name] = {"kernel": kernel} if bias is None else {"kernel": kernel, "bias": bias}
+      weight, bias = _interleave_rows(attn[name]["weight"], attn[name].get("bias"), heads, half_cfg.head_dim)
+      attn[name] = {"weight": weight} if bias is None else {"weight": weight, "bias": bias}
   tokens = tokens_for(1, 9, seed=5)
   positions = arange_positions(1, 0, 9)
   a, _ = forward(model_half, params, tokens, positions, init_cache(half_cfg, 1, S))
@@ -172,15 +172,15 @@ def test_param_tree_names_and_shapes(qkv_bias, tie):
   assert p["embed"]["embedding"].shape == (v, d)
   assert p["final_norm"]["scale"].shape == (d,)
   if not tie:
-    assert p["lm_head"]["kernel"].shape == (d, v)
+    assert p["lm_head"]["weight"].shape == (v, d)
   layer = p["layers_0"]
   assert set(layer) == {"attn_norm", "attn", "mlp_norm", "mlp"}
   assert set(layer["attn"]) == {"q", "k", "v", "o"}
   assert set(layer["mlp"]) == {"gate", "up", "down"}
-  assert layer["attn"]["q"]["kernel"].shape == (d, n * h)
-  assert layer["attn"]["k"]["kernel"].shape == (d, k * h)
-  assert layer["attn"]["o"]["kernel"].shape == (n * h, d)
-  assert layer["mlp"]["down"]["kernel"].shape == (f, d)
+  assert layer["attn"]["q"]["weight"].shape == (n * h, d)
+  assert layer["attn"]["k"]["weight"].shape == (k * h, d)
+  assert layer["attn"]["o"]["weight"].shape == (d, n * h)
+  assert layer["mlp"]["down"]["weight"].shape == (d, f)
   for name in ("q", "k", "v"):
     assert ("bias" in layer["attn"][name]) == qkv_bias
   assert "bias" not in layer["attn"]["o"]
@@ -387,7 +387,7 @@ def test_matches_transformers_gemma3_tiny():
   tree = {"embed": {"embedding": sd["model.embed_tokens.weight"]}, "final_norm": {"scale": sd["model.norm.weight"]}}
   for i in range(3):
     pre = f"model.layers.{i}."
-    lin = lambda name: {"kernel": sd[pre + name + ".weight"].T}
+    lin = lambda name: {"weight": sd[pre + name + ".weight"]}
     norm = lambda name: {"scale": sd[pre + name + ".weight"]}
     tree[f"layers_{i}"] = {
         "attn_norm": norm("input_layernorm"), "post_attn_norm": norm("post_attention_layernorm"),

@@ -30,13 +30,14 @@ class _FakeMesh:
 
 @pytest.mark.parametrize("path,shape,expected", [
     (("embed", "embedding"), (64, 32), P("model", None)),
-    (("layers_0", "attn", "q", "kernel"), (32, 32), P(None, "model")),
+    (("layers_0", "attn", "q", "weight"), (32, 32), P("model", None)),
     (("layers_0", "attn", "q", "bias"), (32,), P("model")),
-    (("layers_0", "attn", "o", "kernel"), (32, 32), P("model", None)),
-    (("layers_0", "mlp", "down", "kernel"), (64, 32), P("model", None)),
-    (("layers_0", "mlp", "gate", "kernel"), (32, 64), P(None, "model")),
+    (("layers_0", "attn", "o", "weight"), (32, 32), P(None, "model")),
+    (("layers_0", "mlp", "down", "weight"), (32, 64), P(None, "model")),
+    (("layers_0", "mlp", "gate", "weight"), (64, 32), P("model", None)),
     (("layers_0", "attn_norm", "scale"), (32,), P()),
-    (("lm_head", "kernel"), (32, 63), P()),  # 63 not divisible by 2: replicated
+    (("lm_head", "weight"), (64, 32), P("model", None)),
+    (("lm_head", "weight"), (63, 32), P()),  # 63 not divisible by 2: replicated
 ])
 def test_param_spec_rules(path, shape, expected):
   assert parallel.param_spec(path, shape, _FakeMesh()) == expected

@@ -25,19 +25,23 @@ default head_dim**-0.5), ``norm_plus_one`` (RMSNorms multiply by 1 + scale; GGUF
 converted gemma3 weights use the plain convention), and local layers: ``layer_types[i] == "sliding"`` layers
 rotate with ``rope_theta_local`` and additionally mask every slot s with ``position - s >= sliding_window`` (ANDed
 with the caller's mask inside the decoder; the window is measured in slot indices, which equal positions).
-Parameter tree (Dense kernels are (in, out))::
+Parameter tree (linear weights are (out, in), as in GGUF and torch, so decoding streams each output's weights
+contiguously; see ``blockspec_jax.kernels``)::
 
     embed/embedding                       [V, D]
     layers_{i}/attn_norm/scale            [D]
-    layers_{i}/attn/{q,k,v}/kernel        [D, N*H] / [D, K*H]   (+ bias when ``qkv_bias``)
-    layers_{i}/attn/o/kernel              [N*H, D]
+    layers_{i}/attn/{q,k,v}/weight        [N*H, D] / [K*H, D]   (+ bias when ``qkv_bias``)
+    layers_{i}/attn/o/weight              [D, N*H]
     layers_{i}/attn/{q,k}_norm/scale      [H]                   (only when ``qk_norm``)
     layers_{i}/post_attn_norm/scale       [D]                   (only when ``post_norms``)
     layers_{i}/mlp_norm/scale             [D]
     layers_{i}/post_mlp_norm/scale        [D]                   (only when ``post_norms``)
-    layers_{i}/mlp/{gate,up}/kernel       [D, F];  layers_{i}/mlp/down/kernel [F, D]
+    layers_{i}/mlp/{gate,up}/weight       [F, D];  layers_{i}/mlp/down/weight [D, F]
     final_norm/scale                      [D]
-    lm_head/kernel                        [D, V]  (absent when ``tie_embeddings``: logits = x @ embed.T)
+    lm_head/weight                        [V, D]  (absent when ``tie_embeddings``: logits = x @ embed.T)
+
+Linear layers run through ``blockspec_jax.kernels.linear`` with ``config.matmul`` ("auto": a streaming CPU kernel
+for decode steps and verify passes, at most ``KERNEL_MAX_ROWS`` = B*T rows, XLA's dot for prefill and on GPU/TPU).
 
 Rotary styles: "half" (rotate-half / NeoX: dim i pairs with i + H/2, as in HF llama and qwen2) and "interleaved"
 (adjacent pairs 2i, 2i+1, as in GGUF llama files whose converter permuted the q/k rows). Both use frequency
@@ -54,6 +58,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from blockspec_jax import kernels
 
 __all__ = ["DecoderConfig", "KVCache", "init_cache", "causal_mask", "apply_rotary", "Decoder"]
 
@@ -91,6 +97,7 @@ class DecoderConfig:
   sliding_window: int | None = None  # local layers see slots s with position - s < sliding_window
   layer_types: tuple[str, ...] | None = None  # per layer "full" / "sliding"; None = all "full"
   rope_theta_local: float | None = None  # rotary base of "sliding" layers; None = rope_theta
+  matmul: str = "auto"  # linear-layer implementation, one of kernels.IMPLS ("auto", "xla", "kernel")
 
   def __post_init__(self):
     if self.layer_types is not None:
@@ -105,6 +112,8 @@ class DecoderConfig:
     if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
                                             or not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
       raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
+    if self.matmul not in kernels.IMPLS:
+      raise ValueError(f"matmul must be one of {kernels.IMPLS}, got {self.matmul!r}")
     if self.mlp_activation not in MLP_ACTIVATIONS:
       raise ValueError(f"mlp_activation must be one of {MLP_ACTIVATIONS}, got {self.mlp_activation!r}")
     if self.query_scale is not None and not self.query_scale > 0:
@@ -219,6 +228,24 @@ class RMSNorm(nn.Module):
     return (x * scale_D.reshape((1,) * (x.ndim - 1) + scale_D.shape)).astype(self.dtype)
 
 
+class Linear(nn.Module):
+  """``x @ weight.T (+ bias)`` with ``weight`` [features, in] (out, in); float32 parameters, ``dtype`` output."""
+  features: int
+  use_bias: bool = False
+  dtype: Any = jnp.float32
+  impl: str = "auto"
+
+  @nn.compact
+  def __call__(self, x_BxTxI):
+    weight_FxI = self.param("weight", nn.initializers.lecun_normal(in_axis=-1, out_axis=-2),
+                            (self.features, x_BxTxI.shape[-1]), jnp.float32)
+    y_BxTxF = kernels.linear(x_BxTxI, weight_FxI, impl=self.impl, dtype=self.dtype)
+    if self.use_bias:
+      bias_F = self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
+      y_BxTxF = y_BxTxF + bias_F.astype(self.dtype).reshape((1,) * (y_BxTxF.ndim - 1) + bias_F.shape)
+    return y_BxTxF
+
+
 class Attention(nn.Module):
   """Grouped-query attention over all S cache slots with an explicit mask; writes the new k/v first."""
   config: DecoderConfig
@@ -229,8 +256,7 @@ class Attention(nn.Module):
     cfg = self.config
     b, t, _ = x_BxTxD.shape
     n, kh, h, g = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.group_size
-    dense = lambda feats, name, bias: nn.Dense(feats, use_bias=bias, dtype=cfg.dtype, param_dtype=jnp.float32,
-                                               name=name)
+    dense = lambda feats, name, bias: Linear(feats, bias, cfg.dtype, cfg.matmul, name=name)
     q_BxTxNxH = dense(n * h, "q", cfg.qkv_bias)(x_BxTxD).reshape(b, t, n, h)
     k_BxTxKxH = dense(kh * h, "k", cfg.qkv_bias)(x_BxTxD).reshape(b, t, kh, h)
     v_BxTxKxH = dense(kh * h, "v", cfg.qkv_bias)(x_BxTxD).reshape(b, t, kh, h)
@@ -270,7 +296,7 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x_BxTxD):
     cfg = self.config
-    dense = lambda feats, name: nn.Dense(feats, use_bias=False, dtype=cfg.dtype, param_dtype=jnp.float32, name=name)
+    dense = lambda feats, name: Linear(feats, False, cfg.dtype, cfg.matmul, name=name)
     gate_BxTxF = dense(cfg.ffn_dim, "gate")(x_BxTxD)
     up_BxTxF = dense(cfg.ffn_dim, "up")(x_BxTxD)
     if cfg.mlp_activation == "gelu_tanh":
@@ -334,11 +360,10 @@ class Decoder(nn.Module):
       k_LxBxSxKxH = k_LxBxSxKxH.at[i].set(k_BxSxKxH)
       v_LxBxSxKxH = v_LxBxSxKxH.at[i].set(v_BxSxKxH)
     hidden_BxTxD = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.norm_plus_one, name="final_norm")(x_BxTxD)
-    if cfg.tie_embeddings:
-      logits_BxTxV = embed.attend(hidden_BxTxD)
+    if cfg.tie_embeddings:  # the embedding table [V, D] is already an (out, in) weight
+      logits_BxTxV = kernels.linear(hidden_BxTxD, embed.embedding, impl=cfg.matmul, dtype=cfg.dtype)
     else:
-      logits_BxTxV = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=jnp.float32,
-                              name="lm_head")(hidden_BxTxD)
+      logits_BxTxV = Linear(cfg.vocab_size, False, cfg.dtype, cfg.matmul, name="lm_head")(hidden_BxTxD)
     new_cache = KVCache(k_LxBxSxKxH=k_LxBxSxKxH, v_LxBxSxKxH=v_LxBxSxKxH)
     logits_BxTxV = logits_BxTxV.astype(jnp.float32)
     if return_hidden:

@@ -5,17 +5,17 @@
     config, params = convert(path, dtype="float32")  # params = {"params": {...}} with numpy leaves
 
 Conversion goes tensor by tensor: ``gguf.quants.dequantize`` gives float32 numpy in numpy order, which is ggml's
-order reversed, so ``token_embd`` / ``output`` are (V, D) and linear weights are (out, in); Flax Dense kernels are
-(in, out), so linear weights are transposed. Mapping (``i`` = layer)::
+order reversed, so ``token_embd`` / ``output`` are (V, D) and linear weights are (out, in), the Decoder's layout:
+nothing is transposed. Mapping (``i`` = layer)::
 
     token_embd.weight        [V, D]        → embed/embedding
     blk.i.attn_norm.weight   [D]           → layers_i/attn_norm/scale
-    blk.i.attn_{q,k,v}.weight [N*H|K*H, D] → layers_i/attn/{q,k,v}/kernel (transposed);  .bias → .../bias
-    blk.i.attn_output.weight [D, N*H]      → layers_i/attn/o/kernel (transposed)
+    blk.i.attn_{q,k,v}.weight [N*H|K*H, D] → layers_i/attn/{q,k,v}/weight;  .bias → .../bias
+    blk.i.attn_output.weight [D, N*H]      → layers_i/attn/o/weight
     blk.i.ffn_norm.weight    [D]           → layers_i/mlp_norm/scale
-    blk.i.ffn_{gate,up,down}.weight        → layers_i/mlp/{gate,up,down}/kernel (transposed)
+    blk.i.ffn_{gate,up,down}.weight        → layers_i/mlp/{gate,up,down}/weight
     output_norm.weight       [D]           → final_norm/scale
-    output.weight            [V, D]        → lm_head/kernel (transposed); absent → tied embeddings
+    output.weight            [V, D]        → lm_head/weight; absent → tied embeddings
     gemma3 only:
     blk.i.attn_{q,k}_norm.weight [H]       → layers_i/attn/{q,k}_norm/scale
     blk.i.post_attention_norm.weight [D]   → layers_i/post_attn_norm/scale
@@ -172,19 +172,19 @@ def param_shapes(config: DecoderConfig) -> dict[tuple[str, ...], tuple[int, ...]
   d, nh, kh, f, v = c.d_model, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.ffn_dim, c.vocab_size
   shapes = {("embed", "embedding"): (v, d), ("final_norm", "scale"): (d,)}
   if not c.tie_embeddings:
-    shapes[("lm_head", "kernel")] = (d, v)
+    shapes[("lm_head", "weight")] = (v, d)
   for i in range(c.num_layers):
     layer = f"layers_{i}"
     shapes[(layer, "attn_norm", "scale")] = (d,)
     shapes[(layer, "mlp_norm", "scale")] = (d,)
     for name, width in (("q", nh), ("k", kh), ("v", kh)):
-      shapes[(layer, "attn", name, "kernel")] = (d, width)
+      shapes[(layer, "attn", name, "weight")] = (width, d)
       if c.qkv_bias:
         shapes[(layer, "attn", name, "bias")] = (width,)
-    shapes[(layer, "attn", "o", "kernel")] = (nh, d)
-    shapes[(layer, "mlp", "gate", "kernel")] = (d, f)
-    shapes[(layer, "mlp", "up", "kernel")] = (d, f)
-    shapes[(layer, "mlp", "down", "kernel")] = (f, d)
+    shapes[(layer, "attn", "o", "weight")] = (d, nh)
+    shapes[(layer, "mlp", "gate", "weight")] = (f, d)
+    shapes[(layer, "mlp", "up", "weight")] = (f, d)
+    shapes[(layer, "mlp", "down", "weight")] = (d, f)
     if c.qk_norm:
       shapes[(layer, "attn", "q_norm", "scale")] = (c.head_dim,)
       shapes[(layer, "attn", "k_norm", "scale")] = (c.head_dim,)
@@ -194,11 +194,11 @@ def param_shapes(config: DecoderConfig) -> dict[tuple[str, ...], tuple[int, ...]
   return shapes
 
 
-def _target(name: str) -> tuple[tuple[str, ...], bool] | None:
-  """GGUF tensor name → (Decoder param path, transpose?), or None if the name is not one we map."""
-  fixed = {"token_embd.weight": (("embed", "embedding"), False),
-           "output_norm.weight": (("final_norm", "scale"), False),
-           "output.weight": (("lm_head", "kernel"), True)}
+def _target(name: str) -> tuple[str, ...] | None:
+  """GGUF tensor name → Decoder param path, or None if the name is not one we map."""
+  fixed = {"token_embd.weight": ("embed", "embedding"),
+           "output_norm.weight": ("final_norm", "scale"),
+           "output.weight": ("lm_head", "weight")}
   if name in fixed:
     return fixed[name]
   parts = name.split(".")
@@ -211,11 +211,11 @@ def _target(name: str) -> tuple[tuple[str, ...], bool] | None:
            "attn_k_norm": ("attn", "k_norm"), "post_attention_norm": ("post_attn_norm",),
            "post_ffw_norm": ("post_mlp_norm",)}
   if kind in norms and leaf == "weight":
-    return (layer, *norms[kind], "scale"), False
+    return (layer, *norms[kind], "scale")
   if kind in linear and leaf == "weight":
-    return (layer, *linear[kind], "kernel"), True
+    return (layer, *linear[kind], "weight")
   if kind in ("attn_q", "attn_k", "attn_v") and leaf == "bias":
-    return (layer, *linear[kind], "bias"), False
+    return (layer, *linear[kind], "bias")
   return None
 
 
@@ -238,7 +238,7 @@ def convert(path: os.PathLike | str | GGUFContents, dtype: str = "float32", prog
   np_dtype = np.dtype(_DTYPES[dtype])
   expected = param_shapes(config)
   # Unmapped names, and names this config has no parameter for (e.g. q/k norms in a llama file).
-  unknown = [n for n in contents.tensors if _target(n) is None or _target(n)[0] not in expected]
+  unknown = [n for n in contents.tensors if _target(n) is None or _target(n) not in expected]
   if unknown:
     raise ValueError(f"{contents.path}: tensors with no place in Decoder: {unknown[:10]}"
                      + (f" (+{len(unknown) - 10} more)" if len(unknown) > 10 else ""))
@@ -248,14 +248,12 @@ def convert(path: os.PathLike | str | GGUFContents, dtype: str = "float32", prog
     from tqdm.auto import tqdm
     names = tqdm(names, desc="convert", unit="tensor")
   for name in names:
-    param_path, transpose = _target(name)
+    param_path = _target(name)
     if param_path not in expected:
       raise ValueError(f"{contents.path}: tensor {name} maps to {'/'.join(param_path)}, which the config "
                        "does not have (layer index out of range, biases without qkv_bias, or q/k/post norms "
                        "without qk_norm / post_norms?)")
     value = _dequantize(contents.tensors[name])
-    if transpose:
-      value = value.T
     if value.shape != expected[param_path]:
       raise ValueError(f"{contents.path}: tensor {name} has shape {value.shape} after conversion, expected "
                        f"{expected[param_path]} for {'/'.join(param_path)}")

@@ -3,7 +3,7 @@
 Mesh axes: ``data`` (batch rows) and ``model`` (weights and KV heads). Rules:
 
 * batch-leading arrays (tokens, lengths, keys, outputs, per-row metrics): ``P("data")``;
-* weights: attention q/k/v and MLP gate/up kernels split their output features over ``model``, o/down kernels their
+* weights ((out, in) linear weights): q/k/v and MLP gate/up split their output features over ``model``, o/down their
   input features, the embedding and LM head the vocabulary; norms and biases of unsplit dims are replicated. A
   dimension that ``model`` does not divide is replicated (so any config runs on any mesh);
 * KV cache ``[L, B, S, K, H]``: ``P(None, "data", None, "model", None)`` when ``model`` divides K.
@@ -83,10 +83,10 @@ def param_spec(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
     return P()
   if "embed" in path:
     return split(0)  # [V, D]: vocabulary
-  if leaf == "kernel" and (path[-2] in ("q", "k", "v", "gate", "up") or path[-2] == "lm_head"):
-    return split(1)  # [in, out]: output features
-  if leaf == "kernel" and path[-2] in ("o", "down"):
-    return split(0)  # [in, out]: input features
+  if leaf == "weight" and (path[-2] in ("q", "k", "v", "gate", "up") or path[-2] == "lm_head"):
+    return split(0)  # [out, in]: output features
+  if leaf == "weight" and path[-2] in ("o", "down"):
+    return split(1)  # [out, in]: input features
   return P()
 
 
