@@ -31,17 +31,9 @@ from blockspec_jax.models.tokenizer import TokenizerWrapper, tokenizer_from_gguf
 
 __all__ = ["LoadedModel", "load_model", "converted_cache_path"]
 
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: linear weights stored (out, in) as "weight"
 _META_KEY = "__meta__"
 _DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# Weights of these architectures convert and match transformers (gguf_convert.convert), but their tokenizer is not
-# rebuilt yet: refuse before downloading or converting anything rather than fail after the work.
-_NO_TOKENIZER_YET = {
-    "gemma3": "its SentencePiece ('llama') tokenizer is not rebuilt from GGUF metadata yet; the weights load with "
-              "blockspec_jax.models.gguf_convert.convert(registry.fetch_gguf('gemma3-270m'))",
-}
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class LoadedModel:
   """A real model ready for ``Decoder(config).apply(params, ...)``; ``params = {"params": tree}`` (jax arrays)."""
@@ -129,7 +121,7 @@ def load_model(name: str, dtype: str = "float32", cache_dir: os.PathLike | str |
       ~/.cache/blockspec_jax); holds the GGUF and ``converted/<name>.<dtype>.npz``.
     progress: progress bars while fetching and converting.
   Raises:
-    ValueError: unknown name or dtype.  NotImplementedError: an architecture Decoder cannot run (gemma3).
+    ValueError: unknown name or dtype.  NotImplementedError: an architecture Decoder cannot run.
     registry.FetchError: the GGUF could not be downloaded or verified.
   """
   spec = registry.get_spec(name)
@@ -137,8 +129,6 @@ def load_model(name: str, dtype: str = "float32", cache_dir: os.PathLike | str |
     raise ValueError(f"dtype must be one of {tuple(_DTYPE_NAMES)}, got {dtype!r}")
   if spec.arch not in gguf_convert.SUPPORTED_ARCHS:
     gguf_convert.config_from_gguf({}, spec.arch)  # raises NotImplementedError naming what Decoder lacks
-  if spec.arch in _NO_TOKENIZER_YET:
-    raise NotImplementedError(f"{name}: {_NO_TOKENIZER_YET[spec.arch]}")
   path = converted_cache_path(name, dtype, cache_dir)
   loaded = None
   if path.exists():
@@ -156,5 +146,18 @@ def load_model(name: str, dtype: str = "float32", cache_dir: os.PathLike | str |
     del contents
     _save(path, config, params_np, tokenizer, dtype, spec)
     loaded = config, params_np, tokenizer
-  config, params_np, tokenizer = loaded
-  return LoadedModel(config=config, params=jax.device_put(params_np), tokenizer=tokenizer, spec=spec)
+  config, params, tokenizer = loaded
+  del loaded
+  _device_put_in_place(params)
+  return LoadedModel(config=config, params=params, tokenizer=tokenizer, spec=spec)
+
+
+def _device_put_in_place(tree: dict) -> None:
+  """Replace every numpy leaf of ``tree`` by a device array, one at a time, dropping the host copy as it goes: peak
+  memory is the model plus one tensor, not two copies of the model (1.5B in float32: 6 GB instead of 12 GB)."""
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      _device_put_in_place(value)
+    else:
+      tree[key] = jax.block_until_ready(jax.device_put(value))
+      del value
