@@ -240,13 +240,17 @@ def check_logits_and_greedy(real: _Real):
   np.testing.assert_array_equal(ours_greedy, ref_greedy)
 
 
-def check_tokenizer(real: _Real):
+def check_tokenizer(real: _Real, chatml: bool = True):
+  """Ids equal transformers' tokenizer of the same GGUF on TOKENIZER_TEXTS and PROMPTS; decode(encode(t)) == t; BOS
+  handling; and (``chatml``) the rendered ChatML template."""
   tok = real.model.tokenizer
-  for text in TOKENIZER_TEXTS:
+  for text in TOKENIZER_TEXTS + PROMPTS:
     ids = tok.encode(text)
     assert ids == real.hf_tok.encode(text, add_special_tokens=False), text
     assert tok.decode(ids) == text
   assert tok.encode(PROMPTS[0], add_special_tokens=True) == real.hf_tok.encode(PROMPTS[0])
+  if not chatml:
+    return
   rendered = tok.apply_chat_template(CHAT)
   assert rendered == real.hf_tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
   assert rendered.startswith("<|im_start|>system\n") and rendered.endswith(
@@ -271,7 +275,7 @@ def test_smollm2_config(smol):
   assert c.vocab_size == 49152 and c.max_len == 8192
   shapes = jax.tree.map(lambda x: x.shape, smol.model.params)
   assert "lm_head" not in shapes["params"]
-  assert shapes["params"]["layers_29"]["attn"]["k"]["kernel"] == (576, 192)
+  assert shapes["params"]["layers_29"]["attn"]["k"]["weight"] == (192, 576)
 
 
 def test_smollm2_parity_with_transformers(smol):
@@ -316,7 +320,7 @@ def test_convert_rejects_unknown_tensors(smol):
   with pytest.raises(ValueError, match="no place in Decoder.*attn_q_norm"):
     gguf_convert.convert(gguf_convert.GGUFContents(contents.path, contents.metadata, tensors))
   del tensors["blk.0.attn_q_norm.weight"], tensors["blk.3.ffn_up.weight"]
-  with pytest.raises(ValueError, match="missing tensors.*layers_3/mlp/up/kernel"):
+  with pytest.raises(ValueError, match="missing tensors.*layers_3/mlp/up/weight"):
     gguf_convert.convert(gguf_convert.GGUFContents(contents.path, contents.metadata, tensors))
 
 
@@ -351,23 +355,28 @@ def test_qwen_pair_shares_tokenizer():
     assert drafter.encode(text) == target.encode(text)
 
 
-# Gemma 3 270M: converted directly (hub.load_model also needs a SentencePiece tokenizer, which tokenizer_from_gguf
-# does not build yet); prompts are tokenised by the transformers tokenizer of the same GGUF (with BOS).
+# Gemma 3 270M (base model: no chat template); loaded through hub.load_model like the others.
 
 GEMMA_LOGIT_RTOL = 1e-4  # |Δ| <= 1e-4 * max |logit| (~3e-3 abs); measured max |Δ| ≈ 6e-5 (5 prompts), 9e-5 (700 tokens)
 
 
 @pytest.fixture(scope="module")
 def gemma():
-  gguf_path = registry.fetch_gguf("gemma3-270m", progress=False)
-  config, params_np = gguf_convert.convert(gguf_path)
-  hf_model, hf_tok = _hf_pair(gguf_path)
-  real = _Real.__new__(_Real)
-  real.name, real.gguf_path, real.hf_model, real.hf_tok = "gemma3-270m", gguf_path, hf_model, hf_tok
-  real.model = hub.LoadedModel(config=config, params=jax.device_put(params_np), tokenizer=None,
-                               spec=registry.get_spec("gemma3-270m"))
-  real.prompt_ids = [hf_tok.encode(p) for p in PROMPTS]
+  real = _Real("gemma3-270m")
+  real.prompt_ids = [real.model.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS]  # with <bos>
   return real
+
+
+@pytest.mark.heavy
+def test_gemma3_tokenizer(gemma):
+  check_tokenizer(gemma, chatml=False)
+  tok = gemma.model.tokenizer
+  assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.add_bos) == (2, 1, 0, True)
+  assert tok.vocab_size == gemma.model.config.vocab_size == 262144
+  # Runs of spaces and newlines are single tokens; byte fallback spells characters outside the vocabulary.
+  for text in ("a    b", "x\n\n\ny", "\U0001F9EC\U0001FAE0 rare \u2603", "<start_of_turn>user\nhi<end_of_turn>\n"):
+    assert tok.encode(text) == gemma.hf_tok.encode(text, add_special_tokens=False), text
+    assert tok.decode(tok.encode(text)) == text
 
 
 @pytest.mark.heavy
@@ -433,9 +442,3 @@ def test_gemma3_sliding_window_long_prompt(gemma):
   full, _ = jax.jit(Decoder(no_window).apply)(model.params, jnp.asarray([ids], jnp.int32), positions,
                                               init_cache(no_window, 1, len(ids)), mask)
   assert float(np.abs(np.asarray(full[0, 600]) - ref[3]).max()) > 100 * max_diff
-
-
-def test_gemma3_load_model_is_refused_before_any_work(tmp_path):
-  with pytest.raises(NotImplementedError, match="SentencePiece"):
-    hub.load_model("gemma3-270m", cache_dir=tmp_path)
-  assert not any(tmp_path.iterdir())  # nothing downloaded or converted

@@ -5,12 +5,22 @@
     text = tok.decode(ids)
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])   # str, then tok.encode(prompt)
 
-Byte-level BPE from ``tokenizer.ggml.{tokens,merges,token_type}`` with the pre-tokenizer named by
-``tokenizer.ggml.pre`` (recipes that matched llama.cpp id-for-id, docs MODELS_AND_DATA.md):
+Two families (recipes that match llama.cpp and transformers id-for-id, docs MODELS_AND_DATA.md):
+
+Byte-level BPE (``tokenizer.ggml.model == "gpt2"``) from ``tokenizer.ggml.{tokens,merges,token_type}`` with the
+pre-tokenizer named by ``tokenizer.ggml.pre``:
 
     smollm: pre-tokenizer Sequence[Digits(individual), ByteLevel (GPT-2 regex)]
     qwen2:  NFC normaliser; pre-tokenizer Sequence[Split(Qwen regex, isolated), ByteLevel(use_regex=False)]
     both:   ByteLevel decoder; control tokens (type 3) are special added tokens, user-defined (type 4) added tokens.
+
+SentencePiece BPE of Gemma (``tokenizer.ggml.model == "llama"`` in a gemma / gemma2 / gemma3 file): the file has no
+merges, so they are rebuilt from the vocabulary: every token that splits into two vocabulary tokens gives those
+pairs, ranked by the token's position in the file (Gemma's scores do not follow its merge order; the file order
+does), longer left piece first. Tokens made only of spaces are stored as real spaces and respelled with "▁" (the
+normaliser turns spaces into "▁" before BPE sees them). BPE with byte fallback (``<0x..>`` tokens) and ``<unk>``; no
+prefix space (``add_space_prefix`` is false); decoder "▁" → " ", byte fallback, fuse. Control tokens (type 3) are
+special added tokens, user-defined ones (type 4, e.g. runs of newlines) plain added tokens.
 """
 
 from __future__ import annotations
@@ -22,12 +32,13 @@ from typing import Any, Sequence
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-__all__ = ["TokenizerWrapper", "tokenizer_from_gguf", "PRE_TOKENIZERS", "QWEN2_SPLIT_REGEX"]
+__all__ = ["TokenizerWrapper", "tokenizer_from_gguf", "PRE_TOKENIZERS", "GEMMA_ARCHS", "QWEN2_SPLIT_REGEX"]
 
 # The pre-tokenisation regex of Qwen2 (HF Qwen2Tokenizer, llama.cpp "qwen2").
 QWEN2_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                      r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZERS = ("smollm", "qwen2")
+GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")  # SentencePiece-BPE vocabularies without merges
 _CONTROL, _USER_DEFINED = 3, 4
 
 
@@ -128,22 +139,66 @@ def _compile_template(source: str):
   return env.from_string(source)
 
 
+def _gemma_merges(tokens: Sequence[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+  """Merges implied by a SentencePiece-BPE vocabulary: for each token in file order, every split into two
+  vocabulary tokens, longer left piece first."""
+  merges = []
+  for token in tokens:
+    for cut in range(len(token) - 1, 0, -1):
+      left, right = token[:cut], token[cut:]
+      if left in vocab and right in vocab:
+        merges.append((left, right))
+  return merges
+
+
+def _gemma_tokenizer(tokens: list[str], metadata: dict[str, Any]) -> Tokenizer:
+  if metadata.get("tokenizer.ggml.add_space_prefix", False):
+    raise NotImplementedError("SentencePiece tokenizers with add_space_prefix are not supported (Gemma has none)")
+  tokens = ["\u2581" * len(t) if t and not t.strip(" ") else t for t in tokens]
+  vocab = {token: i for i, token in enumerate(tokens)}
+  if len(vocab) != len(tokens):
+    raise ValueError("GGUF vocabulary has duplicate tokens (after spelling space runs with U+2581)")
+  unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
+  unk = tokens[int(unk_id)] if unk_id is not None else "<unk>"
+  if unk not in vocab:
+    raise ValueError(f"GGUF vocabulary lacks the unknown token {unk!r}")
+  tok = Tokenizer(models.BPE(vocab=vocab, merges=_gemma_merges(tokens, vocab), unk_token=unk, fuse_unk=True,
+                             byte_fallback=True))
+  tok.normalizer = normalizers.Replace(" ", "\u2581")
+  tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+  tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+  return tok
+
+
 def tokenizer_from_gguf(metadata: dict[str, Any]) -> TokenizerWrapper:
-  """Build the tokenizer a GGUF's ``tokenizer.*`` metadata describes (byte-level BPE: smollm, qwen2 pre-tokenizers).
+  """Build the tokenizer a GGUF's ``tokenizer.*`` metadata describes: byte-level BPE (smollm, qwen2
+  pre-tokenizers) or Gemma's SentencePiece BPE (see the module docstring).
 
   Raises NotImplementedError for other tokenizer models / pre-tokenizers, ValueError for missing keys.
   """
   model = metadata.get("tokenizer.ggml.model")
   pre = metadata.get("tokenizer.ggml.pre")
-  if model != "gpt2":
-    raise NotImplementedError(f"tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2')")
-  if pre not in PRE_TOKENIZERS:
-    raise NotImplementedError(f"pre-tokenizer {pre!r} is not supported; supported: {PRE_TOKENIZERS}")
-  for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
-    if key not in metadata:
-      raise ValueError(f"GGUF metadata lacks {key!r}")
+  arch = metadata.get("general.architecture")
+  if "tokenizer.ggml.tokens" not in metadata:
+    raise ValueError("GGUF metadata lacks 'tokenizer.ggml.tokens'")
   tokens = list(metadata["tokenizer.ggml.tokens"])
   token_types = list(metadata.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+  if len(token_types) != len(tokens):
+    raise ValueError(f"GGUF metadata has {len(token_types)} token types for {len(tokens)} tokens")
+  if model == "llama" and arch in GEMMA_ARCHS:
+    tok = _gemma_tokenizer(tokens, metadata)
+    special = [AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, token_types)
+               if kind == _CONTROL]
+    added = [AddedToken(t, normalized=False, special=False) for t, kind in zip(tokens, token_types)
+             if kind == _USER_DEFINED]
+    return _wrap(tok, special, added, metadata)
+  if model != "gpt2":
+    raise NotImplementedError(f"tokenizer model {model!r} of a {arch!r} file is not supported (byte-level BPE "
+                              f"'gpt2', or SentencePiece 'llama' for {GEMMA_ARCHS})")
+  if pre not in PRE_TOKENIZERS:
+    raise NotImplementedError(f"pre-tokenizer {pre!r} is not supported; supported: {PRE_TOKENIZERS}")
+  if "tokenizer.ggml.merges" not in metadata:
+    raise ValueError("GGUF metadata lacks 'tokenizer.ggml.merges'")
   merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
   vocab = {token: i for i, token in enumerate(tokens)}
   if len(vocab) != len(tokens):
@@ -168,6 +223,12 @@ def tokenizer_from_gguf(metadata: dict[str, Any]) -> TokenizerWrapper:
              if kind == _CONTROL and set(t) <= alphabet]
   added = [AddedToken(t, normalized=False, special=False) for t, kind in zip(tokens, token_types)
            if kind == _USER_DEFINED]
+  return _wrap(tok, special, added, metadata)
+
+
+def _wrap(tok: Tokenizer, special: list[AddedToken], added: list[AddedToken], metadata: dict[str, Any]
+          ) -> TokenizerWrapper:
+  """Add the control / user-defined tokens and wrap with the file's special ids and chat template."""
   if special:
     tok.add_special_tokens(special)
   if added:
