@@ -22,7 +22,8 @@ custom VJP made of XLA dots, so gradients work on either path.
 Building: the first use compiles ``linear_cpu.cc`` with the system C++ compiler (``$CXX``, default ``g++``, about
 10 s) into ``$BLOCKSPEC_JAX_CACHE/kernels`` (default ``~/.cache/blockspec_jax/kernels``), keyed by the source hash
 and the jax version; later processes load the cached library. No compiler, or a failed build, gives one warning and
-the XLA path. ``BLOCKSPEC_JAX_KERNEL=0`` disables the kernel; ``BLOCKSPEC_JAX_KERNEL_THREADS`` sets its threads.
+the XLA path. ``BLOCKSPEC_JAX_KERNEL=0`` disables the kernel. The kernel shares XLA's intra-op thread pool (no
+threads of its own); ``BLOCKSPEC_JAX_KERNEL_THREADS`` caps how many of them one call uses.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["IMPLS", "KERNEL_MAX_ROWS", "KernelUnavailable", "kernel_available", "kernel_threads", "linear"]
+__all__ = ["IMPLS", "KERNEL_MAX_ROWS", "KernelUnavailable", "kernel_available", "linear"]
 
 IMPLS = ("auto", "xla", "kernel")
 # Above this many rows a GEMM that packs its operands wins (prefill); at or below it the streaming kernel does.
@@ -105,7 +106,6 @@ def _load() -> ctypes.CDLL:
                                   platform="cpu")
       jax.ffi.register_ffi_target(_TARGETS[np.dtype(jnp.bfloat16)], jax.ffi.pycapsule(lib.BsjLinearBF16),
                                   platform="cpu")
-      lib.bsj_kernel_threads.restype = ctypes.c_int
     except (KernelUnavailable, OSError, subprocess.SubprocessError) as e:
       err = e if isinstance(e, KernelUnavailable) else KernelUnavailable(f"{type(e).__name__}: {e}")
       _state["error"] = err
@@ -125,11 +125,6 @@ def kernel_available(warn: bool = False) -> bool:
       warnings.warn(f"blockspec_jax CPU linear kernel unavailable, using XLA's dot: {e}", RuntimeWarning,
                     stacklevel=3)
     return False
-
-
-def kernel_threads() -> int:
-  """Threads the kernel splits a call over (raises KernelUnavailable if it cannot be loaded)."""
-  return int(_load().bsj_kernel_threads())
 
 
 def _xla(x_MxK, w_NxK, dtype):

@@ -14,20 +14,18 @@
 // reduction, then the k tail) that does not depend on M, on the blocking of m and n, or on the thread split. So a
 // row's logits are bit-identical whether it is computed alone (autoregressive step) or inside a multi-token pass.
 //
-// Threads: a small persistent pool splits N into contiguous ranges. If the pool is busy (XLA may run independent
-// custom calls concurrently), the call runs on the calling thread alone. BLOCKSPEC_JAX_KERNEL_THREADS sets the
-// number of threads (default: the CPUs this process may run on).
-
-#include <sched.h>
+// Threads: the call runs on XLA's own intra-op thread pool (the FFI ThreadPool context), so it never competes with
+// a second set of threads for the cores. N is cut into chunks (multiples of 4 rows); the calling thread and the
+// tasks it schedules claim chunks from one atomic counter, so the caller finishes the work alone if every pool
+// thread is busy (no deadlock when XLA runs several custom calls at once), and waits only for chunks another thread
+// has already started. BLOCKSPEC_JAX_KERNEL_THREADS caps the threads used (default: XLA's pool size).
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -158,114 +156,60 @@ void rows(const float* x, const WT* w, float* y, int64_t M, int64_t N, int64_t K
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// A persistent pool: workers spin briefly on a generation counter, then sleep on a condition variable.
+// Work sharing over XLA's intra-op pool.
 
-int DefaultThreads() {
-  if (const char* env = std::getenv("BLOCKSPEC_JAX_KERNEL_THREADS")) {
-    int n = std::atoi(env);
-    if (n >= 1) return n;
-  }
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return std::max(1u, std::thread::hardware_concurrency());
+int ThreadCap() {
+  static const int cap = [] {
+    const char* env = std::getenv("BLOCKSPEC_JAX_KERNEL_THREADS");
+    const int n = env ? std::atoi(env) : 0;
+    return n >= 1 ? n : 1 << 20;
+  }();
+  return cap;
 }
 
-class Pool {
- public:
-  explicit Pool(int threads) : threads_(threads) {
-    // A worker's starting generation is fixed here, not when its thread first runs: a task published before the
-    // thread gets scheduled must still be seen as new (else the caller would wait forever for it).
-    const uint64_t start = generation_.load();
-    for (int i = 1; i < threads_; ++i) workers_.emplace_back([this, i, start] { Loop(i, start); });
-  }
-  ~Pool() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-      generation_.fetch_add(1);
-    }
-    cv_.notify_all();
-    for (auto& t : workers_) t.join();
-  }
-  int threads() const { return threads_; }
-
-  // Runs fn(0..threads-1), part 0 on the caller. Returns false (and runs nothing) if another call holds the pool.
-  bool TryRun(const std::function<void(int)>& fn) {
-    std::unique_lock<std::mutex> busy(run_mu_, std::try_to_lock);
-    if (!busy.owns_lock()) return false;
-    task_ = &fn;
-    pending_.store(threads_ - 1, std::memory_order_relaxed);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      generation_.fetch_add(1, std::memory_order_release);
-    }
-    cv_.notify_all();
-    fn(0);
-    while (pending_.load(std::memory_order_acquire) != 0) _mm_pause_compat();
-    task_ = nullptr;
-    return true;
-  }
-
- private:
-  static inline void _mm_pause_compat() {
-#ifdef BSJ_X86
-    _mm_pause();
-#endif
-  }
-
-  void Loop(int index, uint64_t seen) {
-    while (true) {
-      // Spin for a short while (calls come in bursts: a forward is ~200 of them), then sleep.
-      uint64_t now = seen;
-      for (int spin = 0; spin < 20000; ++spin) {
-        now = generation_.load(std::memory_order_acquire);
-        if (now != seen) break;
-        _mm_pause_compat();
-      }
-      if (now == seen) {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
-        now = generation_.load(std::memory_order_acquire);
-      }
-      seen = now;
-      if (stop_) return;
-      (*task_)(index);
-      pending_.fetch_sub(1, std::memory_order_acq_rel);
-    }
-  }
-
-  const int threads_;
-  std::vector<std::thread> workers_;
-  std::mutex mu_, run_mu_;
-  std::condition_variable cv_;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int> pending_{0};
-  const std::function<void(int)>* task_ = nullptr;
-  bool stop_ = false;
+struct Shared {
+  std::atomic<int64_t> next{0};      // next chunk to claim
+  std::atomic<int64_t> finished{0};  // chunks done
+  int64_t chunks = 0;
+  std::function<void(int64_t)> run;  // runs one chunk
 };
 
-Pool& GetPool() {
-  static Pool* pool = new Pool(DefaultThreads());  // never destroyed: workers may outlive static destructors
-  return *pool;
+// Claims and runs chunks until none is left.
+inline void Drain(Shared& s) {
+  for (int64_t c = s.next.fetch_add(1, std::memory_order_relaxed); c < s.chunks;
+       c = s.next.fetch_add(1, std::memory_order_relaxed)) {
+    s.run(c);
+    s.finished.fetch_add(1, std::memory_order_acq_rel);
+  }
 }
 
 template <typename WT>
-void Linear(const float* x, const WT* w, float* y, int64_t M, int64_t N, int64_t K) {
-  Pool& pool = GetPool();
-  const int64_t threads = std::min<int64_t>(pool.threads(), std::max<int64_t>(1, N / 64));
-  if (threads <= 1) return rows(x, w, y, M, N, K, 0, N);
-  // Contiguous ranges of N, multiples of 4 rows, as even as possible.
+void Linear(ffi::ThreadPool& pool, const float* x, const WT* w, float* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t threads = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), ThreadCap());
   const int64_t quads = (N + 3) / 4;
-  auto part = [&](int i) {
-    if (i >= threads) return;
-    const int64_t q0 = quads * i / threads, q1 = quads * (i + 1) / threads;
+  // Chunks of at least 16 quads (64 rows), up to 4 per thread for balance when a thread starts late.
+  const int64_t chunks = std::min<int64_t>(std::max<int64_t>(1, quads / 16), 4 * threads);
+  if (threads <= 1 || chunks <= 1) return rows(x, w, y, M, N, K, 0, N);
+  auto shared = std::make_shared<Shared>();
+  shared->chunks = chunks;
+  shared->run = [=](int64_t c) {
+    const int64_t q0 = quads * c / chunks, q1 = quads * (c + 1) / chunks;
     rows(x, w, y, M, N, K, std::min(N, q0 * 4), std::min(N, q1 * 4));
   };
-  if (!pool.TryRun(part)) rows(x, w, y, M, N, K, 0, N);
+  for (int64_t t = 1; t < threads; ++t) pool.Schedule([shared] { Drain(*shared); });
+  Drain(*shared);
+  while (shared->finished.load(std::memory_order_acquire) != chunks) {
+#ifdef BSJ_X86
+    _mm_pause();
+#else
+    std::this_thread::yield();
+#endif
+  }
 }
 
 template <ffi::DataType WDT>
-ffi::Error LinearImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<WDT> w, ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WDT> w,
+                      ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
     return ffi::Error::InvalidArgument("blockspec_jax linear: expected x [M, K] and w [N, K]");
@@ -275,7 +219,7 @@ ffi::Error LinearImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<WDT> w, ffi::ResultBu
   if (yd.size() != 2 || yd[0] != M || yd[1] != N) {
     return ffi::Error::InvalidArgument("blockspec_jax linear: expected y [M, N]");
   }
-  Linear(x.typed_data(), w.typed_data(), y->typed_data(), M, N, K);
+  Linear(pool, x.typed_data(), w.typed_data(), y->typed_data(), M, N, K);
   return ffi::Error::Success();
 }
 
@@ -283,14 +227,15 @@ ffi::Error LinearImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<WDT> w, ffi::ResultBu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BsjLinearF32, LinearImpl<ffi::F32>,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BsjLinearBF16, LinearImpl<ffi::BF16>,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-extern "C" int bsj_kernel_threads() { return GetPool().threads(); }
