@@ -9,7 +9,7 @@ from blockspec_jax.models.tokenizer import tokenizer_from_gguf
 # real spaces, byte-fallback tokens for "A" and "é" (0xC3 0xA9), and pieces whose file order fixes the merge ranks.
 GEMMA_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "\n", "  ", "▁", "a", "b", "c", "ab", "▁a",
                 "abc", "bc", "<0x41>", "<0xC3>", "<0xA9>"]
-GEMMA_TYPES = [3, 3, 3, 3, 3, 4, 1, 1, 1, 1, 1, 1, 1, 1, 1, 6, 6, 6]
+GEMMA_TYPES = [3, 3, 3, 3, 3, 4, 4, 1, 1, 1, 1, 1, 1, 1, 1, 6, 6, 6]  # "  " is user-defined, as in Gemma 3's file
 ID = {t: i for i, t in enumerate(GEMMA_TOKENS)}
 
 
@@ -47,7 +47,8 @@ def test_gemma_decode_bos_and_specials():
   assert tok.encode("ab", add_special_tokens=True) == [ID["<bos>"], ID["ab"]]
   assert (tok.bos_id, tok.eos_id, tok.pad_id) == (2, 1, 0)
   assert tok.decode([ID["<bos>"], ID["ab"]], skip_special_tokens=True) == "ab"
-  assert tok.vocab_size == len(GEMMA_TOKENS)
+  assert tok.vocab_size == len(GEMMA_TOKENS)  # no token added past the vocabulary (e.g. "  " under its own spelling)
+  assert tok.encode("    ") == [ID["  "], ID["  "]]
 
 
 def test_tokenizer_errors():

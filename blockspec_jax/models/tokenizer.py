@@ -189,8 +189,10 @@ def tokenizer_from_gguf(metadata: dict[str, Any]) -> TokenizerWrapper:
     tok = _gemma_tokenizer(tokens, metadata)
     special = [AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, token_types)
                if kind == _CONTROL]
+    # User-defined runs of spaces are in the vocabulary only under their "▁" spelling, which BPE already produces;
+    # adding the space spelling would invent new ids past the model's vocabulary.
     added = [AddedToken(t, normalized=False, special=False) for t, kind in zip(tokens, token_types)
-             if kind == _USER_DEFINED]
+             if kind == _USER_DEFINED and tok.token_to_id(t) is not None]
     return _wrap(tok, special, added, metadata)
   if model != "gpt2":
     raise NotImplementedError(f"tokenizer model {model!r} of a {arch!r} file is not supported (byte-level BPE "
