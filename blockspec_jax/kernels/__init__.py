@@ -29,7 +29,6 @@ threads of its own); ``BLOCKSPEC_JAX_KERNEL_THREADS`` caps how many of them one 
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import os
 import pathlib
@@ -57,8 +56,9 @@ class KernelUnavailable(RuntimeError):
 
 
 def _cache_dir() -> pathlib.Path:
-  root = os.environ.get("BLOCKSPEC_JAX_CACHE")
-  return (pathlib.Path(root).expanduser() if root else pathlib.Path.home() / ".cache" / "blockspec_jax") / "kernels"
+  # Imported here, not at module level: blockspec_jax.models imports this module (through the decoder).
+  from blockspec_jax.models.registry import default_cache_dir
+  return default_cache_dir() / "kernels"
 
 
 def _build(source: pathlib.Path, out_dir: pathlib.Path) -> pathlib.Path:

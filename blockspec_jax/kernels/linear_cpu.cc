@@ -27,7 +27,6 @@
 #include <cstring>
 #include <functional>
 #include <thread>
-#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 

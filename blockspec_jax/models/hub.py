@@ -34,6 +34,8 @@ __all__ = ["LoadedModel", "load_model", "converted_cache_path"]
 _FORMAT_VERSION = 3  # 2: linear weights stored (out, in) as "weight"; 3: Gemma tokenizer without invented ids
 _META_KEY = "__meta__"
 _DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class LoadedModel:
   """A real model ready for ``Decoder(config).apply(params, ...)``; ``params = {"params": tree}`` (jax arrays)."""
