@@ -227,7 +227,7 @@ def speculative_program(target_params, drafter_params, keys_B, tokens_BxP, promp
   module = decoder_lib.Decoder(config)
   batch = tokens_BxP.shape[0]
   tokens_BxS, cache = _init(config, target_params, tokens_BxP, prompt_len_B, cache_len, cache_sharding)
-  drafter_state = constrain_caches(drafter.init_state(drafter_params, tokens_BxS, prompt_len_B, cache_len),
+  drafter_state = constrain_caches(drafter.init_state(drafter_params, tokens_BxP, prompt_len_B, cache_len),
                                    cache_sharding)
   init = DecodeState(tokens_BxS, prompt_len_B, jnp.zeros((batch,), bool), cache, drafter_state, jnp.int32(0),
                      DecodeMetrics.zeros(batch, gamma))

@@ -31,8 +31,9 @@ def feed(module, params, tokens_BxT, positions_BxT, cache, max_len: int):
 class Drafter(Protocol):
   """What the speculative loop needs from a drafter. Implementations are frozen dataclasses (static under jit)."""
 
-  def init_state(self, params, tokens_BxS: jax.Array, prompt_len_B: jax.Array, max_len: int) -> Any:
-    """Prefill on the prompts (all tokens but each row's last), returning the drafter's loop state."""
+  def init_state(self, params, tokens_BxP: jax.Array, prompt_len_B: jax.Array, max_len: int) -> Any:
+    """Prefill on the padded prompts ``tokens_BxP`` (row b's prompt is ``tokens_BxP[b, :prompt_len_B[b]]``; the
+    width P is the prompts', not the cache's), returning the drafter's loop state for a cache of ``max_len``."""
 
   def propose(self, params, state, tokens_BxS, length_B, keys_BxG, gamma: int, sampler: sampling.Sampler):
     """Draft γ tokens after ``tokens_BxS[:, :length_B]``: ``(state, draft_BxG int32, q_BxGxV f32)``.
@@ -54,11 +55,13 @@ class ModelDrafter:
   def module(self):
     return decoder_lib.Decoder(self.config)
 
-  def init_state(self, params, tokens_BxS, prompt_len_B, max_len):
-    batch, prompt_width = tokens_BxS.shape[0], tokens_BxS.shape[1]
+  def init_state(self, params, tokens_BxP, prompt_len_B, max_len):
+    # Only the prompt width is fed (the cache is max_len long): positions past a row's length are masked until the
+    # loop writes them, so feeding the cache's empty tail would only cost a longer prefill.
+    batch, prompt_width = tokens_BxP.shape
     cache = decoder_lib.init_cache(self.config, batch, max_len, self.config.dtype)
     positions_BxP = jnp.broadcast_to(jnp.arange(prompt_width), (batch, prompt_width))
-    _, cache = feed(self.module, params, tokens_BxS, positions_BxP, cache, max_len)
+    _, cache = feed(self.module, params, tokens_BxP, positions_BxP, cache, max_len)
     return cache
 
   def propose(self, params, state, tokens_BxS, length_B, keys_BxG, gamma, sampler):
