@@ -171,6 +171,32 @@ def test_budget_reached_mid_block():
   assert int(out.iterations) == 3 and not bool(np.any(out.stopped_B))
 
 
+def test_prefill_then_decode_equals_one_program():
+  """The phases compiled apart (as the main job times them) give exactly the one-program output, metrics included;
+  a decode phase refuses a state prefilled for another budget or γ."""
+  config, target, drafter = model_pair()
+  keys = jax.random.split(jax.random.key(3), 4)
+  t1 = sampling.Sampler(1.0)
+  tokens, lens = spec.prepare_prompts(PROMPTS)
+  common = dict(config=config, drafter=ModelDrafter(config), gamma=3, max_new_tokens=14)
+  for verifier in ("token", "block"):
+    whole = run_spec(config, target, drafter, PROMPTS, keys, 14, 3, verifier, t1)
+    state = spec.prefill_speculative(target, drafter, tokens, lens, **common)
+    split = spec.decode_speculative(target, drafter, keys, state, lens, verifier=verifier, sampler=t1, **common)
+    jax.tree.map(np.testing.assert_array_equal, split, whole)
+  whole = run_ar(config, target, PROMPTS, keys, 9, t1)
+  state = spec.prefill_autoregressive(target, tokens, lens, config=config, max_new_tokens=9)
+  split = spec.decode_autoregressive(target, keys, state, lens, config=config, max_new_tokens=9, sampler=t1)
+  jax.tree.map(np.testing.assert_array_equal, split, whole)
+  state = spec.prefill_speculative(target, drafter, tokens, lens, **common)
+  with pytest.raises(ValueError, match="prefilled for 14 new tokens, decoding asks for 20"):
+    spec.decode_speculative(target, drafter, keys, state, lens, **dict(common, max_new_tokens=20))
+  with pytest.raises(ValueError, match="prefilled for gamma = 3, decoding with gamma = 2"):
+    spec.decode_speculative(target, drafter, keys, state, lens, **dict(common, gamma=2, max_new_tokens=15))
+  with pytest.raises(ValueError, match="does not match the state's rows"):
+    spec.decode_speculative(target, drafter, keys, state, lens[:2], **common)
+
+
 def test_errors():
   config, target, drafter = model_pair()
   keys = jax.random.split(jax.random.key(0), 4)

@@ -29,9 +29,12 @@ from blockspec_jax.drafters.base import Drafter, feed
 from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.verify import Verifier, distribution_errors, get_verifier
 
-__all__ = ["DecodeMetrics", "DecodeState", "DecodeOutput", "prepare_prompts", "autoregressive_program",
-           "speculative_program", "generate_autoregressive", "generate_speculative", "AUTOREGRESSIVE_STATIC",
-           "SPECULATIVE_STATIC", "summarize_metrics"]
+__all__ = ["DecodeMetrics", "DecodeState", "DecodeOutput", "prepare_prompts", "autoregressive_prefill",
+           "autoregressive_decode", "autoregressive_program", "speculative_prefill", "speculative_decode",
+           "speculative_program", "generate_autoregressive", "generate_speculative", "prefill_autoregressive",
+           "decode_autoregressive", "prefill_speculative", "decode_speculative", "AUTOREGRESSIVE_STATIC",
+           "AUTOREGRESSIVE_PREFILL_STATIC", "SPECULATIVE_STATIC", "SPECULATIVE_PREFILL_STATIC",
+           "summarize_metrics"]
 
 
 @struct.dataclass
@@ -60,6 +63,7 @@ class DecodeState:
   drafter_state: Any      # drafter-specific (None for autoregressive)
   iteration: jax.Array    # int32 []
   metrics: DecodeMetrics
+  prompt_width: int = struct.field(pytree_node=False, default=0)  # P: static, lets a decode phase check its state
 
 
 @struct.dataclass
@@ -154,22 +158,46 @@ def _output(state: DecodeState, prompt_len_B, max_new_tokens: int, pad_id: int, 
   return DecodeOutput(tokens_BxN, num_B, stopped_B, state.iteration, state.metrics)
 
 
+def _check_state(state: DecodeState, prompt_len_B, max_new_tokens: int, draft_slots: int, gamma) -> None:
+  """A decode phase must get the state its own prefill made: same rows, a cache sized for the same
+  ``max_new_tokens`` and γ (a bigger budget would run past the cache), and a metrics block for the same γ."""
+  if prompt_len_B.shape != state.length_B.shape:
+    raise ValueError(f"prompt_len_B {prompt_len_B.shape} does not match the state's rows {state.length_B.shape}")
+  cache_len = state.tokens_BxS.shape[1]
+  if state.prompt_width + max_new_tokens + draft_slots != cache_len:
+    raise ValueError(f"state has {cache_len} slots for prompt width {state.prompt_width}: it was prefilled for "
+                     f"{cache_len - state.prompt_width - draft_slots} new tokens, decoding asks for {max_new_tokens} "
+                     "(prefill and decode need the same max_new_tokens and gamma)")
+  if gamma is not None and state.metrics.accepted_per_position_BxG.shape[1] != gamma:
+    raise ValueError(f"state was prefilled for gamma = {state.metrics.accepted_per_position_BxG.shape[1]}, "
+                     f"decoding with gamma = {gamma}")
+
+
 AUTOREGRESSIVE_STATIC = ("config", "max_new_tokens", "sampler", "stop_ids", "pad_id", "cache_sharding")
+AUTOREGRESSIVE_PREFILL_STATIC = ("config", "max_new_tokens", "cache_sharding")
 
 
-def autoregressive_program(target_params, keys_B, tokens_BxP, prompt_len_B, *, config, max_new_tokens: int,
-                            sampler: sampling.Sampler = sampling.Sampler(), stop_ids: tuple[int, ...] = (),
-                            pad_id: int = 0, cache_sharding=None) -> DecodeOutput:
-  """The baseline: prefill, then one target step per token (``lax.while_loop``). Row keys as in the speculative
-  loop, so the autoregressive law per row is directly comparable."""
+def autoregressive_prefill(target_params, tokens_BxP, prompt_len_B, *, config, max_new_tokens: int,
+                           cache_sharding=None) -> DecodeState:
+  """Phase 1 of the baseline: checks, then one target forward over the prompt width into a fresh cache of
+  ``S = P + max_new_tokens + 1`` slots. Returns the loop's initial state (``length_B = prompt_len_B``)."""
   cache_len = tokens_BxP.shape[1] + max_new_tokens + 1
   _check_common(config, tokens_BxP, prompt_len_B, max_new_tokens, cache_len)
-  module = decoder_lib.Decoder(config)
   batch = tokens_BxP.shape[0]
   tokens_BxS, cache = _init(config, target_params, tokens_BxP, prompt_len_B, cache_len, cache_sharding)
+  return DecodeState(tokens_BxS, prompt_len_B, jnp.zeros((batch,), bool), cache, None, jnp.int32(0),
+                     DecodeMetrics.zeros(batch, 0), prompt_width=tokens_BxP.shape[1])
+
+
+def autoregressive_decode(target_params, keys_B, state: DecodeState, prompt_len_B, *, config, max_new_tokens: int,
+                          sampler: sampling.Sampler = sampling.Sampler(), stop_ids: tuple[int, ...] = (),
+                          pad_id: int = 0, cache_sharding=None) -> DecodeOutput:
+  """Phase 2 of the baseline: one target step per token (``lax.while_loop``) from a prefilled ``state``."""
+  del cache_sharding  # the caches in ``state`` already carry their layout
+  module = decoder_lib.Decoder(config)
+  batch, cache_len = state.tokens_BxS.shape
+  _check_state(state, prompt_len_B, max_new_tokens, 1, None)
   rows_B = jnp.arange(batch)
-  init = DecodeState(tokens_BxS, prompt_len_B, jnp.zeros((batch,), bool), cache, None, jnp.int32(0),
-                     DecodeMetrics.zeros(batch, 0))
 
   def body(carry):
     state, stopped_B = carry
@@ -187,31 +215,42 @@ def autoregressive_program(target_params, keys_B, tokens_BxP, prompt_len_B, *, c
     m = state.metrics
     metrics = m.replace(num_emitted_tokens=m.num_emitted_tokens + kept_B,
                         invalid_prob_rows=m.invalid_prob_rows + (distribution_errors(probs_BxV) != 0))
-    new_state = DecodeState(tokens_BxS, length_B, done_B, cache, None, state.iteration + 1, metrics)
+    new_state = state.replace(tokens_BxS=tokens_BxS, length_B=length_B, done_B=done_B, target_cache=cache,
+                              iteration=state.iteration + 1, metrics=metrics)
     return new_state, stopped_B | stop_B
 
-  state, stopped_B = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done_B), body, (init, jnp.zeros((batch,), bool)))
+  state, stopped_B = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done_B), body, (state, jnp.zeros((batch,), bool)))
   return _output(state, prompt_len_B, max_new_tokens, pad_id, stopped_B)
 
 
-#: The compiled autoregressive loop.
+def autoregressive_program(target_params, keys_B, tokens_BxP, prompt_len_B, *, config, max_new_tokens: int,
+                           sampler: sampling.Sampler = sampling.Sampler(), stop_ids: tuple[int, ...] = (),
+                           pad_id: int = 0, cache_sharding=None) -> DecodeOutput:
+  """The baseline: prefill, then one target step per token (``lax.while_loop``). Row keys as in the speculative
+  loop, so the autoregressive law per row is directly comparable. Exactly the composition of
+  :func:`autoregressive_prefill` and :func:`autoregressive_decode` (which a caller can compile and time apart)."""
+  state = autoregressive_prefill(target_params, tokens_BxP, prompt_len_B, config=config,
+                                 max_new_tokens=max_new_tokens, cache_sharding=cache_sharding)
+  return autoregressive_decode(target_params, keys_B, state, prompt_len_B, config=config,
+                               max_new_tokens=max_new_tokens, sampler=sampler, stop_ids=stop_ids, pad_id=pad_id)
+
+
+#: The compiled autoregressive loop, and its two phases compiled apart (no donation: the output cannot alias the
+#: caches, and copying a state into the loop's carry once is noise next to the loop).
 generate_autoregressive = jax.jit(autoregressive_program, static_argnames=AUTOREGRESSIVE_STATIC)
+prefill_autoregressive = jax.jit(autoregressive_prefill, static_argnames=AUTOREGRESSIVE_PREFILL_STATIC)
+decode_autoregressive = jax.jit(autoregressive_decode, static_argnames=AUTOREGRESSIVE_STATIC)
 
 
 SPECULATIVE_STATIC = ("config", "drafter", "gamma", "max_new_tokens", "verifier", "sampler", "stop_ids", "pad_id",
                       "cache_sharding")
+SPECULATIVE_PREFILL_STATIC = ("config", "drafter", "gamma", "max_new_tokens", "cache_sharding")
 
 
-def speculative_program(target_params, drafter_params, keys_B, tokens_BxP, prompt_len_B, *, config,
-                         drafter: Drafter, gamma: int, max_new_tokens: int, verifier: Verifier | str = "block",
-                         sampler: sampling.Sampler = sampling.Sampler(), stop_ids: tuple[int, ...] = (),
-                         pad_id: int = 0, cache_sharding=None) -> DecodeOutput:
-  """Speculative decoding of ``max_new_tokens`` per row in one compiled program. See the module docstring.
-
-  Lossless for lossless verifiers: every row's tokens have the target's law under ``sampler``, because drafter and
-  target rows both come from ``sampler.probs`` and the draft is sampled from exactly the rows passed as ``q``.
-  """
-  verifier = get_verifier(verifier)
+def speculative_prefill(target_params, drafter_params, tokens_BxP, prompt_len_B, *, config, drafter: Drafter,
+                        gamma: int, max_new_tokens: int, cache_sharding=None) -> DecodeState:
+  """Phase 1: checks (γ, vocabularies, cache room), then the target's and the drafter's forward over the prompt
+  width into caches of ``S = P + max_new_tokens + γ + 1`` slots. Returns the loop's initial state."""
   if gamma < 1:
     raise ValueError(f"block length gamma must be >= 1, got {gamma}")
   drafter_vocab = getattr(getattr(drafter, "config", None), "vocab_size", config.vocab_size)
@@ -224,13 +263,25 @@ def speculative_program(target_params, drafter_params, keys_B, tokens_BxP, promp
   if cache_len > drafter_max:
     raise ValueError(f"prompt too long for the drafter's cache: needs {cache_len} positions, drafter max_len is "
                      f"{drafter_max}")
-  module = decoder_lib.Decoder(config)
   batch = tokens_BxP.shape[0]
   tokens_BxS, cache = _init(config, target_params, tokens_BxP, prompt_len_B, cache_len, cache_sharding)
   drafter_state = constrain_caches(drafter.init_state(drafter_params, tokens_BxP, prompt_len_B, cache_len),
                                    cache_sharding)
-  init = DecodeState(tokens_BxS, prompt_len_B, jnp.zeros((batch,), bool), cache, drafter_state, jnp.int32(0),
-                     DecodeMetrics.zeros(batch, gamma))
+  return DecodeState(tokens_BxS, prompt_len_B, jnp.zeros((batch,), bool), cache, drafter_state, jnp.int32(0),
+                     DecodeMetrics.zeros(batch, gamma), prompt_width=tokens_BxP.shape[1])
+
+
+def speculative_decode(target_params, drafter_params, keys_B, state: DecodeState, prompt_len_B, *, config,
+                       drafter: Drafter, gamma: int, max_new_tokens: int, verifier: Verifier | str = "block",
+                       sampler: sampling.Sampler = sampling.Sampler(), stop_ids: tuple[int, ...] = (),
+                       pad_id: int = 0, cache_sharding=None) -> DecodeOutput:
+  """Phase 2: the speculative ``lax.while_loop`` from a state made by :func:`speculative_prefill` with the same
+  ``config``, ``drafter``, ``gamma`` and ``max_new_tokens``. See the module docstring."""
+  del cache_sharding  # the caches in ``state`` already carry their layout
+  verifier = get_verifier(verifier)
+  module = decoder_lib.Decoder(config)
+  batch, cache_len = state.tokens_BxS.shape
+  _check_state(state, prompt_len_B, max_new_tokens, gamma + 1, gamma)
   rows_B = jnp.arange(batch)
 
   def body(carry):
@@ -270,15 +321,36 @@ def speculative_program(target_params, drafter_params, keys_B, tokens_BxP, promp
         num_emitted_tokens=m.num_emitted_tokens + kept_B,
         expected_accepted=m.expected_accepted + jnp.where(active_B, jnp.sum(result.acceptance_probs, axis=1), 0.0),
         invalid_prob_rows=m.invalid_prob_rows + jnp.where(active_B, bad_rows_B, 0))
-    new_state = DecodeState(tokens_BxS, length_B, done_B, cache, drafter_state, state.iteration + 1, metrics)
+    new_state = state.replace(tokens_BxS=tokens_BxS, length_B=length_B, done_B=done_B, target_cache=cache,
+                              drafter_state=drafter_state, iteration=state.iteration + 1, metrics=metrics)
     return new_state, stopped_B | stop_B
 
-  state, stopped_B = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done_B), body, (init, jnp.zeros((batch,), bool)))
+  state, stopped_B = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done_B), body, (state, jnp.zeros((batch,), bool)))
   return _output(state, prompt_len_B, max_new_tokens, pad_id, stopped_B)
+
+
+def speculative_program(target_params, drafter_params, keys_B, tokens_BxP, prompt_len_B, *, config,
+                        drafter: Drafter, gamma: int, max_new_tokens: int, verifier: Verifier | str = "block",
+                        sampler: sampling.Sampler = sampling.Sampler(), stop_ids: tuple[int, ...] = (),
+                        pad_id: int = 0, cache_sharding=None) -> DecodeOutput:
+  """Speculative decoding of ``max_new_tokens`` per row in one compiled program: exactly the composition of
+  :func:`speculative_prefill` and :func:`speculative_decode` (which a caller can compile and time apart).
+
+  Lossless for lossless verifiers: every row's tokens have the target's law under ``sampler``, because drafter and
+  target rows both come from ``sampler.probs`` and the draft is sampled from exactly the rows passed as ``q``.
+  """
+  state = speculative_prefill(target_params, drafter_params, tokens_BxP, prompt_len_B, config=config,
+                              drafter=drafter, gamma=gamma, max_new_tokens=max_new_tokens,
+                              cache_sharding=cache_sharding)
+  return speculative_decode(target_params, drafter_params, keys_B, state, prompt_len_B, config=config,
+                            drafter=drafter, gamma=gamma, max_new_tokens=max_new_tokens, verifier=verifier,
+                            sampler=sampler, stop_ids=stop_ids, pad_id=pad_id)
 
 
 #: The compiled speculative loop (one device or default placement). For meshes see ``blockspec_jax.parallel``.
 generate_speculative = jax.jit(speculative_program, static_argnames=SPECULATIVE_STATIC)
+prefill_speculative = jax.jit(speculative_prefill, static_argnames=SPECULATIVE_PREFILL_STATIC)
+decode_speculative = jax.jit(speculative_decode, static_argnames=SPECULATIVE_STATIC)
 
 
 def summarize_metrics(metrics: DecodeMetrics) -> dict:
