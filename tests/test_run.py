@@ -23,7 +23,7 @@ def test_main_job_on_smollm2(tmp_path, capsys):
   report = run.run_job(target="smollm2-135m", drafter="smollm2-135m", num_prompts=2, gamma=3, temperatures=(0.0,),
                        max_new_tokens=12, output_json=str(out), show_text=True)
   printed = capsys.readouterr().out
-  assert "block efficiency" in printed and "--- block@T=0.0 ---" in printed
+  assert "block efficiency" in printed and "--- block@T=0.0 ---" in printed and "dec tok/s" in printed
   saved = json.loads(out.read_text())
   assert saved["results"] == json.loads(json.dumps(report["results"]))
   by_method = {r["method"]: r for r in report["results"]}
@@ -31,8 +31,10 @@ def test_main_job_on_smollm2(tmp_path, capsys):
   for name in ("token", "block"):
     r = by_method[name]
     for field in ("block_efficiency", "draft_acceptance_rate", "acceptance_per_position", "target_calls",
-                  "tokens_generated", "wall_s", "tokens_per_s", "speedup"):
+                  "tokens_generated", "wall_s", "tokens_per_s", "speedup", "prefill_s", "decode_s",
+                  "decode_tokens_per_s", "decode_speedup"):
       assert field in r
+    assert r["wall_s"] == pytest.approx(r["prefill_s"] + r["decode_s"]) and 0 < r["prefill_s"] < r["wall_s"]
     assert r["block_efficiency"] == pytest.approx(4.0)  # drafter = target at T = 0: every draft token accepted
     assert r["invalid_prob_rows"] == 0
   # Greedy: the same text from every method (speculative decoding is lossless; the drafter is the target here).
