@@ -1,0 +1,74 @@
+"""bench_peer's arithmetic on synthetic worker reports: baselines, ideals, verdicts, drift, fastest γ, (b), (c), bf16."""
+
+import pytest
+
+from blockspec_jax.eval import bench_peer
+
+
+def _row(method, t, gamma, tokens_per_s, decode_tokens_per_s, be=None, repeat=0):
+  row = dict(method=method, temperature=t, gamma=gamma, repeat=repeat, tokens_per_s=tokens_per_s,
+             decode_tokens_per_s=decode_tokens_per_s, prefill_s=1.0, tokens_generated=96, target_calls=40,
+             wall_s=96 / tokens_per_s)
+  if be is not None:
+    row["block_efficiency"] = be
+  return row
+
+
+def _ours(dtype="float32", scale=1.0):
+  # c = 100 / 250 = 0.4; v(γ) = 1.2 for γ = 2 (3-token pass 300 ms / 250 ms), 1.4 for γ = 4.
+  return dict(engine="ours", dtype=dtype, position=180, prompt_ids=[[1, 2]], stop_ids=[7],
+              target_forward_ms={"1": 250.0, "3": 300.0, "5": 350.0}, drafter_forward_ms=100.0, peak_rss_gb=9.0,
+              results=[
+                  _row("autoregressive", 1.0, None, 2.0 * scale, 2.5 * scale),
+                  _row("token", 1.0, 2, 2.35 * scale, 3.0 * scale, be=2.2),
+                  _row("block", 1.0, 2, 2.2 * scale, 3.2 * scale, be=2.4),
+                  _row("token", 1.0, 4, 2.1 * scale, 2.9 * scale, be=2.6),
+                  _row("block", 1.0, 4, 2.3 * scale, 3.4 * scale, be=2.9),
+                  _row("autoregressive", 1.0, None, 1.6 * scale, 2.0 * scale, repeat=1),
+              ])
+
+
+def test_analyse_figures_and_verdicts():
+  hf = dict(engine="hf", prompt_ids=[[1, 2]], stop_ids=[7], peak_rss_gb=8.0, results=[
+      dict(method="autoregressive", temperature=1.0, gamma=None, tokens_per_s=1.5, tokens_generated=96,
+           target_calls=96, wall_s=64.0),
+      dict(method="assisted", temperature=1.0, gamma=4, tokens_per_s=1.5, block_efficiency=2.5, tokens_generated=96,
+           target_calls=38, wall_s=64.0)])
+  bf16 = _ours("bfloat16", scale=0.5)
+  out = bench_peer.analyse(_ours(), bf16, hf)
+  costs, checks = out["costs"], out["checks"]
+  assert costs["float32"]["c"] == pytest.approx(0.4)
+  assert costs["float32"]["v"] == pytest.approx({1: 1.0, 3: 1.2, 5: 1.4})
+  block4 = next(r for r in out["rows"] if r["engine"] == "ours-f32" and r["method"] == "block" and r["gamma"] == 4)
+  # Baselines: the faster autoregressive pass (2.0 end to end, 2.5 decode), not the slower one after the sweep.
+  assert block4["speedup"] == pytest.approx(2.3 / 2.0)
+  assert block4["decode_speedup"] == pytest.approx(3.4 / 2.5)
+  assert block4["ideal"] == pytest.approx(2.9 / (1 + 4 * 0.4))
+  assert block4["ideal_refined"] == pytest.approx(2.9 / (4 * 0.4 + 1.4))
+  a2, a4 = sorted(checks["a"], key=lambda a: a["gamma"])
+  assert a4["decode_ratio"] == pytest.approx((3.4 / 2.5) / (2.9 / 2.6)) and a4["decode_passed"] and a4["passed"]
+  # γ = 2: ideal 2.4 / 1.8 = 1.33; decode phase 1.28 (96%) passes, end to end 1.10 (82.5%) misses.
+  assert a2["ratio"] == pytest.approx(0.825) and not a2["passed"]
+  assert a2["decode_ratio"] == pytest.approx(0.96) and a2["decode_passed"]
+  assert checks["drift"]["1.0"] == dict(tokens_per_s=[2.0, 1.6], decode_tokens_per_s=[2.5, 2.0])
+  fastest = checks["fastest"]["1.0"]
+  assert (fastest["gamma"], fastest["method"]) == (2, "token")
+  assert (fastest["decode_gamma"], fastest["decode_method"]) == (4, "block")
+  assert [(c["gamma"], c["passed"]) for c in checks["c"]] == [(2, True), (4, True)]
+  assert checks["c"][1]["gain"] == pytest.approx(2.9 / 2.6 - 1)
+  (b,) = checks["b"]
+  assert b["ratio"] == pytest.approx(2.3 / 1.5) and b["passed"]
+  # bf16 rows pair with the f32 row of the same method, γ and pass.
+  ar_again = next(x for x in checks["bf16"] if x["method"] == "autoregressive" and x["repeat"] == 1)
+  assert ar_again["bf16"] == pytest.approx(0.8) and ar_again["ratio"] == pytest.approx(0.5)
+  assert len(checks["bf16"]) == 6
+
+
+def test_report_prints(capsys):
+  args = bench_peer.parse_args(["--quick"])
+  ours = _ours()
+  out = bench_peer.analyse(ours, {}, {})
+  bench_peer.print_report(out, ours, {}, {}, args)
+  printed = capsys.readouterr().out
+  assert "drift at T=1" in printed and "(a) T=1 γ=4: decode phase 1.36x" in printed
+  assert "autoregressive (again)" in printed and "c = 0.400" in printed
