@@ -489,16 +489,19 @@ def main(argv=None) -> int:
                                    "--temperatures", str(args.temperatures[0])], tmp)
     if "hf" in args.engines:
       hf = _spawn("hf", args, [], tmp)
+  config = {k: v for k, v in vars(args).items() if k not in ("worker", "worker_out")}
+  workers = dict(ours=ours, bf16=bf16, hf=hf)
+  path = pathlib.Path(args.json) if args.json else None
+  if path:  # the raw measurements first: an hour of work survives a failure in the analysis below
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(config=config, estimate_s=est, workers=workers), indent=2))
   analysis = analyse(ours, bf16, hf)
   print_report(analysis, ours, bf16, hf, args)
   total = time.perf_counter() - start
   print(f"total runtime {total:.0f} s (estimated {est['total']:.0f} s)")
-  if args.json:
-    path = pathlib.Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(config={k: v for k, v in vars(args).items() if k not in ("worker", "worker_out")},
-                                    estimate_s=est, total_s=total, workers=dict(ours=ours, bf16=bf16, hf=hf),
-                                    **analysis), indent=2))
+  if path:
+    path.write_text(json.dumps(dict(config=config, estimate_s=est, total_s=total, workers=workers, **analysis),
+                               indent=2))
     print(f"wrote {path}")
   return 0 if (ours or bf16 or hf) else 1
 
