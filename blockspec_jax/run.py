@@ -58,19 +58,19 @@ def encode_prompts(model: hub.LoadedModel, rows, chat: bool = True) -> list[list
 
 
 def _phases(method: str, target, drafter, gamma: int, max_new_tokens: int, sampler, stop_ids):
-  """The method's two compiled phases: ``prefill(tokens, lens) -> state`` and ``decode(keys, state, lens) ->
+  """The method's two compiled phases: ``prefill(tokens, lens) -> state`` and ``decode(keys, state) ->
   DecodeOutput`` (together exactly ``generate_autoregressive`` / ``generate_speculative``)."""
   tp = target.params["params"]
   if method == "autoregressive":
     common = dict(config=target.config, max_new_tokens=max_new_tokens)
     return (lambda tokens, lens: spec.prefill_autoregressive(tp, tokens, lens, **common),
-            lambda keys, state, lens: spec.decode_autoregressive(tp, keys, state, lens, sampler=sampler,
-                                                                 stop_ids=stop_ids, **common))
+            lambda keys, state: spec.decode_autoregressive(tp, keys, state, sampler=sampler, stop_ids=stop_ids,
+                                                           **common))
   dp = drafter.params["params"]
   common = dict(config=target.config, drafter=ModelDrafter(drafter.config), gamma=gamma, max_new_tokens=max_new_tokens)
   return (lambda tokens, lens: spec.prefill_speculative(tp, dp, tokens, lens, **common),
-          lambda keys, state, lens: spec.decode_speculative(tp, dp, keys, state, lens, verifier=method,
-                                                            sampler=sampler, stop_ids=stop_ids, **common))
+          lambda keys, state: spec.decode_speculative(tp, dp, keys, state, verifier=method, sampler=sampler,
+                                                      stop_ids=stop_ids, **common))
 
 
 def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tokens, temperature, seed, stop_ids):
@@ -90,7 +90,7 @@ def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tok
     start = time.perf_counter()
     state = jax.block_until_ready(prefill(np.asarray([row], np.int32), lens))
     middle = time.perf_counter()
-    out = jax.block_until_ready(decode(keys, state, lens))
+    out = jax.block_until_ready(decode(keys, state))
     return out, middle - start, time.perf_counter() - middle
 
   one(jax.random.split(key, 1), padded[0], len(prompt_ids[0]))  # compile both phases once per method and T

@@ -173,7 +173,7 @@ def test_budget_reached_mid_block():
 
 def test_prefill_then_decode_equals_one_program():
   """The phases compiled apart (as the main job times them) give exactly the one-program output, metrics included;
-  a decode phase refuses a state prefilled for another budget or γ."""
+  a decode phase refuses a state prefilled for another budget or γ, and keys that are not one per row."""
   config, target, drafter = model_pair()
   keys = jax.random.split(jax.random.key(3), 4)
   t1 = sampling.Sampler(1.0)
@@ -182,19 +182,21 @@ def test_prefill_then_decode_equals_one_program():
   for verifier in ("token", "block"):
     whole = run_spec(config, target, drafter, PROMPTS, keys, 14, 3, verifier, t1)
     state = spec.prefill_speculative(target, drafter, tokens, lens, **common)
-    split = spec.decode_speculative(target, drafter, keys, state, lens, verifier=verifier, sampler=t1, **common)
+    split = spec.decode_speculative(target, drafter, keys, state, verifier=verifier, sampler=t1, **common)
     jax.tree.map(np.testing.assert_array_equal, split, whole)
   whole = run_ar(config, target, PROMPTS, keys, 9, t1)
   state = spec.prefill_autoregressive(target, tokens, lens, config=config, max_new_tokens=9)
-  split = spec.decode_autoregressive(target, keys, state, lens, config=config, max_new_tokens=9, sampler=t1)
+  split = spec.decode_autoregressive(target, keys, state, config=config, max_new_tokens=9, sampler=t1)
   jax.tree.map(np.testing.assert_array_equal, split, whole)
   state = spec.prefill_speculative(target, drafter, tokens, lens, **common)
   with pytest.raises(ValueError, match="prefilled for 14 new tokens, decoding asks for 20"):
-    spec.decode_speculative(target, drafter, keys, state, lens, **dict(common, max_new_tokens=20))
+    spec.decode_speculative(target, drafter, keys, state, **dict(common, max_new_tokens=20))
   with pytest.raises(ValueError, match="prefilled for gamma = 3, decoding with gamma = 2"):
-    spec.decode_speculative(target, drafter, keys, state, lens, **dict(common, gamma=2, max_new_tokens=15))
-  with pytest.raises(ValueError, match="does not match the state's rows"):
-    spec.decode_speculative(target, drafter, keys, state, lens[:2], **common)
+    spec.decode_speculative(target, drafter, keys, state, **dict(common, gamma=2, max_new_tokens=15))
+  with pytest.raises(ValueError, match=r"keys_B must hold one key per row, shape \(4,\); got \(2,\)"):
+    spec.decode_speculative(target, drafter, keys[:2], state, **common)
+  with pytest.raises(ValueError, match="one key per row"):
+    spec.generate_autoregressive(target, keys[:3], tokens, lens, config=config, max_new_tokens=9)
 
 
 def test_errors():

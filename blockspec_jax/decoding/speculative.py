@@ -32,7 +32,7 @@ from blockspec_jax.verify import Verifier, distribution_errors, get_verifier
 __all__ = ["DecodeMetrics", "DecodeState", "DecodeOutput", "prepare_prompts", "autoregressive_prefill",
            "autoregressive_decode", "autoregressive_program", "speculative_prefill", "speculative_decode",
            "speculative_program", "generate_autoregressive", "generate_speculative", "prefill_autoregressive",
-           "decode_autoregressive", "prefill_speculative", "decode_speculative", "AUTOREGRESSIVE_STATIC",
+           "decode_autoregressive", "prefill_speculative", "decode_speculative", "draft_and_score", "AUTOREGRESSIVE_STATIC",
            "AUTOREGRESSIVE_PREFILL_STATIC", "SPECULATIVE_STATIC", "SPECULATIVE_PREFILL_STATIC",
            "summarize_metrics"]
 
@@ -63,6 +63,7 @@ class DecodeState:
   drafter_state: Any      # drafter-specific (None for autoregressive)
   iteration: jax.Array    # int32 []
   metrics: DecodeMetrics
+  prompt_len_B: jax.Array  # int32 [B]  prompt lengths (fixed: generated = length_B − prompt_len_B)
   prompt_width: int = struct.field(pytree_node=False, default=0)  # P: static, lets a decode phase check its state
 
 
@@ -149,7 +150,8 @@ def _init(config, target_params, tokens_BxP, prompt_len_B, cache_len, cache_shar
   return tokens_BxS, cache
 
 
-def _output(state: DecodeState, prompt_len_B, max_new_tokens: int, pad_id: int, stopped_B) -> DecodeOutput:
+def _output(state: DecodeState, max_new_tokens: int, pad_id: int, stopped_B) -> DecodeOutput:
+  prompt_len_B = state.prompt_len_B
   rows_B = jnp.arange(state.tokens_BxS.shape[0])
   index_N = jnp.arange(max_new_tokens)
   slots_BxN = jnp.minimum(prompt_len_B[:, None] + index_N[None, :], state.tokens_BxS.shape[1] - 1)
@@ -158,11 +160,12 @@ def _output(state: DecodeState, prompt_len_B, max_new_tokens: int, pad_id: int, 
   return DecodeOutput(tokens_BxN, num_B, stopped_B, state.iteration, state.metrics)
 
 
-def _check_state(state: DecodeState, prompt_len_B, max_new_tokens: int, draft_slots: int, gamma) -> None:
-  """A decode phase must get the state its own prefill made: same rows, a cache sized for the same
-  ``max_new_tokens`` and γ (a bigger budget would run past the cache), and a metrics block for the same γ."""
-  if prompt_len_B.shape != state.length_B.shape:
-    raise ValueError(f"prompt_len_B {prompt_len_B.shape} does not match the state's rows {state.length_B.shape}")
+def _check_state(state: DecodeState, keys_B, max_new_tokens: int, draft_slots: int, gamma) -> None:
+  """A decode phase must get the state its own prefill made: a cache sized for the same ``max_new_tokens`` and γ
+  (a bigger budget would run past the cache) and a metrics block for the same γ. (The prompts' lengths travel in
+  the state, so they cannot disagree with the prefill.) One key per row."""
+  if keys_B.shape != state.length_B.shape:
+    raise ValueError(f"keys_B must hold one key per row, shape {state.length_B.shape}; got {keys_B.shape}")
   cache_len = state.tokens_BxS.shape[1]
   if state.prompt_width + max_new_tokens + draft_slots != cache_len:
     raise ValueError(f"state has {cache_len} slots for prompt width {state.prompt_width}: it was prefilled for "
@@ -186,17 +189,17 @@ def autoregressive_prefill(target_params, tokens_BxP, prompt_len_B, *, config, m
   batch = tokens_BxP.shape[0]
   tokens_BxS, cache = _init(config, target_params, tokens_BxP, prompt_len_B, cache_len, cache_sharding)
   return DecodeState(tokens_BxS, prompt_len_B, jnp.zeros((batch,), bool), cache, None, jnp.int32(0),
-                     DecodeMetrics.zeros(batch, 0), prompt_width=tokens_BxP.shape[1])
+                     DecodeMetrics.zeros(batch, 0), prompt_len_B, prompt_width=tokens_BxP.shape[1])
 
 
-def autoregressive_decode(target_params, keys_B, state: DecodeState, prompt_len_B, *, config, max_new_tokens: int,
+def autoregressive_decode(target_params, keys_B, state: DecodeState, *, config, max_new_tokens: int,
                           sampler: sampling.Sampler = sampling.Sampler(), stop_ids: tuple[int, ...] = (),
                           pad_id: int = 0, cache_sharding=None) -> DecodeOutput:
   """Phase 2 of the baseline: one target step per token (``lax.while_loop``) from a prefilled ``state``."""
   del cache_sharding  # the caches in ``state`` already carry their layout
   module = decoder_lib.Decoder(config)
   batch, cache_len = state.tokens_BxS.shape
-  _check_state(state, prompt_len_B, max_new_tokens, 1, None)
+  _check_state(state, keys_B, max_new_tokens, 1, None)
   rows_B = jnp.arange(batch)
 
   def body(carry):
@@ -208,7 +211,7 @@ def autoregressive_decode(target_params, keys_B, state: DecodeState, prompt_len_
     probs_BxV = sampler.probs(logits_Bx1xV[:, 0])
     step_keys_B = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_B, state.iteration)
     next_B = jax.vmap(sampling.sample)(step_keys_B, probs_BxV)
-    generated_B = state.length_B - prompt_len_B
+    generated_B = state.length_B - state.prompt_len_B
     tokens_BxS, length_B, done_B, kept_B, stop_B = _commit(
         state.tokens_BxS, state.length_B, state.done_B, next_B[:, None], jnp.ones((batch,), jnp.int32),
         generated_B, max_new_tokens, stop_ids)
@@ -220,7 +223,7 @@ def autoregressive_decode(target_params, keys_B, state: DecodeState, prompt_len_
     return new_state, stopped_B | stop_B
 
   state, stopped_B = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done_B), body, (state, jnp.zeros((batch,), bool)))
-  return _output(state, prompt_len_B, max_new_tokens, pad_id, stopped_B)
+  return _output(state, max_new_tokens, pad_id, stopped_B)
 
 
 def autoregressive_program(target_params, keys_B, tokens_BxP, prompt_len_B, *, config, max_new_tokens: int,
@@ -231,7 +234,7 @@ def autoregressive_program(target_params, keys_B, tokens_BxP, prompt_len_B, *, c
   :func:`autoregressive_prefill` and :func:`autoregressive_decode` (which a caller can compile and time apart)."""
   state = autoregressive_prefill(target_params, tokens_BxP, prompt_len_B, config=config,
                                  max_new_tokens=max_new_tokens, cache_sharding=cache_sharding)
-  return autoregressive_decode(target_params, keys_B, state, prompt_len_B, config=config,
+  return autoregressive_decode(target_params, keys_B, state, config=config,
                                max_new_tokens=max_new_tokens, sampler=sampler, stop_ids=stop_ids, pad_id=pad_id)
 
 
@@ -268,10 +271,31 @@ def speculative_prefill(target_params, drafter_params, tokens_BxP, prompt_len_B,
   drafter_state = constrain_caches(drafter.init_state(drafter_params, tokens_BxP, prompt_len_B, cache_len),
                                    cache_sharding)
   return DecodeState(tokens_BxS, prompt_len_B, jnp.zeros((batch,), bool), cache, drafter_state, jnp.int32(0),
-                     DecodeMetrics.zeros(batch, gamma), prompt_width=tokens_BxP.shape[1])
+                     DecodeMetrics.zeros(batch, gamma), prompt_len_B, prompt_width=tokens_BxP.shape[1])
 
 
-def speculative_decode(target_params, drafter_params, keys_B, state: DecodeState, prompt_len_B, *, config,
+def draft_and_score(target_params, drafter_params, state: DecodeState, draft_keys_BxG, *, module, drafter: Drafter,
+                    gamma: int, sampler: sampling.Sampler):
+  """The first half of a speculative iteration: the drafter proposes ``X_1..X_γ`` after each row's committed
+  tokens (with the rows ``q`` they were drawn from), then the target scores ``[last committed, X_1..X_γ]`` at
+  positions ``length−1 .. length+γ−1`` in one pass.
+
+  Returns ``(drafter_state, draft_BxG int32, q_BxGxV f32, p_BxG1xV f32, target_cache)``: ``p`` row ``i`` is the
+  target's law (after ``sampler``) given the committed tokens and ``X_1..X_i``. Pure: ``state`` is not consumed, so
+  several drafts can be scored from one state (``blockspec_jax.eval.paired``).
+  """
+  rows_B = jnp.arange(state.tokens_BxS.shape[0])
+  cache_len = state.tokens_BxS.shape[1]
+  drafter_state, draft_BxG, q_BxGxV = drafter.propose(drafter_params, state.drafter_state, state.tokens_BxS,
+                                                      state.length_B, draft_keys_BxG, gamma, sampler)
+  positions_BxG1 = state.length_B[:, None] - 1 + jnp.arange(gamma + 1)[None, :]
+  last_B = state.tokens_BxS[rows_B, state.length_B - 1]
+  inputs_BxG1 = jnp.concatenate([last_B[:, None], draft_BxG], axis=1)
+  logits_BxG1xV, cache = feed(module, target_params, inputs_BxG1, positions_BxG1, state.target_cache, cache_len)
+  return drafter_state, draft_BxG, q_BxGxV, sampler.probs(logits_BxG1xV), cache
+
+
+def speculative_decode(target_params, drafter_params, keys_B, state: DecodeState, *, config,
                        drafter: Drafter, gamma: int, max_new_tokens: int, verifier: Verifier | str = "block",
                        sampler: sampling.Sampler = sampling.Sampler(), stop_ids: tuple[int, ...] = (),
                        pad_id: int = 0, cache_sharding=None) -> DecodeOutput:
@@ -280,8 +304,8 @@ def speculative_decode(target_params, drafter_params, keys_B, state: DecodeState
   del cache_sharding  # the caches in ``state`` already carry their layout
   verifier = get_verifier(verifier)
   module = decoder_lib.Decoder(config)
-  batch, cache_len = state.tokens_BxS.shape
-  _check_state(state, prompt_len_B, max_new_tokens, gamma + 1, gamma)
+  batch = state.tokens_BxS.shape[0]
+  _check_state(state, keys_B, max_new_tokens, gamma + 1, gamma)
   rows_B = jnp.arange(batch)
 
   def body(carry):
@@ -290,19 +314,14 @@ def speculative_decode(target_params, drafter_params, keys_B, state: DecodeState
     split_Bx2 = jax.vmap(jax.random.split)(iter_keys_B)
     draft_keys_BxG = jax.vmap(lambda k: jax.random.split(k, gamma))(split_Bx2[:, 0])
     verify_keys_B = split_Bx2[:, 1]
-    drafter_state, draft_BxG, q_BxGxV = drafter.propose(drafter_params, state.drafter_state, state.tokens_BxS,
-                                                        state.length_B, draft_keys_BxG, gamma, sampler)
-    # Target pass over [last committed, X_1..X_γ] at positions length−1 .. length+γ−1.
-    positions_BxG1 = state.length_B[:, None] - 1 + jnp.arange(gamma + 1)[None, :]
-    last_B = state.tokens_BxS[rows_B, state.length_B - 1]
-    inputs_BxG1 = jnp.concatenate([last_B[:, None], draft_BxG], axis=1)
-    logits_BxG1xV, cache = feed(module, target_params, inputs_BxG1, positions_BxG1, state.target_cache, cache_len)
-    p_BxG1xV = sampler.probs(logits_BxG1xV)
+    drafter_state, draft_BxG, q_BxGxV, p_BxG1xV, cache = draft_and_score(
+        target_params, drafter_params, state, draft_keys_BxG, module=module, drafter=drafter, gamma=gamma,
+        sampler=sampler)
     result = verifier.batch(verify_keys_B, draft_BxG, q_BxGxV, p_BxG1xV)
     tau_B = result.num_accepted
     block_BxG1 = jnp.concatenate([draft_BxG, jnp.zeros((batch, 1), jnp.int32)], axis=1)
     block_BxG1 = block_BxG1.at[rows_B, tau_B].set(result.next_token)
-    generated_B = state.length_B - prompt_len_B
+    generated_B = state.length_B - state.prompt_len_B
     tokens_BxS, length_B, done_B, kept_B, stop_B = _commit(
         state.tokens_BxS, state.length_B, state.done_B, block_BxG1, tau_B + 1, generated_B, max_new_tokens,
         stop_ids)
@@ -326,7 +345,7 @@ def speculative_decode(target_params, drafter_params, keys_B, state: DecodeState
     return new_state, stopped_B | stop_B
 
   state, stopped_B = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done_B), body, (state, jnp.zeros((batch,), bool)))
-  return _output(state, prompt_len_B, max_new_tokens, pad_id, stopped_B)
+  return _output(state, max_new_tokens, pad_id, stopped_B)
 
 
 def speculative_program(target_params, drafter_params, keys_B, tokens_BxP, prompt_len_B, *, config,
@@ -342,7 +361,7 @@ def speculative_program(target_params, drafter_params, keys_B, tokens_BxP, promp
   state = speculative_prefill(target_params, drafter_params, tokens_BxP, prompt_len_B, config=config,
                               drafter=drafter, gamma=gamma, max_new_tokens=max_new_tokens,
                               cache_sharding=cache_sharding)
-  return speculative_decode(target_params, drafter_params, keys_B, state, prompt_len_B, config=config,
+  return speculative_decode(target_params, drafter_params, keys_B, state, config=config,
                             drafter=drafter, gamma=gamma, max_new_tokens=max_new_tokens, verifier=verifier,
                             sampler=sampler, stop_ids=stop_ids, pad_id=pad_id)
 
