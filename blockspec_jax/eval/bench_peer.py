@@ -406,7 +406,8 @@ def print_report(analysis: dict, ours: dict, bf16: dict, hf: dict, args) -> None
   for b in checks["bf16"]:
     print(f"bf16 {b['method']}{' (again)' if b['repeat'] else ''} T={b['temperature']:g} γ={b['gamma'] or '-'}: "
           f"{b['bf16']:.2f} tok/s vs f32 {b['f32']:.2f} = {b['ratio']:.2f}x end to end, {b['decode_ratio']:.2f}x "
-          f"decode phase → {'pays' if b['ratio'] > 1.0 else 'does not pay'}")
+          f"decode phase → {'pays' if b['ratio'] > 1.0 else 'does not pay'} end to end, "
+          f"{'pays' if b['decode_ratio'] > 1.0 else 'does not pay'} in the decode phase")
   for name, rep in (("ours float32 (the main job's pair)", ours), ("ours bfloat16", bf16), ("transformers", hf)):
     if rep:
       extra = ""
