@@ -1,0 +1,180 @@
+"""Paired comparison of verification rules on real models: the same contexts, the same drafts, every rule and γ.
+
+Realised block efficiency (tokens per target call) from a few short decodes is a noisy figure: two rules decode
+different trajectories, and with ~30 drafts per run the standard error of BE is ±0.1–0.3, as large as the gain of
+block over token verification. This measures the gain with the noise of the trajectories taken out:
+
+* contexts: prompts, each extended by a prefix of a sample from the target (e.g. the autoregressive output at the
+  same temperature), so the contexts have the law speculative decoding meets them under;
+* one prefill of the contexts, then ``draws`` drafts of ``γ_max`` tokens per context from the drafter, each scored by
+  the target in one pass (:func:`blockspec_jax.decoding.speculative.draft_and_score`);
+* for every rule and every γ ≤ γ_max, the rule on the first γ tokens of the same draft (the first γ tokens of a
+  γ_max-token draft have exactly the law of a γ-token draft, and ``p`` rows 0..γ depend only on them): the
+  Rao–Blackwellised ``Σ_i P(τ ≥ i | X^i)`` (``VerifyResult.acceptance_probs``), an unbiased estimate of E[τ] given
+  the context. Block efficiency = 1 + E[τ].
+
+The paired difference (block − token) per context is averaged over draws; the standard error is taken over contexts
+(draws of one context share it, so they are not counted as independent).
+
+    python -m blockspec_jax.eval.paired [--target qwen2.5-coder-1.5b] [--drafter qwen2.5-coder-0.5b]
+        [--num-prompts 3] [--sample-tokens 32] [--positions 4] [--gamma 8] [--draws 8] [--temperature 1]
+        [--json results/paired.json]
+
+Contexts: the first ``--num-prompts`` shipped prompts (chat template, as the main job), each extended by the first
+0, n/k, 2n/k, … tokens (k = ``--positions``) of one autoregressive sample of n = ``--sample-tokens`` tokens from the
+target at ``--temperature``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from blockspec_jax import sampling
+from blockspec_jax.decoding import speculative as spec
+from blockspec_jax.drafters import ModelDrafter
+from blockspec_jax.drafters.base import Drafter
+from blockspec_jax.models import decoder as decoder_lib
+from blockspec_jax.verify import get_verifier
+
+__all__ = ["expected_accepted_table", "paired_acceptance", "summarize_paired"]
+
+
+def expected_accepted_table(target_params, drafter_params, keys_D, tokens_BxP, prompt_len_B, *, config,
+                            drafter: Drafter, gamma: int, sampler: sampling.Sampler,
+                            verifiers: tuple[str, ...] = ("token", "block")) -> jax.Array:
+  """``E_DxBxRxG`` f32: for draw d, context b, rule r and γ = g + 1, ``Σ_{i≤γ} P(τ ≥ i | X^i)`` on the first γ tokens
+  of draw d's draft. ``keys_D`` holds one key per draw; row b's draft in draw d uses ``fold_in(keys_D[d], b)``."""
+  rules = tuple(get_verifier(v) for v in verifiers)
+  module = decoder_lib.Decoder(config)
+  state = spec.speculative_prefill(target_params, drafter_params, tokens_BxP, prompt_len_B, config=config,
+                                   drafter=drafter, gamma=gamma, max_new_tokens=1)
+  batch = tokens_BxP.shape[0]
+
+  def one_draw(key):
+    row_keys_B = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(batch))
+    draft_keys_BxG = jax.vmap(lambda k: jax.random.split(k, gamma))(row_keys_B)
+    _, draft_BxG, q_BxGxV, p_BxG1xV, _ = spec.draft_and_score(
+        target_params, drafter_params, state, draft_keys_BxG, module=module, drafter=drafter, gamma=gamma,
+        sampler=sampler)
+    # acceptance_probs do not depend on the verifier's uniforms: any key gives the same table.
+    per_rule = [jnp.stack([jnp.sum(rule.batch(row_keys_B, draft_BxG[:, :g], q_BxGxV[:, :g],
+                                              p_BxG1xV[:, :g + 1]).acceptance_probs, axis=1)
+                           for g in range(1, gamma + 1)], axis=1) for rule in rules]
+    return jnp.stack(per_rule, axis=1)  # [B, R, G]
+
+  return jax.lax.map(one_draw, keys_D)
+
+
+_table = jax.jit(expected_accepted_table, static_argnames=("config", "drafter", "gamma", "sampler", "verifiers"))
+
+
+def paired_acceptance(target_params, drafter_params, contexts: Sequence[Sequence[int]], *, config,
+                      drafter: Drafter, gamma: int, temperature: float, draws: int, seed: int = 0,
+                      verifiers: tuple[str, ...] = ("token", "block")) -> np.ndarray:
+  """Ragged token-id ``contexts`` → the ``[draws, contexts, rules, γ]`` table of :func:`expected_accepted_table`."""
+  if gamma < 1 or draws < 1:
+    raise ValueError(f"gamma and draws must be >= 1, got gamma = {gamma}, draws = {draws}")
+  if not contexts or min(len(c) for c in contexts) < 1:
+    raise ValueError("every context needs at least one token")
+  tokens_BxP, prompt_len_B = spec.prepare_prompts([list(c) for c in contexts])
+  keys_D = jax.random.split(jax.random.key(seed), draws)
+  return np.asarray(_table(target_params, drafter_params, keys_D, tokens_BxP, prompt_len_B, config=config,
+                           drafter=drafter, gamma=gamma, sampler=sampling.Sampler(temperature=temperature),
+                           verifiers=tuple(verifiers)))
+
+
+def summarize_paired(table_DxBxRxG: np.ndarray, verifiers: tuple[str, ...] = ("token", "block")) -> list[dict]:
+  """Per γ: block efficiency (1 + mean E[τ]) per rule, and the last rule minus the first (gain, its standard error
+  over contexts, and the relative gain in block efficiency)."""
+  per_context_BxRxG = np.asarray(table_DxBxRxG, np.float64).mean(axis=0)
+  contexts = per_context_BxRxG.shape[0]
+  out = []
+  for g in range(per_context_BxRxG.shape[2]):
+    be = {v: 1.0 + float(per_context_BxRxG[:, r, g].mean()) for r, v in enumerate(verifiers)}
+    diff_B = per_context_BxRxG[:, -1, g] - per_context_BxRxG[:, 0, g]
+    stderr = float(diff_B.std(ddof=1) / np.sqrt(contexts)) if contexts > 1 else float("nan")
+    out.append(dict(gamma=g + 1, be=be, diff=float(diff_B.mean()), diff_stderr=stderr,
+                    gain=be[verifiers[-1]] / be[verifiers[0]] - 1, contexts=contexts,
+                    draws=int(table_DxBxRxG.shape[0])))
+  return out
+
+
+def build_contexts(prompt_ids: Sequence[Sequence[int]], samples: Sequence[Sequence[int]], positions: int) -> list:
+  """Each prompt extended by the first ``0, n/k, …, (k−1)n/k`` tokens of its sample (n = the sample's length)."""
+  contexts = []
+  for ids, sample in zip(prompt_ids, samples):
+    n = len(sample)
+    for j in sorted({(k * n) // positions for k in range(positions)}):
+      contexts.append(list(ids) + list(sample[:j]))
+  return contexts
+
+
+def main(argv=None) -> int:
+  from blockspec_jax import run
+  from blockspec_jax.eval import prompts as prompts_lib
+  from blockspec_jax.models import hub
+
+  ap = argparse.ArgumentParser(prog="python -m blockspec_jax.eval.paired", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+  ap.add_argument("--drafter", default="qwen2.5-coder-0.5b")
+  ap.add_argument("--prompts", default=str(prompts_lib.DEFAULT_PROMPTS))
+  ap.add_argument("--num-prompts", type=int, default=3)
+  ap.add_argument("--sample-tokens", type=int, default=32)
+  ap.add_argument("--positions", type=int, default=4)
+  ap.add_argument("--gamma", type=int, default=8, help="largest γ; every γ ≤ it is reported")
+  ap.add_argument("--draws", type=int, default=8)
+  ap.add_argument("--temperature", type=float, default=1.0)
+  ap.add_argument("--dtype", default="float32")
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--json", default="results/paired.json")
+  args = ap.parse_args(argv)
+  if args.positions < 1 or args.sample_tokens < 1:
+    ap.error("--positions and --sample-tokens must be >= 1")
+
+  start = time.perf_counter()
+  target = hub.load_model(args.target, args.dtype)
+  drafter = hub.load_model(args.drafter, args.dtype)
+  run.check_pair(target, drafter)
+  prompt_ids = run.encode_prompts(target, prompts_lib.load_prompts(args.prompts, limit=args.num_prompts), chat=True)
+  tokens_BxP, prompt_len_B = spec.prepare_prompts(prompt_ids)
+  keys_B = jax.random.split(jax.random.key(args.seed + 1), len(prompt_ids))
+  out = spec.generate_autoregressive(target.params["params"], keys_B, tokens_BxP, prompt_len_B, config=target.config,
+                                     max_new_tokens=args.sample_tokens,
+                                     sampler=sampling.Sampler(temperature=args.temperature),
+                                     stop_ids=target.stop_ids)
+  samples = [np.asarray(out.tokens_BxN[b, :int(out.num_tokens_B[b])]).tolist() for b in range(len(prompt_ids))]
+  contexts = build_contexts(prompt_ids, samples, args.positions)
+  print(f"paired: {args.drafter} → {args.target}, T = {args.temperature:g}; {len(contexts)} contexts "
+        f"({len(prompt_ids)} prompts × {args.positions} positions in a target sample), {args.draws} drafts of "
+        f"γ = {args.gamma} each", flush=True)
+  table = paired_acceptance(target.params["params"], drafter.params["params"], contexts, config=target.config,
+                            drafter=ModelDrafter(drafter.config), gamma=args.gamma, temperature=args.temperature,
+                            draws=args.draws, seed=args.seed)
+  summary = summarize_paired(table)
+  print(f"{'γ':>2} | {'BE token':>8} {'BE block':>8} | {'block − token (E[τ])':>20} | {'gain':>6}")
+  for s in summary:
+    print(f"{s['gamma']:>2} | {s['be']['token']:>8.3f} {s['be']['block']:>8.3f} | "
+          f"{s['diff']:>+9.3f} ± {s['diff_stderr']:<8.3f} | {100 * s['gain']:>+5.1f}%")
+  print("BE = 1 + Σ_i P(τ ≥ i | X^i) averaged over the same drafts for both rules; ± one standard error over "
+        f"contexts. {time.perf_counter() - start:.0f} s")
+  if args.json:
+    path = pathlib.Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(config=vars(args), contexts=[len(c) for c in contexts], summary=summary,
+                                    table=table.tolist()), indent=1))
+    print(f"wrote {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
