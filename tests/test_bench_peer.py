@@ -72,3 +72,13 @@ def test_report_prints(capsys):
   printed = capsys.readouterr().out
   assert "drift at T=1" in printed and "(a) T=1 γ=4: decode phase 1.36x" in printed
   assert "autoregressive (again)" in printed and "c = 0.400" in printed
+
+
+def test_interleaved_median_ms_times_round_robin_after_one_warm_up_each():
+  from blockspec_jax.eval import bench_verify
+  order = []
+  calls = {name: (lambda n=name: order.append(n) or n, ()) for name in ("a", "b", "c")}
+  out = bench_verify.interleaved_median_ms(calls, reps=3)
+  assert order == ["a", "b", "c"] * 4  # warm-up round, then 3 timed rounds, every call once per round
+  assert set(out) == {"a", "b", "c"} and all(ms >= 0 for ms in out.values())
+  assert bench_verify.median_ms(lambda: order.append("x"), (), 2) >= 0 and order[-3:] == ["x"] * 3

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from blockspec_jax import sampling, verify
 from blockspec_jax.decoding import speculative
 from blockspec_jax.drafters.base import ModelDrafter, feed
-from blockspec_jax.eval.bench_verify import make_inputs, median_ms
+from blockspec_jax.eval.bench_verify import interleaved_median_ms, make_inputs, median_ms
 from blockspec_jax.models import decoder as decoder_lib
 
 OVERHEAD_TARGET = 0.10
@@ -121,16 +121,23 @@ def _propose_forwards_fn(config, cache_len, gamma):
   return propose_forwards
 
 
-def time_forwards(config, params, cache_len, position, token_counts, reps, key):
-  """Median ms of one forward over T tokens at ``position .. position + T − 1`` for each T, on a cache of S slots."""
+def forward_calls(config, params, cache_len, position, token_counts, key) -> dict:
+  """``T -> (fn, args)``: one jitted forward over T tokens at ``position .. position + T − 1`` on a cache of
+  ``cache_len`` slots, for each T (to time with ``interleaved_median_ms``)."""
   forward = _forward_fn(config, cache_len)
   cache = decoder_lib.init_cache(config, 1, cache_len)
-  times = {}
+  calls = {}
   for t in token_counts:
     tokens_1xT = jax.random.randint(jax.random.fold_in(key, t), (1, t), 0, config.vocab_size, jnp.int32)
     positions_1xT = position + jnp.arange(t, dtype=jnp.int32)[None, :]
-    times[t] = median_ms(forward, (params, tokens_1xT, positions_1xT, cache), reps)
-  return times
+    calls[t] = (forward, (params, tokens_1xT, positions_1xT, cache))
+  return calls
+
+
+def time_forwards(config, params, cache_len, position, token_counts, reps, key):
+  """Median ms of one forward over T tokens at ``position .. position + T − 1`` for each T, on a cache of S slots
+  (the token counts timed round-robin)."""
+  return interleaved_median_ms(forward_calls(config, params, cache_len, position, token_counts, key), reps)
 
 
 def time_propose_forwards(config, params, cache_len, position, gamma, reps, key):

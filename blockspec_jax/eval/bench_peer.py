@@ -19,7 +19,8 @@ Workers:
   printed). Speedups are reported end to end (prefill + decode) and for the decode phase alone, the phase the ideals
   model (a prompt's prefill is one compute-bound forward per model, outside BE / (1 + γ·c)). Then, with jitted
   single forwards on a cache of the loop's size at a representative position (prompt width + max_new_tokens / 2;
-  ``bench_decode.time_forwards``, medians of ``--reps``): c = drafter 1-token forward / target 1-token forward, and v(γ) = target forward over γ+1 tokens /
+  ``bench_decode.forward_calls``; medians of ``--reps`` rounds, each round timing every forward of both models once,
+  so the ratios are measured side by side): c = drafter 1-token forward / target 1-token forward, and v(γ) = target forward over γ+1 tokens /
   target 1-token forward. Ideal speedup BE / (1 + γ·c) (the issue's model) and the refined BE / (γ·c + v(γ)).
 * ``hf``: transformers ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`` on the same GGUF files, float32,
   ``torch.set_num_threads(--threads)``; the same token ids (the same chat template through our tokenizer, read from the
@@ -68,7 +69,7 @@ def _rows(args):
 def worker_ours(args) -> dict:
   import jax
   from blockspec_jax import run
-  from blockspec_jax.eval import bench_decode
+  from blockspec_jax.eval import bench_decode, bench_verify
   from blockspec_jax.models import hub
 
   rows = _rows(args)
@@ -113,10 +114,15 @@ def worker_ours(args) -> dict:
   position = width + args.max_new_tokens // 2
   key = jax.random.key(args.seed)
   t0 = time.perf_counter()
-  target_ms = bench_decode.time_forwards(target.config, target.params["params"], cache_len, position,
-                                         sorted({1} | {g + 1 for g in args.gammas}), args.reps, key)
-  drafter_ms = bench_decode.time_forwards(drafter.config, drafter.params["params"], cache_len, position, (1,),
-                                          args.reps, key)
+  # Target and drafter forwards timed round-robin in the same rounds: c and v(γ) are ratios measured side by side.
+  calls = {("target", t): call for t, call in bench_decode.forward_calls(
+      target.config, target.params["params"], cache_len, position, sorted({1} | {g + 1 for g in args.gammas}),
+      key).items()}
+  calls[("drafter", 1)] = bench_decode.forward_calls(drafter.config, drafter.params["params"], cache_len, position,
+                                                     (1,), key)[1]
+  timed = bench_verify.interleaved_median_ms(calls, args.reps)
+  target_ms = {t: ms for (model, t), ms in timed.items() if model == "target"}
+  drafter_ms = {1: timed[("drafter", 1)]}
   print(f"[ours {args.dtype}] forwards: target {', '.join(f'{t} tok {ms:.0f} ms' for t, ms in target_ms.items())}; "
         f"drafter 1 tok {drafter_ms[1]:.0f} ms ({time.perf_counter() - t0:.0f} s)", flush=True)
   return dict(engine="ours", dtype=args.dtype, load_s=load_s, prompt_ids=prompt_ids, stop_ids=list(stop_ids),
@@ -403,6 +409,9 @@ def print_report(analysis: dict, ours: dict, bf16: dict, hf: dict, args) -> None
   for c in checks["c"]:
     print(f"(c) T={c['temperature']:g} γ={c['gamma']}: BE block {c['be_block']:.3f} vs token {c['be_token']:.3f}, "
           f"gain {100 * c['gain']:+.1f}% {_verdict(c['passed'])}")
+  if checks["c"]:
+    print("(c) these are realised BE of two different trajectories (a few dozen drafts per run, standard error "
+          "±0.1–0.3); the gain on identical contexts and drafts: python -m blockspec_jax.eval.paired")
   for b in checks["bf16"]:
     print(f"bf16 {b['method']}{' (again)' if b['repeat'] else ''} T={b['temperature']:g} γ={b['gamma'] or '-'}: "
           f"{b['bf16']:.2f} tok/s vs f32 {b['f32']:.2f} = {b['ratio']:.2f}x end to end, {b['decode_ratio']:.2f}x "
@@ -446,7 +455,7 @@ def parse_args(argv=None):
   p.add_argument("--temperatures", type=_floats, default=[0.0, 1.0])
   p.add_argument("--engines", default="ours,bf16,hf", help="subset of ours,bf16,hf")
   p.add_argument("--threads", type=int, default=os.cpu_count())
-  p.add_argument("--reps", type=int, default=5, help="repetitions of the single-forward timings (median)")
+  p.add_argument("--reps", type=int, default=9, help="rounds of the single-forward timings (median)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--quick", action="store_true",
                  help="1 prompt, 16 new tokens, γ ∈ {2, 4}, transformers and bf16 at γ = 4, 3 reps")

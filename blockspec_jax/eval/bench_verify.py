@@ -31,14 +31,23 @@ def make_inputs(key, batch, gamma, vocab, logit_scale=3.0, mismatch=1.0):
   return draft_tokens, draft_probs, target_probs
 
 
-def median_ms(fn, args, reps):
-  jax.block_until_ready(fn(*args))  # compile + warm up
-  times = []
+def interleaved_median_ms(calls: dict, reps: int) -> dict:
+  """Median ms of each ``name -> (fn, args)`` call, timed round-robin: after one warm-up call each (compile), every
+  round times every call once, so a slow spell of a busy machine hits all of them alike and their ratios are
+  measured side by side rather than minutes apart."""
+  for fn, args in calls.values():
+    jax.block_until_ready(fn(*args))  # compile + warm up
+  times = {name: [] for name in calls}
   for _ in range(reps):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return 1e3 * statistics.median(times)
+    for name, (fn, args) in calls.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times[name].append(time.perf_counter() - start)
+  return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def median_ms(fn, args, reps):
+  return interleaved_median_ms({0: (fn, args)}, reps)[0]
 
 
 def run(batches, gammas, vocabs, reps, rules=("token", "block")):
