@@ -32,9 +32,9 @@ from blockspec_jax.verify import Verifier, distribution_errors, get_verifier
 __all__ = ["DecodeMetrics", "DecodeState", "DecodeOutput", "prepare_prompts", "autoregressive_prefill",
            "autoregressive_decode", "autoregressive_program", "speculative_prefill", "speculative_decode",
            "speculative_program", "generate_autoregressive", "generate_speculative", "prefill_autoregressive",
-           "decode_autoregressive", "prefill_speculative", "decode_speculative", "draft_and_score", "AUTOREGRESSIVE_STATIC",
-           "AUTOREGRESSIVE_PREFILL_STATIC", "SPECULATIVE_STATIC", "SPECULATIVE_PREFILL_STATIC",
-           "summarize_metrics"]
+           "decode_autoregressive", "prefill_speculative", "decode_speculative", "draft_and_score",
+           "AUTOREGRESSIVE_STATIC", "AUTOREGRESSIVE_PREFILL_STATIC", "SPECULATIVE_STATIC",
+           "SPECULATIVE_PREFILL_STATIC", "summarize_metrics"]
 
 
 @struct.dataclass
