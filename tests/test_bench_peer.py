@@ -47,6 +47,9 @@ def test_analyse_figures_and_verdicts():
   assert block4["decode_speedup"] == pytest.approx(3.4 / 2.5)
   assert block4["ideal"] == pytest.approx(2.9 / (1 + 4 * 0.4))
   assert block4["ideal_refined"] == pytest.approx(2.9 / (4 * 0.4 + 1.4))
+  # The loop's own autoregressive step: 1 / 2.5 tok/s = 400 ms, so c = 100 / 400 = 0.25 there.
+  assert costs["float32"]["c_loop"] == {"1.0": pytest.approx(0.25)}
+  assert block4["ideal_loop"] == pytest.approx(2.9 / (1 + 4 * 0.25))
   a2, a4 = sorted(checks["a"], key=lambda a: a["gamma"])
   assert a4["decode_ratio"] == pytest.approx((3.4 / 2.5) / (2.9 / 2.6)) and a4["decode_passed"] and a4["passed"]
   # γ = 2: ideal 2.4 / 1.8 = 1.33; decode phase 1.28 (96%) passes, end to end 1.10 (82.5%) misses.
