@@ -1,5 +1,7 @@
 """bench_peer's arithmetic on synthetic worker reports: baselines, ideals, verdicts, drift, fastest γ, (b), (c), bf16."""
 
+import json
+
 import pytest
 
 from blockspec_jax.eval import bench_peer
@@ -7,8 +9,8 @@ from blockspec_jax.eval import bench_peer
 
 def _row(method, t, gamma, tokens_per_s, decode_tokens_per_s, be=None, repeat=0):
   row = dict(method=method, temperature=t, gamma=gamma, repeat=repeat, tokens_per_s=tokens_per_s,
-             decode_tokens_per_s=decode_tokens_per_s, prefill_s=1.0, tokens_generated=96, target_calls=40,
-             wall_s=96 / tokens_per_s)
+             decode_tokens_per_s=decode_tokens_per_s, prefill_s=1.0, decode_s=96 / decode_tokens_per_s,
+             tokens_generated=96, target_calls=96 if method == "autoregressive" else 40, wall_s=96 / tokens_per_s)
   if be is not None:
     row["block_efficiency"] = be
   return row
@@ -45,6 +47,9 @@ def test_analyse_figures_and_verdicts():
   assert block4["decode_speedup"] == pytest.approx(3.4 / 2.5)
   assert block4["ideal"] == pytest.approx(2.9 / (1 + 4 * 0.4))
   assert block4["ideal_refined"] == pytest.approx(2.9 / (4 * 0.4 + 1.4))
+  # The loop's own autoregressive step: 1 / 2.5 tok/s = 400 ms, so c = 100 / 400 = 0.25 there.
+  assert costs["float32"]["c_loop"] == {"1.0": pytest.approx(0.25)}
+  assert block4["ideal_loop"] == pytest.approx(2.9 / (1 + 4 * 0.25))
   a2, a4 = sorted(checks["a"], key=lambda a: a["gamma"])
   assert a4["decode_ratio"] == pytest.approx((3.4 / 2.5) / (2.9 / 2.6)) and a4["decode_passed"] and a4["passed"]
   # γ = 2: ideal 2.4 / 1.8 = 1.33; decode phase 1.28 (96%) passes, end to end 1.10 (82.5%) misses.
@@ -82,3 +87,28 @@ def test_interleaved_median_ms_times_round_robin_after_one_warm_up_each():
   assert order == ["a", "b", "c"] * 4  # warm-up round, then 3 timed rounds, every call once per round
   assert set(out) == {"a", "b", "c"} and all(ms >= 0 for ms in out.values())
   assert bench_verify.median_ms(lambda: order.append("x"), (), 2) >= 0 and order[-3:] == ["x"] * 3
+
+
+def test_time_breakdown_splits_an_iteration_into_forwards_and_the_rest():
+  checks = bench_peer.analyse(_ours(), {}, {})["checks"]
+  ar = next(b for b in checks["time"] if b["method"] == "autoregressive")
+  assert ar["iteration_ms"] == pytest.approx(400.0) and ar["rest_ms"] == pytest.approx(150.0)  # 96 / 2.5 s, 96 steps
+  assert len([b for b in checks["time"] if b["method"] == "autoregressive"]) == 1  # not the pass after the sweep
+  b4 = next(b for b in checks["time"] if b["method"] == "block" and b["gamma"] == 4)
+  # 96 / 3.4 s over 40 iterations = 705.9 ms = 4 x 100 (drafter) + 350 (5-token target pass) + rest.
+  assert b4["iteration_ms"] == pytest.approx(1e3 * 96 / 3.4 / 40)
+  assert (b4["drafter_ms"], b4["verify_ms"]) == (400.0, 350.0)
+  assert b4["rest_ms"] == pytest.approx(b4["iteration_ms"] - 750.0) and b4["tokens_per_call"] == pytest.approx(2.4)
+
+
+def test_from_json_reprints_a_saved_run(tmp_path, capsys):
+  args = bench_peer.parse_args(["--quick"])
+  config = {k: v for k, v in vars(args).items() if k not in ("worker", "worker_out")}
+  path = tmp_path / "bench.json"
+  path.write_text(json.dumps(dict(config=config, workers=dict(ours=_ours(), bf16={}, hf={}))))
+  assert bench_peer.main(["--from-json", str(path)]) == 0
+  printed = capsys.readouterr().out
+  assert "(a) T=1 γ=4: decode phase 1.36x" in printed and "time T=1 block γ=4: 706 ms per iteration" in printed
+  path.write_text("{}")
+  with pytest.raises(SystemExit, match="not a bench_peer JSON"):
+    bench_peer.main(["--from-json", str(path)])
