@@ -188,13 +188,20 @@ def test_prefill_then_decode_equals_one_program():
   state = spec.prefill_autoregressive(target, tokens, lens, config=config, max_new_tokens=9)
   split = spec.decode_autoregressive(target, keys, state, config=config, max_new_tokens=9, sampler=t1)
   jax.tree.map(np.testing.assert_array_equal, split, whole)
+  # Raw uint32 keys (jax.random.PRNGKey style, [B, 2]) are the same keys: the same output.
+  raw = spec.decode_autoregressive(target, jax.random.key_data(keys), state, config=config, max_new_tokens=9,
+                                   sampler=t1)
+  jax.tree.map(np.testing.assert_array_equal, raw, whole)
   state = spec.prefill_speculative(target, drafter, tokens, lens, **common)
   with pytest.raises(ValueError, match="prefilled for 14 new tokens, decoding asks for 20"):
     spec.decode_speculative(target, drafter, keys, state, **dict(common, max_new_tokens=20))
   with pytest.raises(ValueError, match="prefilled for gamma = 3, decoding with gamma = 2"):
     spec.decode_speculative(target, drafter, keys, state, **dict(common, gamma=2, max_new_tokens=15))
-  with pytest.raises(ValueError, match=r"keys_B must hold one key per row, shape \(4,\); got \(2,\)"):
+  with pytest.raises(ValueError, match=r"keys_B must hold one key per row: shape \(4,\) .* got \(2,\)"):
     spec.decode_speculative(target, drafter, keys[:2], state, **common)
+  with pytest.raises(ValueError, match=r"one key per row.*got \(3, 2\)"):
+    spec.generate_autoregressive(target, jax.random.key_data(keys[:3]), tokens, lens, config=config,
+                                 max_new_tokens=9)
   with pytest.raises(ValueError, match="one key per row"):
     spec.generate_autoregressive(target, keys[:3], tokens, lens, config=config, max_new_tokens=9)
 

@@ -164,8 +164,11 @@ def _check_state(state: DecodeState, keys_B, max_new_tokens: int, draft_slots: i
   """A decode phase must get the state its own prefill made: a cache sized for the same ``max_new_tokens`` and γ
   (a bigger budget would run past the cache) and a metrics block for the same γ. (The prompts' lengths travel in
   the state, so they cannot disagree with the prefill.) One key per row."""
-  if keys_B.shape != state.length_B.shape:
-    raise ValueError(f"keys_B must hold one key per row, shape {state.length_B.shape}; got {keys_B.shape}")
+  rows = state.length_B.shape
+  typed = jax.dtypes.issubdtype(keys_B.dtype, jax.dtypes.prng_key)
+  if (keys_B.shape if typed else keys_B.shape[:1]) != rows or (not typed and keys_B.ndim != 2):
+    raise ValueError(f"keys_B must hold one key per row: shape {rows} (typed keys) or {rows + (2,)} (raw uint32 "
+                     f"keys); got {keys_B.shape}")
   cache_len = state.tokens_BxS.shape[1]
   if state.prompt_width + max_new_tokens + draft_slots != cache_len:
     raise ValueError(f"state has {cache_len} slots for prompt width {state.prompt_width}: it was prefilled for "
