@@ -183,8 +183,8 @@ def run_job(target: str = "qwen2.5-coder-1.5b", drafter: str = "qwen2.5-coder-0.
     print(f"\nprompt [{rows[0]['id']}]: {rows[0]['text'][:300]}")
     for name, text in texts.items():
       print(f"\n--- {name} ---\n{text}")
-  peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
-  print(f"\npeak resident memory of this job: {peak_rss_gb:.2f} GB")
+  peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
+  print(f"\npeak resident memory of this job: {peak_rss_gb:.2f} GB (10^9 bytes)")
   report = dict(target=target, drafter=drafter, dtype=dtype, gamma=gamma, max_new_tokens=max_new_tokens,
                 peak_rss_gb=peak_rss_gb,
                 prompts=[dict(id=r["id"], task=r["task"], source=r["source"], licence=r["licence"]) for r in rows],

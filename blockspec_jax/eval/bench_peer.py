@@ -60,7 +60,7 @@ MAIN_JOB_RSS_TARGET_GB = 14.0
 
 
 def _peak_rss_gb() -> float:
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: KiB; GB = 10^9 bytes
 
 
 def _rows(args):
@@ -473,7 +473,7 @@ def print_report(analysis: dict, ours: dict, bf16: dict, hf: dict, args) -> None
       if rep is ours:
         extra = (f" (target ≤ {MAIN_JOB_RSS_TARGET_GB:.0f} GB) "
                  f"{_verdict(rep['peak_rss_gb'] <= MAIN_JOB_RSS_TARGET_GB)}")
-      print(f"peak RSS, {name} worker: {rep['peak_rss_gb']:.2f} GB{extra}; worker wall "
+      print(f"peak RSS, {name} worker: {rep['peak_rss_gb']:.2f} GB (10^9 bytes){extra}; worker wall "
             f"{rep.get('worker_wall_s', 0):.0f} s")
   if ours and hf and ours["prompt_ids"] != hf["prompt_ids"]:
     print("WARNING: the two engines did not get the same prompt token ids")
