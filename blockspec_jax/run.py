@@ -45,6 +45,11 @@ def check_pair(target: hub.LoadedModel, drafter: hub.LoadedModel) -> None:
     raise ValueError(f"tokenizers of {drafter.spec.name} and {target.spec.name} differ on the same text")
 
 
+def peak_rss_gb() -> float:
+  """Peak resident memory of this process in GB (10^9 bytes); Linux reports ``ru_maxrss`` in KiB."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
 def encode_prompts(model: hub.LoadedModel, rows, chat: bool = True) -> list[list[int]]:
   out = []
   for row in rows:
@@ -183,10 +188,10 @@ def run_job(target: str = "qwen2.5-coder-1.5b", drafter: str = "qwen2.5-coder-0.
     print(f"\nprompt [{rows[0]['id']}]: {rows[0]['text'][:300]}")
     for name, text in texts.items():
       print(f"\n--- {name} ---\n{text}")
-  peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
-  print(f"\npeak resident memory of this job: {peak_rss_gb:.2f} GB (10^9 bytes)")
+  rss_gb = peak_rss_gb()
+  print(f"\npeak resident memory of this job: {rss_gb:.2f} GB (10^9 bytes)")
   report = dict(target=target, drafter=drafter, dtype=dtype, gamma=gamma, max_new_tokens=max_new_tokens,
-                peak_rss_gb=peak_rss_gb,
+                peak_rss_gb=rss_gb,
                 prompts=[dict(id=r["id"], task=r["task"], source=r["source"], licence=r["licence"]) for r in rows],
                 results=results, sample_text=texts)
   if output_json:

@@ -46,7 +46,6 @@ import argparse
 import json
 import os
 import pathlib
-import resource
 import subprocess
 import sys
 import tempfile
@@ -57,10 +56,6 @@ DEFAULT_GAMMAS = (1, 2, 3, 4, 6, 8)
 IDEAL_FRACTION_TARGET = 0.90     # (a) measured speedup ≥ 90% of BE / (1 + γ·c)
 PEER_RATIO_TARGET = 1.5          # (b) ours (block) ≥ 1.5 × transformers assisted tokens/s
 MAIN_JOB_RSS_TARGET_GB = 14.0
-
-
-def _peak_rss_gb() -> float:
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: KiB; GB = 10^9 bytes
 
 
 def _rows(args):
@@ -134,7 +129,7 @@ def worker_ours(args) -> dict:
   return dict(engine="ours", dtype=args.dtype, load_s=load_s, prompt_ids=prompt_ids, stop_ids=list(stop_ids),
               width=width, cache_len=cache_len, position=position,
               target_forward_ms={str(k): v for k, v in target_ms.items()}, drafter_forward_ms=drafter_ms[1],
-              results=results, peak_rss_gb=_peak_rss_gb())
+              results=results, peak_rss_gb=run.peak_rss_gb())
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -222,7 +217,7 @@ def worker_hf(args) -> dict:
               + f" (target calls {target_calls}, tokens {tokens})", flush=True)
   return dict(engine="hf", dtype="float32", load_s=load_s, threads=torch.get_num_threads(), prompt_ids=prompt_ids,
               stop_ids=stop_ids, transformers=transformers.__version__, torch=torch.__version__, results=results,
-              peak_rss_gb=_peak_rss_gb())
+              peak_rss_gb=run.peak_rss_gb())
 
 
 # ------------------------------------------------------------------------------------------------------------------
