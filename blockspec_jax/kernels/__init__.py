@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from blockspec_jax.paths import default_cache_dir
+
 __all__ = ["IMPLS", "KERNEL_MAX_ROWS", "KernelUnavailable", "kernel_available", "linear"]
 
 IMPLS = ("auto", "xla", "kernel")
@@ -56,8 +58,6 @@ class KernelUnavailable(RuntimeError):
 
 
 def _cache_dir() -> pathlib.Path:
-  # Imported here, not at module level: blockspec_jax.models imports this module (through the decoder).
-  from blockspec_jax.models.registry import default_cache_dir
   return default_cache_dir() / "kernels"
 
 

