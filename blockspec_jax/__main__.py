@@ -15,11 +15,15 @@ import sys
 import gin
 import jax
 
+from blockspec_jax import jobs
 from blockspec_jax.eval import theory_report as report_lib
 
 
 @gin.configurable("theory_report")
 def theory_report(gammas=(2, 4), num_samples: int = 100_000, seed: int = 0) -> str:
+  jobs.check_settings(gammas=gammas)
+  if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 2:
+    raise jobs.UsageError(f"num_samples must be an integer >= 2, got {num_samples!r}")
   rows = report_lib.report_rows(report_lib.default_pairs(tuple(gammas), seed), num_samples, seed)
   return report_lib.format_table(rows)
 
@@ -33,13 +37,13 @@ def main(argv=None) -> int:
   parser.add_argument("--gin_file", action="append", default=[])
   parser.add_argument("--gin_param", action="append", default=[])
   args = parser.parse_args(argv)
-  gin.parse_config_files_and_bindings(args.gin_file, args.gin_param)
   overrides = {k: v for k, v in (("gammas", args.gamma), ("num_samples", args.samples), ("seed", args.seed))
                if v is not None}
-  if any(g < 1 for g in overrides.get("gammas", [1])):
-    parser.error(f"--gamma values must be >= 1, got {overrides['gammas']}")
+  with jobs.cli_errors(parser.prog):
+    gin.parse_config_files_and_bindings(args.gin_file, args.gin_param)
+    report = theory_report(**overrides)
   print(f"blockspec_jax on {jax.devices()[0].platform}: token vs block verification, exact and measured\n")
-  print(theory_report(**overrides))
+  print(report)
   return 0
 
 

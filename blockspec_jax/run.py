@@ -17,111 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import resource
 import sys
 import time
 
 import gin
 import jax
-import numpy as np
 
-from blockspec_jax import sampling
-from blockspec_jax.decoding import speculative as spec
-from blockspec_jax.drafters import ModelDrafter
+from blockspec_jax import jobs
 from blockspec_jax.eval import prompts as prompts_lib
 from blockspec_jax.models import hub
 
-METHODS = ("autoregressive", "token", "block")
-
-
-def check_pair(target: hub.LoadedModel, drafter: hub.LoadedModel) -> None:
-  """Drafter and target must share one tokenizer: same vocabulary size and the same ids for the same text."""
-  if target.config.vocab_size != drafter.config.vocab_size:
-    raise ValueError(f"vocabulary mismatch between drafter {drafter.spec.name} (V = {drafter.config.vocab_size}) and "
-                     f"target {target.spec.name} (V = {target.config.vocab_size}): speculative decoding needs one "
-                     "tokenizer")
-  probe = "def f(x):\n    return x ** 2  # café ✓"
-  if target.tokenizer.encode(probe) != drafter.tokenizer.encode(probe):
-    raise ValueError(f"tokenizers of {drafter.spec.name} and {target.spec.name} differ on the same text")
-
-
-def peak_rss_gb() -> float:
-  """Peak resident memory of this process in GB (10^9 bytes); Linux reports ``ru_maxrss`` in KiB."""
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
-
-
-def encode_prompts(model: hub.LoadedModel, rows, chat: bool = True) -> list[list[int]]:
-  out = []
-  for row in rows:
-    if chat and model.tokenizer.chat_template:
-      text = model.tokenizer.apply_chat_template([{"role": "user", "content": row["text"]}])
-      ids = model.tokenizer.encode(text)
-    else:
-      ids = model.tokenizer.encode(row["text"], add_special_tokens=True)
-    out.append(ids)
-  return out
-
-
-def _phases(method: str, target, drafter, gamma: int, max_new_tokens: int, sampler, stop_ids):
-  """The method's two compiled phases: ``prefill(tokens, lens) -> state`` and ``decode(keys, state) ->
-  DecodeOutput`` (together exactly ``generate_autoregressive`` / ``generate_speculative``)."""
-  tp = target.params["params"]
-  if method == "autoregressive":
-    common = dict(config=target.config, max_new_tokens=max_new_tokens)
-    return (lambda tokens, lens: spec.prefill_autoregressive(tp, tokens, lens, **common),
-            lambda keys, state: spec.decode_autoregressive(tp, keys, state, sampler=sampler, stop_ids=stop_ids,
-                                                           **common))
-  dp = drafter.params["params"]
-  common = dict(config=target.config, drafter=ModelDrafter(drafter.config), gamma=gamma, max_new_tokens=max_new_tokens)
-  return (lambda tokens, lens: spec.prefill_speculative(tp, dp, tokens, lens, **common),
-          lambda keys, state: spec.decode_speculative(tp, dp, keys, state, verifier=method, sampler=sampler,
-                                                      stop_ids=stop_ids, **common))
-
-
-def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tokens, temperature, seed, stop_ids):
-  """Decode every prompt at batch 1; returns the summary row and the generated token lists.
-
-  Prefill and decode phase are compiled and timed apart (each ends in ``block_until_ready``): ``wall_s`` is their
-  sum, ``prefill_s`` the prompt forwards (target, and drafter for speculative methods), ``decode_s`` the loop, which
-  is the phase the ideal speedup BE / (1 + γ·c) describes.
-  """
-  sampler = sampling.Sampler(temperature=temperature)
-  prefill, decode = _phases(method, target, drafter, gamma, max_new_tokens, sampler, stop_ids)
-  padded = [(ids + [0] * (width - len(ids))) for ids in prompt_ids]
-  key = jax.random.key(seed)
-
-  def one(keys, row, length):
-    lens = np.asarray([length], np.int32)
-    start = time.perf_counter()
-    state = jax.block_until_ready(prefill(np.asarray([row], np.int32), lens))
-    middle = time.perf_counter()
-    out = jax.block_until_ready(decode(keys, state))
-    return out, middle - start, time.perf_counter() - middle
-
-  one(jax.random.split(key, 1), padded[0], len(prompt_ids[0]))  # compile both phases once per method and T
-  prefill_s, decode_s, tokens, calls, outputs, metrics = 0.0, 0.0, 0, 0, [], []
-  for i, (row, ids) in enumerate(zip(padded, prompt_ids)):
-    out, p_s, d_s = one(jax.random.fold_in(key, i)[None], row, len(ids))
-    prefill_s, decode_s = prefill_s + p_s, decode_s + d_s
-    n = int(out.num_tokens_B[0])
-    tokens += n
-    calls += n if method == "autoregressive" else int(out.metrics.num_drafts[0])
-    outputs.append(np.asarray(out.tokens_BxN[0, :n]).tolist())
-    metrics.append(out.metrics)
-  wall = prefill_s + decode_s
-  summary = dict(method=method, temperature=temperature, gamma=None if method == "autoregressive" else gamma,
-                 prompts=len(prompt_ids), tokens_generated=tokens, target_calls=calls, wall_s=wall,
-                 tokens_per_s=tokens / wall, prefill_s=prefill_s, decode_s=decode_s,
-                 decode_tokens_per_s=tokens / decode_s)
-  if method != "autoregressive":
-    merged = jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *metrics)
-    s = spec.summarize_metrics(merged)
-    summary.update(block_efficiency=s["mean_acceptance_length"], draft_acceptance_rate=s["draft_acceptance_rate"],
-                   acceptance_per_position=s["acceptance_per_position"],
-                   expected_accepted_per_draft=s["expected_accepted_per_draft"],
-                   per_prompt_acceptance_length=s["per_row_mean_acceptance_length"],
-                   invalid_prob_rows=s["invalid_prob_rows"])
-  return summary, outputs
+METHODS = jobs.METHODS
 
 
 def format_table(rows) -> str:
@@ -146,31 +52,33 @@ def run_job(target: str = "qwen2.5-coder-1.5b", drafter: str = "qwen2.5-coder-0.
             prompts_path: str = str(prompts_lib.DEFAULT_PROMPTS), num_prompts: int | None = 6, gamma: int = 4,
             temperatures=(0.0, 1.0), methods=METHODS, max_new_tokens: int = 64, dtype: str = "float32",
             seed: int = 0, chat: bool = True, output_json: str | None = "results/run.json",
-            cache_dir: str | None = None, show_text: bool = True) -> dict:
-  if gamma < 1:
-    raise ValueError(f"gamma must be >= 1, got {gamma}")
-  unknown = set(methods) - set(METHODS)
-  if unknown:
-    raise ValueError(f"unknown methods {sorted(unknown)}; known: {METHODS}")
+            cache_dir: str | None = None, show_text: bool = True, compilation_cache: str | None = None) -> dict:
+  """The main job (see the module docstring). Every setting is checked before a model is loaded.
+
+  ``compilation_cache``: JAX's persistent compilation cache directory (default ``$BLOCKSPEC_JAX_COMPILE_CACHE`` or
+  ``<cache dir>/jax_compilation``; "off" disables it): a second run loads its compiled programs from there.
+  """
+  jobs.check_settings(gamma=gamma, methods=methods, temperatures=temperatures, max_new_tokens=max_new_tokens,
+                      num_prompts=num_prompts, dtype=dtype, models=(target, drafter))
   rows = prompts_lib.load_prompts(prompts_path, limit=num_prompts)
+  if not rows:
+    raise jobs.UsageError(f"no prompts in {prompts_path}")
+  compile_dir = jobs.enable_compilation_cache(compilation_cache)
   start = time.perf_counter()
   target_model = hub.load_model(target, dtype, cache_dir)
   drafter_model = hub.load_model(drafter, dtype, cache_dir)
-  check_pair(target_model, drafter_model)
+  jobs.check_pair(target_model, drafter_model)
   print(f"loaded {drafter} → {target} ({dtype}) in {time.perf_counter() - start:.1f} s; {len(rows)} prompts; "
-        f"jax {jax.__version__} on {jax.devices()[0].platform}", flush=True)
-  prompt_ids = encode_prompts(target_model, rows, chat)
+        f"jax {jax.__version__} on {jax.devices()[0].platform}; compilation cache {compile_dir or 'off'}", flush=True)
+  prompt_ids = jobs.encode_prompts(target_model, rows, chat)
   width = max(len(p) for p in prompt_ids)
-  needed = width + max_new_tokens + gamma + 1
-  if needed > min(target_model.config.max_len, drafter_model.config.max_len):
-    raise ValueError(f"prompts too long for the cache: longest prompt {width} tokens + {max_new_tokens} new + "
-                     f"{gamma + 1} draft slots > max_len {target_model.config.max_len}")
+  jobs.check_cache_room(width, max_new_tokens, gamma, target_model.config, drafter_model.config)
   stop_ids = target_model.stop_ids
   results, texts = [], {}
   for temperature in temperatures:
     baseline = None
     for method in methods:
-      summary, outputs = run_method(method, target_model, drafter_model, prompt_ids, width, gamma=gamma,
+      summary, outputs = jobs.run_method(method, target_model, drafter_model, prompt_ids, width, gamma=gamma,
                                     max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                     stop_ids=stop_ids)
       if method == "autoregressive":
@@ -188,7 +96,7 @@ def run_job(target: str = "qwen2.5-coder-1.5b", drafter: str = "qwen2.5-coder-0.
     print(f"\nprompt [{rows[0]['id']}]: {rows[0]['text'][:300]}")
     for name, text in texts.items():
       print(f"\n--- {name} ---\n{text}")
-  rss_gb = peak_rss_gb()
+  rss_gb = jobs.peak_rss_gb()
   print(f"\npeak resident memory of this job: {rss_gb:.2f} GB (10^9 bytes)")
   report = dict(target=target, drafter=drafter, dtype=dtype, gamma=gamma, max_new_tokens=max_new_tokens,
                 peak_rss_gb=rss_gb,
@@ -208,8 +116,9 @@ def main(argv=None) -> int:
   parser.add_argument("--gin_file", action="append", default=[])
   parser.add_argument("--gin_param", action="append", default=[])
   args = parser.parse_args(argv)
-  gin.parse_config_files_and_bindings(args.gin_file, args.gin_param)
-  run_job()
+  with jobs.cli_errors(parser.prog):
+    gin.parse_config_files_and_bindings(args.gin_file, args.gin_param)
+    run_job()
   return 0
 
 

@@ -5,7 +5,9 @@ import json
 
 import pytest
 
-from blockspec_jax import run
+import gin
+
+from blockspec_jax import jobs, run
 from blockspec_jax.eval import prompts as prompts_lib
 
 
@@ -48,8 +50,62 @@ def test_pair_checks():
   smol = hub.load_model("smollm2-135m")
   fake = dataclasses.replace(smol, config=dataclasses.replace(smol.config, vocab_size=smol.config.vocab_size + 1))
   with pytest.raises(ValueError, match="vocabulary mismatch"):
-    run.check_pair(smol, fake)
+    jobs.check_pair(smol, fake)
   with pytest.raises(ValueError, match="gamma must be >= 1"):
     run.run_job(target="smollm2-135m", drafter="smollm2-135m", gamma=0)
   with pytest.raises(ValueError, match="unknown model"):
     run.run_job(target="llama-405b", drafter="smollm2-135m", num_prompts=1)
+
+
+@pytest.mark.parametrize("binding,message", [
+    ("run_job.gama = 6", "doesn't have a parameter named 'gama'"),
+    ("run_job.gamma = -1", "gamma must be >= 1, got -1"),
+    ("run_job.gamma = 2.5", "gamma must be an integer >= 1, got 2.5"),
+    ("run_job.num_prompts = 0", "num_prompts must be an integer >= 1"),
+    ("run_job.methods = ('blok',)", "unknown methods ['blok']"),
+    ("run_job.temperatures = (-1.0,)", "temperatures must be numbers >= 0"),
+    ("run_job.dtype = 'float16'", "dtype must be 'float32' or 'bfloat16'"),
+    ("run_job.target = 'llama-405b'", "unknown model 'llama-405b'"),
+    ("run_job.drafter = '/nonexistent/model.gguf'", "does not exist"),
+    ("run_job.prompts_path = '/nonexistent/p.jsonl'", "prompt file /nonexistent/p.jsonl not found"),
+])
+def test_command_line_mistakes_are_one_line_before_any_model_loads(binding, message, capsys, monkeypatch):
+  """A user's mistake is one line on stderr and exit status 2, found before any model is loaded (minutes)."""
+  from blockspec_jax.models import hub
+  monkeypatch.setattr(hub, "load_model", lambda *a, **k: pytest.fail("a model was loaded before the check"))
+  gin.clear_config()
+  with pytest.raises(SystemExit) as exit_info:
+    run.main(["--gin_param", binding])
+  gin.clear_config()
+  err = capsys.readouterr().err.strip().splitlines()
+  assert exit_info.value.code == 2
+  assert len(err) == 1 and err[0].startswith("python -m blockspec_jax.run: error:") and message in err[0], err
+
+
+def test_missing_gin_file_and_empty_prompt_file(tmp_path, capsys):
+  empty = tmp_path / "empty.jsonl"
+  empty.write_text("")
+  for argv, message in ((["--gin_file", str(tmp_path / "nope.gin")], "Unable to open file"),
+                        (["--gin_param", f"run_job.prompts_path = '{empty}'"], "no prompts in")):
+    gin.clear_config()
+    with pytest.raises(SystemExit) as exit_info:
+      run.main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+  gin.clear_config()
+
+
+def test_cache_room_check_names_the_numbers():
+  from blockspec_jax.models.decoder import DecoderConfig
+  small = DecoderConfig.tiny(max_len=64)
+  assert jobs.check_cache_room(40, 16, 4, small) == 61
+  with pytest.raises(jobs.UsageError, match=r"longest prompt 50 tokens \+ 16 new \+ 5 draft slots = 71 > max_len 64"):
+    jobs.check_cache_room(50, 16, 4, small, DecoderConfig.tiny(max_len=128))
+
+
+def test_compiling_announces_the_first_call(capsys):
+  import io
+  stream = io.StringIO()
+  with jobs.compiling("block (T = 1)", stream=stream):
+    pass
+  lines = stream.getvalue().splitlines()
+  assert lines[0] == "compiling block (T = 1) …" and lines[1].startswith("compiled block (T = 1) in ")

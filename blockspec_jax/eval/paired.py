@@ -119,7 +119,7 @@ def build_contexts(prompt_ids: Sequence[Sequence[int]], samples: Sequence[Sequen
 
 
 def main(argv=None) -> int:
-  from blockspec_jax import run
+  from blockspec_jax import jobs
   from blockspec_jax.eval import prompts as prompts_lib
   from blockspec_jax.models import hub
 
@@ -144,8 +144,8 @@ def main(argv=None) -> int:
   start = time.perf_counter()
   target = hub.load_model(args.target, args.dtype)
   drafter = hub.load_model(args.drafter, args.dtype)
-  run.check_pair(target, drafter)
-  prompt_ids = run.encode_prompts(target, prompts_lib.load_prompts(args.prompts, limit=args.num_prompts), chat=True)
+  jobs.check_pair(target, drafter)
+  prompt_ids = jobs.encode_prompts(target, prompts_lib.load_prompts(args.prompts, limit=args.num_prompts), chat=True)
   tokens_BxP, prompt_len_B = spec.prepare_prompts(prompt_ids)
   keys_B = jax.random.split(jax.random.key(args.seed + 1), len(prompt_ids))
   out = spec.generate_autoregressive(target.params["params"], keys_B, tokens_BxP, prompt_len_B, config=target.config,

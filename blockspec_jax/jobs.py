@@ -1,0 +1,286 @@
+"""What the jobs share: the main job (``blockspec_jax.run``), the evaluation scripts (``blockspec_jax.eval``) and the
+benchmarks import these helpers from here, so no job imports another.
+
+* settings checks that run before any model is loaded (:func:`check_gamma`, :func:`check_settings`), and the one
+  cache-room check (:func:`check_cache_room`);
+* a drafter/target pair check (:func:`check_pair`), prompt encoding (:func:`encode_prompts`);
+* one method's timed decode over a prompt set (:func:`run_method`), with the first call's compilation announced
+  (:func:`compiling`);
+* JAX's persistent compilation cache (:func:`enable_compilation_cache`), peak memory (:func:`peak_rss_gb`);
+* a command-line wrapper that turns a user's mistake into one line instead of a traceback (:func:`cli_errors`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import pathlib
+import resource
+import sys
+import threading
+import time
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from blockspec_jax.paths import default_cache_dir
+
+__all__ = ["METHODS", "UsageError", "check_gamma", "check_settings", "check_cache_room", "check_pair",
+           "encode_prompts", "run_method", "compiling", "enable_compilation_cache", "COMPILE_CACHE_ENV_VAR",
+           "peak_rss_gb", "cli_errors"]
+
+METHODS = ("autoregressive", "token", "block")
+COMPILE_CACHE_ENV_VAR = "BLOCKSPEC_JAX_COMPILE_CACHE"
+
+
+class UsageError(ValueError):
+  """A job setting that cannot work (caught by :func:`cli_errors` and printed as one line)."""
+
+
+def check_gamma(gamma, name: str = "gamma") -> int:
+  """γ must be an integer >= 1 (``2.5``, ``True`` and ``-1`` are refused); returns it."""
+  if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)):
+    raise UsageError(f"{name} must be an integer >= 1, got {gamma!r} ({type(gamma).__name__})")
+  if gamma < 1:
+    raise UsageError(f"{name} must be >= 1, got {gamma}")
+  return int(gamma)
+
+
+def _check_positive_int(value, name: str) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
+  return int(value)
+
+
+def check_settings(*, gamma=None, gammas: Iterable | None = None, methods: Iterable[str] = (),
+                   known_methods: Sequence[str] = METHODS, temperatures: Iterable = (), max_new_tokens=None,
+                   num_prompts=None, dtype: str | None = None, models: Iterable[str] = ()) -> None:
+  """Check a job's settings before anything heavy runs (no model is loaded); raises :class:`UsageError`.
+
+  ``models``: registry names or local paths (checked with ``hub.check_model_name``)."""
+  if gamma is not None:
+    check_gamma(gamma)
+  for g in gammas or ():
+    check_gamma(g, "every gamma")
+  unknown = [m for m in methods if m not in known_methods]
+  if unknown:
+    raise UsageError(f"unknown methods {unknown}; known: {', '.join(known_methods)}")
+  for t in temperatures:
+    if isinstance(t, bool) or not isinstance(t, (int, float, np.number)) or not t >= 0:
+      raise UsageError(f"temperatures must be numbers >= 0, got {t!r}")
+  if max_new_tokens is not None:
+    _check_positive_int(max_new_tokens, "max_new_tokens")
+  if num_prompts is not None:
+    _check_positive_int(num_prompts, "num_prompts")
+  if dtype is not None and dtype not in ("float32", "bfloat16"):
+    raise UsageError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+  if models:
+    from blockspec_jax.models import hub
+    for name in models:
+      try:
+        hub.check_model_name(name)
+      except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def check_cache_room(prompt_width: int, max_new_tokens: int, gamma: int, *configs) -> int:
+  """Slots a decode needs, ``P + max_new_tokens + γ + 1`` (γ = 0 for autoregressive decoding); raises
+  :class:`UsageError` naming the numbers when it exceeds the smallest ``max_len`` of ``configs``. Returns it."""
+  needed = prompt_width + max_new_tokens + gamma + 1
+  limit = min(c.max_len for c in configs)
+  if needed > limit:
+    raise UsageError(f"prompts too long for the cache: longest prompt {prompt_width} tokens + {max_new_tokens} new "
+                     f"+ {gamma + 1} draft slots = {needed} > max_len {limit}")
+  return needed
+
+
+def check_pair(target, drafter) -> None:
+  """Drafter and target (``hub.LoadedModel``) must share one tokenizer: same vocabulary size and the same ids for the
+  same text."""
+  if target.config.vocab_size != drafter.config.vocab_size:
+    raise UsageError(f"vocabulary mismatch between drafter {drafter.spec.name} (V = {drafter.config.vocab_size}) "
+                     f"and target {target.spec.name} (V = {target.config.vocab_size}): speculative decoding needs one "
+                     "tokenizer")
+  probe = "def f(x):\n    return x ** 2  # café ✓"
+  if target.tokenizer.encode(probe) != drafter.tokenizer.encode(probe):
+    raise UsageError(f"tokenizers of {drafter.spec.name} and {target.spec.name} differ on the same text")
+
+
+def encode_prompts(model, rows, chat: bool = True) -> list[list[int]]:
+  """Token ids of each prompt row (``row["text"]``): chat-templated when ``chat`` and the tokenizer has a template.
+  Raises :class:`UsageError` when there are no rows or a prompt encodes to nothing."""
+  if not rows:
+    raise UsageError("no prompts to decode (empty prompt file, or a filter/limit that kept none)")
+  out = []
+  for row in rows:
+    if chat and model.tokenizer.chat_template:
+      text = model.tokenizer.apply_chat_template([{"role": "user", "content": row["text"]}])
+      ids = model.tokenizer.encode(text)
+    else:
+      ids = model.tokenizer.encode(row["text"], add_special_tokens=True)
+    if not ids:
+      raise UsageError(f"prompt {row.get('id', '?')!r} encodes to no tokens")
+    out.append(ids)
+  return out
+
+
+def peak_rss_gb() -> float:
+  """Peak resident memory of this process in GB (10^9 bytes); Linux reports ``ru_maxrss`` in KiB."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+@contextlib.contextmanager
+def compiling(label: str, stream=None):
+  """Announce a first (compiling) call: ``compiling <label> …`` with a spinner and the elapsed seconds on a terminal,
+  a start and an end line otherwise (logs)."""
+  stream = sys.stderr if stream is None else stream
+  start = time.perf_counter()
+  done = threading.Event()
+  tty = hasattr(stream, "isatty") and stream.isatty()
+  if tty:
+    def spin():
+      for ch in itertools.cycle("|/-\\"):
+        if done.wait(0.25):
+          return
+        stream.write(f"\rcompiling {label} … {ch} {time.perf_counter() - start:5.1f} s")
+        stream.flush()
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+  else:
+    stream.write(f"compiling {label} …\n")
+    stream.flush()
+  try:
+    yield
+  finally:
+    done.set()
+    if tty:
+      thread.join()
+    stream.write(("\r" if tty else "") + f"compiled {label} in {time.perf_counter() - start:.1f} s" + " " * 8 + "\n")
+    stream.flush()
+
+
+def enable_compilation_cache(directory: str | os.PathLike | None = None) -> pathlib.Path | None:
+  """Turn on JAX's persistent compilation cache, so a second run of a job loads its compiled programs from disk.
+
+  ``directory``: explicit path; else ``$BLOCKSPEC_JAX_COMPILE_CACHE``; else ``<cache dir>/jax_compilation``. The
+  strings ``""``, ``"0"`` and ``"off"`` (argument or variable) disable it. Returns the directory in use, or None.
+  """
+  import jax
+  if directory is None:
+    directory = os.environ.get(COMPILE_CACHE_ENV_VAR)
+  if directory is None:
+    directory = default_cache_dir() / "jax_compilation"
+  if str(directory).strip().lower() in ("", "0", "off", "none"):
+    return None
+  path = pathlib.Path(directory).expanduser()
+  path.mkdir(parents=True, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", str(path))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return path
+
+
+def _phases(method: str, target, drafter, gamma: int, max_new_tokens: int, sampler, stop_ids):
+  """The method's two compiled phases: ``prefill(tokens, lens) -> state`` and ``decode(keys, state) ->
+  DecodeOutput`` (together exactly ``generate_autoregressive`` / ``generate_speculative``)."""
+  from blockspec_jax.decoding import speculative as spec
+  from blockspec_jax.drafters import ModelDrafter
+  tp = target.params["params"]
+  if method == "autoregressive":
+    common = dict(config=target.config, max_new_tokens=max_new_tokens)
+    return (lambda tokens, lens: spec.prefill_autoregressive(tp, tokens, lens, **common),
+            lambda keys, state: spec.decode_autoregressive(tp, keys, state, sampler=sampler, stop_ids=stop_ids,
+                                                           **common))
+  dp = drafter.params["params"]
+  common = dict(config=target.config, drafter=ModelDrafter(drafter.config), gamma=gamma, max_new_tokens=max_new_tokens)
+  return (lambda tokens, lens: spec.prefill_speculative(tp, dp, tokens, lens, **common),
+          lambda keys, state: spec.decode_speculative(tp, dp, keys, state, verifier=method, sampler=sampler,
+                                                      stop_ids=stop_ids, **common))
+
+
+def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tokens, temperature, seed, stop_ids):
+  """Decode every prompt at batch 1 with ``method`` ("autoregressive" or a verifier name); returns the summary row
+  and the generated token lists.
+
+  Prefill and decode phase are compiled and timed apart (each ends in ``block_until_ready``): ``wall_s`` is their
+  sum, ``prefill_s`` the prompt forwards (target, and drafter for speculative methods), ``decode_s`` the loop, which
+  is the phase the ideal speedup BE / (1 + γ·c) describes. The first prompt is run once untimed to compile.
+  """
+  import jax
+  from blockspec_jax import sampling
+  from blockspec_jax.decoding import speculative as spec
+  sampler = sampling.Sampler(temperature=temperature)
+  prefill, decode = _phases(method, target, drafter, gamma, max_new_tokens, sampler, stop_ids)
+  padded = [(ids + [0] * (width - len(ids))) for ids in prompt_ids]
+  key = jax.random.key(seed)
+
+  def one(keys, row, length):
+    lens = np.asarray([length], np.int32)
+    start = time.perf_counter()
+    state = jax.block_until_ready(prefill(np.asarray([row], np.int32), lens))
+    middle = time.perf_counter()
+    out = jax.block_until_ready(decode(keys, state))
+    return out, middle - start, time.perf_counter() - middle
+
+  label = f"{method} (T = {temperature:g}" + ("" if method == "autoregressive" else f", γ = {gamma}") + ")"
+  with compiling(label):
+    one(jax.random.split(key, 1), padded[0], len(prompt_ids[0]))  # compile both phases once per method and T
+  prefill_s, decode_s, tokens, calls, outputs, metrics = 0.0, 0.0, 0, 0, [], []
+  for i, (row, ids) in enumerate(zip(padded, prompt_ids)):
+    out, p_s, d_s = one(jax.random.fold_in(key, i)[None], row, len(ids))
+    prefill_s, decode_s = prefill_s + p_s, decode_s + d_s
+    n = int(out.num_tokens_B[0])
+    tokens += n
+    calls += n if method == "autoregressive" else int(out.metrics.num_drafts[0])
+    outputs.append(np.asarray(out.tokens_BxN[0, :n]).tolist())
+    metrics.append(out.metrics)
+  wall = prefill_s + decode_s
+  summary = dict(method=method, temperature=temperature, gamma=None if method == "autoregressive" else gamma,
+                 prompts=len(prompt_ids), tokens_generated=tokens, target_calls=calls, wall_s=wall,
+                 tokens_per_s=tokens / wall, prefill_s=prefill_s, decode_s=decode_s,
+                 decode_tokens_per_s=tokens / decode_s)
+  merged = jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *metrics)
+  s = spec.summarize_metrics(merged)
+  summary["invalid_prob_rows"] = s["invalid_prob_rows"]
+  if method != "autoregressive":
+    summary.update(block_efficiency=s["mean_acceptance_length"], draft_acceptance_rate=s["draft_acceptance_rate"],
+                   acceptance_per_position=s["acceptance_per_position"],
+                   expected_accepted_per_draft=s["expected_accepted_per_draft"],
+                   per_prompt_acceptance_length=s["per_row_mean_acceptance_length"])
+  if s["invalid_prob_rows"]:
+    print(f"WARNING: {method} at T = {temperature:g}: {s['invalid_prob_rows']} probability rows were not "
+          "distributions (NaN/inf logits or bad rows); its numbers are not trustworthy", file=sys.stderr)
+  return summary, outputs
+
+
+@contextlib.contextmanager
+def cli_errors(prog: str):
+  """Run a command-line job: a :class:`UsageError`, a gin configuration error, a missing file or an unknown name
+  becomes one line ``<prog>: error: …`` on stderr and exit status 2, instead of a traceback."""
+  try:
+    yield
+  except (UsageError, FileNotFoundError) as e:
+    _fail(prog, e)
+  except (ValueError, OSError) as e:
+    # gin reports typos and unknown bindings (ValueError) and missing gin files (OSError) while parsing, before
+    # anything runs; other errors keep their traceback.
+    if _from_gin(e):
+      _fail(prog, e)
+    raise
+
+
+def _from_gin(e: BaseException) -> bool:
+  tb = e.__traceback__
+  while tb is not None:
+    if "/gin/" in tb.tb_frame.f_code.co_filename.replace(os.sep, "/"):
+      return True
+    tb = tb.tb_next
+  return False
+
+
+def _fail(prog: str, e: BaseException):
+  # The first line says what is wrong; gin appends where it was raised ("In call to configurable …") below it.
+  message = str(e).strip().splitlines()
+  print(f"{prog}: error: {message[0] if message else type(e).__name__}", file=sys.stderr)
+  raise SystemExit(2)
