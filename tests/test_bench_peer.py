@@ -1,10 +1,11 @@
-"""bench_peer's arithmetic on synthetic worker reports: baselines, ideals, verdicts, drift, fastest γ, (b), (c), bf16."""
+"""bench_peer's arithmetic on synthetic worker reports (peer_analysis, peer_report, bench_peer's --from-json):
+baselines, ideals, verdicts, drift, fastest γ, (b), (c), bf16."""
 
 import json
 
 import pytest
 
-from blockspec_jax.eval import bench_peer
+from blockspec_jax.eval import bench_peer, peer_analysis, peer_report
 
 
 def _row(method, t, gamma, tokens_per_s, decode_tokens_per_s, be=None, repeat=0):
@@ -37,7 +38,7 @@ def test_analyse_figures_and_verdicts():
       dict(method="assisted", temperature=1.0, gamma=4, tokens_per_s=1.5, block_efficiency=2.5, tokens_generated=96,
            target_calls=38, wall_s=64.0)])
   bf16 = _ours("bfloat16", scale=0.5)
-  out = bench_peer.analyse(_ours(), bf16, hf)
+  out = peer_analysis.analyse(_ours(), bf16, hf)
   costs, checks = out["costs"], out["checks"]
   assert costs["float32"]["c"] == pytest.approx(0.4)
   assert costs["float32"]["v"] == pytest.approx({1: 1.0, 3: 1.2, 5: 1.4})
@@ -72,8 +73,8 @@ def test_analyse_figures_and_verdicts():
 def test_report_prints(capsys):
   args = bench_peer.parse_args(["--quick"])
   ours = _ours()
-  out = bench_peer.analyse(ours, {}, {})
-  bench_peer.print_report(out, ours, {}, {}, args)
+  out = peer_analysis.analyse(ours, {}, {})
+  peer_report.print_report(out, ours, {}, {}, args)
   printed = capsys.readouterr().out
   assert "drift at T=1" in printed and "(a) T=1 γ=4: decode phase 1.36x" in printed
   assert "autoregressive (again)" in printed and "c = 0.400" in printed
@@ -90,7 +91,7 @@ def test_interleaved_median_ms_times_round_robin_after_one_warm_up_each():
 
 
 def test_time_breakdown_splits_an_iteration_into_forwards_and_the_rest():
-  checks = bench_peer.analyse(_ours(), {}, {})["checks"]
+  checks = peer_analysis.analyse(_ours(), {}, {})["checks"]
   ar = next(b for b in checks["time"] if b["method"] == "autoregressive")
   assert ar["iteration_ms"] == pytest.approx(400.0) and ar["rest_ms"] == pytest.approx(150.0)  # 96 / 2.5 s, 96 steps
   assert len([b for b in checks["time"] if b["method"] == "autoregressive"]) == 1  # not the pass after the sweep
