@@ -66,7 +66,11 @@ def probs_from_logits(logits_xV: jax.Array, *, temperature: float = 1.0, top_k: 
   logits_xV = jnp.asarray(logits_xV).astype(jnp.float32)
   vocab = logits_xV.shape[-1]
   if temperature == 0.0:
-    return jax.nn.one_hot(jnp.argmax(logits_xV, axis=-1), vocab, dtype=jnp.float32)
+    # A NaN or +inf logit, or a row with no finite logit, has no meaningful argmax (argmax would pick the NaN and
+    # return a valid-looking one-hot): such rows become NaN so that distribution_errors counts them.
+    bad_x = jnp.any(jnp.isnan(logits_xV) | (logits_xV == jnp.inf), axis=-1) | jnp.all(logits_xV == -jnp.inf, axis=-1)
+    one_hot_xV = jax.nn.one_hot(jnp.argmax(logits_xV, axis=-1), vocab, dtype=jnp.float32)
+    return jnp.where(bad_x[..., None], jnp.float32(jnp.nan), one_hot_xV)
   scaled_xV = logits_xV / jnp.float32(temperature)
   if top_k and top_k < vocab:
     kth_x1 = jax.lax.top_k(scaled_xV, top_k)[0][..., -1:]
@@ -117,11 +121,14 @@ def sample_from_weights(key: jax.Array, weights_V: jax.Array) -> jax.Array:
   Inverse-CDF sampling with one uniform ``u``: the index whose cumulative mass interval contains ``u * total``.
   Cumulative sums are taken over a tree of fan-out 128 (block sums, then a descent that looks at 128 entries per
   level), which keeps f32 rounding at the level of a few ulps of the total (a flat running sum over 150k entries
-  would not) and costs one read of the row. Indices with weight 0 are never returned. An all-zero row returns 0;
-  callers that can produce one handle it (see :mod:`blockspec_jax.verify`). Returns int32 scalar; batch with
-  ``jax.vmap``.
+  would not) and costs one read of the row. Indices with weight 0 are never returned. Garbage never leaves the
+  vocabulary: NaN, infinite and negative weights count as 0, and a row with no positive finite weight returns 0 (such
+  rows are not distributions; :func:`blockspec_jax.verify.distribution_errors` reports them, and the decode loops
+  count them in ``invalid_prob_rows``). Returns int32 scalar in ``[0, V)``; batch with ``jax.vmap``.
   """
-  weights_V = jnp.maximum(jnp.asarray(weights_V, jnp.float32), 0.0)
+  weights_V = jnp.asarray(weights_V, jnp.float32)
+  vocab = weights_V.shape[-1]
+  weights_V = jnp.where(jnp.isfinite(weights_V) & (weights_V > 0), weights_V, 0.0)
   levels = [_pad_to_multiple(weights_V, _FANOUT)]
   while levels[-1].shape[-1] > _FANOUT:
     levels.append(_pad_to_multiple(levels[-1].reshape(-1, _FANOUT).sum(-1), _FANOUT))
@@ -132,7 +139,8 @@ def sample_from_weights(key: jax.Array, weights_V: jax.Array) -> jax.Array:
     j, mass_before = _first_crossing(segment_F, target)
     target = jnp.maximum(target - mass_before, 0.0)
     index = index * _FANOUT + j.astype(jnp.int32)
-  return index
+  # Only a row without positive mass (or a total that overflowed to inf) can walk into the padding.
+  return jnp.where(index < vocab, index, 0).astype(jnp.int32)
 
 
 def sample(key: jax.Array, probs_V: jax.Array) -> jax.Array:

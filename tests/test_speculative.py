@@ -237,3 +237,56 @@ def test_summarize_metrics_names_and_values():
   assert s["acceptance_per_position"][0] >= s["acceptance_per_position"][-1]
   assert sum(s["acceptance_per_position"]) == pytest.approx(s["num_accepted_tokens"] / s["num_drafts"])
   assert s["num_emitted_tokens"] == 48 and s["invalid_prob_rows"] == 0
+
+
+def test_prompt_values_are_checked_before_decoding():
+  """Lengths outside [1, P] and ids outside [0, V) are refused with the offending row named (not decoded)."""
+  config, target, drafter = model_pair()
+  keys = jax.random.split(jax.random.key(0), 2)
+  tokens = jnp.asarray([[1, 2, 3], [4, 5, 0]], jnp.int32)
+  common = dict(config=config, max_new_tokens=4)
+  for lens, message in (([3, 0], r"rows \[1\] have lengths \[0\]"), ([3, -2], r"rows \[1\] have lengths \[-2\]"),
+                        ([4, 2], r"rows \[0\] have lengths \[4\]")):
+    with pytest.raises(ValueError, match=message):
+      spec.generate_autoregressive(target, keys, tokens, jnp.asarray(lens, jnp.int32), **common)
+    with pytest.raises(ValueError, match=message):
+      spec.prefill_speculative(target, drafter, tokens, jnp.asarray(lens, jnp.int32), drafter=ModelDrafter(config),
+                               gamma=2, **common)
+  lens = jnp.asarray([3, 2], jnp.int32)
+  for bad, message in ((64, "row 1 position 1 holds 64"), (-1, "row 1 position 1 holds -1")):
+    with pytest.raises(ValueError, match=message):
+      spec.generate_speculative(target, drafter, keys, tokens.at[1, 1].set(bad), lens, drafter=ModelDrafter(config),
+                                gamma=2, **common)
+  # Padding past a row's length is not a prompt id: any value there is fine.
+  spec.generate_autoregressive(target, keys, tokens.at[1, 2].set(999), lens, **common)
+
+
+@pytest.mark.parametrize("method,temperature", [("autoregressive", 0.0), ("autoregressive", 1.0), ("block", 0.0),
+                                                ("token", 1.0), ("greedy", 1.0), ("exact_match", 1.0)])
+def test_garbage_rows_are_counted_and_ids_stay_in_the_vocabulary(method, temperature):
+  """A target whose logits are NaN (here: an out-of-vocabulary id reaching the embedding under jit, where values
+  cannot be checked) must not commit ids outside [0, V), and every bad row is counted, at T = 0 as at T = 1."""
+  config, target, drafter = model_pair()
+  nan_target = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), target)
+  keys = jax.random.split(jax.random.key(1), 4)
+  sampler = sampling.Sampler(temperature)
+  if method == "autoregressive":
+    out = run_ar(config, nan_target, PROMPTS, keys, 6, sampler)
+  else:
+    with pytest.warns(UserWarning, match="greedy") if method == "greedy" and temperature > 0 else _no_warning():
+      out = run_spec(config, nan_target, drafter, PROMPTS, keys, 6, 3, method, sampler)
+  tokens = np.asarray(out.tokens_BxN)
+  assert ((tokens >= 0) & (tokens < config.vocab_size)).all()
+  assert (np.asarray(out.metrics.invalid_prob_rows) > 0).all()
+  assert spec.summarize_metrics(out.metrics)["invalid_prob_rows"] > 0
+
+
+class _no_warning:
+  def __enter__(self):
+    import warnings
+    self._ctx = warnings.catch_warnings()
+    self._ctx.__enter__()
+    warnings.simplefilter("error", UserWarning)
+
+  def __exit__(self, *exc):
+    return self._ctx.__exit__(*exc)

@@ -18,6 +18,7 @@ neighbours, on padding or on the device count. The autoregressive sampler is the
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -27,19 +28,19 @@ from flax import struct
 from blockspec_jax import sampling
 from blockspec_jax.drafters.base import Drafter, feed
 from blockspec_jax.models import decoder as decoder_lib
-from blockspec_jax.verify import Verifier, distribution_errors, get_verifier
+from blockspec_jax.verify import Verifier, distribution_errors, get_verifier, warn_if_inexact
 
 __all__ = ["DecodeMetrics", "DecodeState", "DecodeOutput", "prepare_prompts", "autoregressive_prefill",
            "autoregressive_decode", "autoregressive_program", "speculative_prefill", "speculative_decode",
            "speculative_program", "generate_autoregressive", "generate_speculative", "prefill_autoregressive",
            "decode_autoregressive", "prefill_speculative", "decode_speculative", "draft_and_score",
            "AUTOREGRESSIVE_STATIC", "AUTOREGRESSIVE_PREFILL_STATIC", "SPECULATIVE_STATIC",
-           "SPECULATIVE_PREFILL_STATIC", "summarize_metrics"]
+           "SPECULATIVE_PREFILL_STATIC", "summarize_metrics", "check_prompt_values"]
 
 
 @struct.dataclass
 class DecodeMetrics:
-  """Per-row counters (names of ALGORITHMS.md §7). All int32 ``[B]`` unless noted."""
+  """Per-row counters (names of docs/ALGORITHMS.md §7). All int32 ``[B]`` unless noted."""
   num_drafts: jax.Array                 # iterations in which the row was active (= target calls for the row)
   num_draft_tokens: jax.Array           # γ per draft
   num_accepted_tokens: jax.Array        # Σ τ (before stop / budget cuts: what the verifier accepted)
@@ -86,6 +87,32 @@ def prepare_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0):
   width = max(lengths)
   rows = [list(p) + [pad_id] * (width - len(p)) for p in prompts]
   return jnp.asarray(rows, jnp.int32), jnp.asarray(lengths, jnp.int32)
+
+
+def check_prompt_values(tokens_BxP, prompt_len_B, vocab_size: int) -> None:
+  """Eager value checks of concrete prompts (skipped for tracers, whose values are unknown at trace time): every
+  length in ``[1, P]`` and every prompt id (before each row's length) in ``[0, V)``. Raises ValueError naming the rows.
+
+  Under ``jit`` the loop cannot raise on values; an out-of-vocabulary id there gives NaN logits, which the loop's
+  ``invalid_prob_rows`` counter reports.
+  """
+  if isinstance(tokens_BxP, jax.core.Tracer) or isinstance(prompt_len_B, jax.core.Tracer):
+    return
+  import numpy as np  # host-side check
+  tokens_BxP, lens_B = np.asarray(tokens_BxP), np.asarray(prompt_len_B)
+  if tokens_BxP.ndim != 2 or lens_B.shape != tokens_BxP.shape[:1]:
+    return  # shape errors are reported by the trace-time checks, with the shapes
+  width = tokens_BxP.shape[1]
+  bad_len = np.flatnonzero((lens_B < 1) | (lens_B > width))
+  if bad_len.size:
+    raise ValueError(f"prompt_len_B must be in [1, prompt width {width}]; rows {bad_len[:8].tolist()} have lengths "
+                     f"{lens_B[bad_len[:8]].tolist()}")
+  in_prompt_BxP = np.arange(width)[None, :] < lens_B[:, None]
+  bad_BxP = in_prompt_BxP & ((tokens_BxP < 0) | (tokens_BxP >= vocab_size))
+  if bad_BxP.any():
+    rows, cols = np.nonzero(bad_BxP)
+    raise ValueError(f"prompt ids must be in [0, V = {vocab_size}); row {rows[0]} position {cols[0]} holds "
+                     f"{tokens_BxP[rows[0], cols[0]]} ({bad_BxP.sum()} bad ids in {len(set(rows.tolist()))} rows)")
 
 
 def _check_common(config: decoder_lib.DecoderConfig, tokens_BxP, prompt_len_B, max_new_tokens, cache_len):
@@ -241,10 +268,25 @@ def autoregressive_program(target_params, keys_B, tokens_BxP, prompt_len_B, *, c
                                max_new_tokens=max_new_tokens, sampler=sampler, stop_ids=stop_ids, pad_id=pad_id)
 
 
+def _with_prompt_checks(jitted, tokens_arg: int):
+  """``jitted`` preceded by :func:`check_prompt_values` on concrete prompts (positional ``tokens_arg`` and the next
+  argument are the prompt ids and lengths); ``.jitted`` is the bare compiled function (``.lower`` etc.)."""
+  @functools.wraps(jitted)
+  def call(*args, **kwargs):
+    if len(args) > tokens_arg + 1 and "config" in kwargs:
+      check_prompt_values(args[tokens_arg], args[tokens_arg + 1], kwargs["config"].vocab_size)
+    return jitted(*args, **kwargs)
+  call.jitted = jitted
+  return call
+
+
 #: The compiled autoregressive loop, and its two phases compiled apart (no donation: the output cannot alias the
-#: caches, and copying a state into the loop's carry once is noise next to the loop).
-generate_autoregressive = jax.jit(autoregressive_program, static_argnames=AUTOREGRESSIVE_STATIC)
-prefill_autoregressive = jax.jit(autoregressive_prefill, static_argnames=AUTOREGRESSIVE_PREFILL_STATIC)
+#: caches, and copying a state into the loop's carry once is noise next to the loop). Concrete prompts are checked
+#: (lengths in [1, P], ids in [0, V)) before the call.
+generate_autoregressive = _with_prompt_checks(
+    jax.jit(autoregressive_program, static_argnames=AUTOREGRESSIVE_STATIC), 2)
+prefill_autoregressive = _with_prompt_checks(
+    jax.jit(autoregressive_prefill, static_argnames=AUTOREGRESSIVE_PREFILL_STATIC), 1)
 decode_autoregressive = jax.jit(autoregressive_decode, static_argnames=AUTOREGRESSIVE_STATIC)
 
 
@@ -306,6 +348,7 @@ def speculative_decode(target_params, drafter_params, keys_B, state: DecodeState
   ``config``, ``drafter``, ``gamma`` and ``max_new_tokens``. See the module docstring."""
   del cache_sharding  # the caches in ``state`` already carry their layout
   verifier = get_verifier(verifier)
+  warn_if_inexact(verifier, sampler)
   module = decoder_lib.Decoder(config)
   batch = state.tokens_BxS.shape[0]
   _check_state(state, keys_B, max_new_tokens, gamma + 1, gamma)
@@ -370,13 +413,14 @@ def speculative_program(target_params, drafter_params, keys_B, tokens_BxP, promp
 
 
 #: The compiled speculative loop (one device or default placement). For meshes see ``blockspec_jax.parallel``.
-generate_speculative = jax.jit(speculative_program, static_argnames=SPECULATIVE_STATIC)
-prefill_speculative = jax.jit(speculative_prefill, static_argnames=SPECULATIVE_PREFILL_STATIC)
+generate_speculative = _with_prompt_checks(jax.jit(speculative_program, static_argnames=SPECULATIVE_STATIC), 3)
+prefill_speculative = _with_prompt_checks(
+    jax.jit(speculative_prefill, static_argnames=SPECULATIVE_PREFILL_STATIC), 2)
 decode_speculative = jax.jit(speculative_decode, static_argnames=SPECULATIVE_STATIC)
 
 
 def summarize_metrics(metrics: DecodeMetrics) -> dict:
-  """Batch totals with the names of ALGORITHMS.md §7 (host-side; call on a finished run's ``metrics``).
+  """Batch totals with the names of docs/ALGORITHMS.md §7 (host-side; call on a finished run's ``metrics``).
 
   ``mean_acceptance_length = 1 + accepted / drafts`` (block efficiency), ``draft_acceptance_rate = accepted /
   drafted``, ``acceptance_per_position[i] = P(τ ≥ i+1)`` over drafts, ``expected_accepted_per_draft`` the

@@ -6,7 +6,8 @@ from blockspec_jax.verify.rules import (VerifyResult, block_acceptance_threshold
 from blockspec_jax.verify.validation import (BAD_SUM, NEGATIVE, NOT_FINITE, check_block_shapes, describe_errors,
                                              distribution_errors, validate_block, validate_distributions)
 from blockspec_jax.verify.verifiers import (DEFAULT_VERIFIER, VERIFIERS, BlockVerifier, ExactMatchVerifier,
-                                            GreedyVerifier, TokenVerifier, Verifier, get_verifier, row_keys)
+                                            GreedyVerifier, TokenVerifier, Verifier, get_verifier, row_keys,
+                                            warn_if_inexact)
 
 import jax as _jax
 

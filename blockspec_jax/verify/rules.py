@@ -1,6 +1,6 @@
 """Single-block verification rules: pure, jittable, written for one row; batch them with ``jax.vmap``.
 
-Contract (DESIGN.md)::
+Contract (docs/ARCHITECTURE.md, contract 1)::
 
     res = rule(key, draft_tokens, draft_probs, target_probs)
     draft_tokens  int    [γ]       X_1..X_γ, X_i ~ M_s(.|c, X^{i-1})
@@ -35,10 +35,21 @@ __all__ = ["VerifyResult", "token_verify", "block_verify", "block_verify_eager",
 
 @struct.dataclass
 class VerifyResult:
-  """Outcome of verifying one block (or a batch of blocks: every field gains a leading ``[B]``)."""
+  """Outcome of verifying one block (or a batch of blocks: every field gains a leading ``[B]``).
+
+  Whatever the rows hold, ``τ ∈ [0, γ]``, ``Y ∈ [0, V)`` and ``acceptance_probs ∈ [0, 1]`` (NaN → 0): garbage rows
+  (NaN, negative, not summing to 1) are reported by :func:`blockspec_jax.verify.distribution_errors`, never by
+  out-of-range outputs.
+  """
   num_accepted: jax.Array      # int32 []   τ
   next_token: jax.Array        # int32 []   Y
   acceptance_probs: jax.Array  # f32 [γ]    P(τ ≥ i | X^i)
+
+
+def _result(tau, next_token, acceptance_probs_G) -> VerifyResult:
+  """A VerifyResult with ``acceptance_probs`` kept in [0, 1] (NaN → 0) for rows that are not distributions."""
+  probs_G = jnp.where(jnp.isnan(acceptance_probs_G), 0.0, jnp.clip(acceptance_probs_G, 0.0, 1.0))
+  return VerifyResult(tau, next_token, probs_G.astype(jnp.float32))
 
 
 def clipped_ratio(w_prev: jax.Array, p: jax.Array, q: jax.Array) -> jax.Array:
@@ -101,7 +112,7 @@ def token_verify(key, draft_tokens, draft_probs, target_probs, coins=None) -> Ve
   accept_prob_G = clipped_ratio(1.0, p_tok_G, q_tok_G)
   tau = _leading_true_count(eta_G < accept_prob_G)
   next_token = _correction(key_next, tau, jnp.float32(1.0), q_GxV, p_G1xV)
-  return VerifyResult(tau, next_token, jnp.cumprod(accept_prob_G))
+  return _result(tau, next_token, jnp.cumprod(accept_prob_G))
 
 
 def block_weights(p_tok_G: jax.Array, q_tok_G: jax.Array) -> jax.Array:
@@ -181,7 +192,7 @@ def _block_verify(key, draft_tokens, draft_probs, target_probs, coins, tau_fn) -
   tau = tau_fn(eta_G, w_G, q_GxV, p_G1xV)
   w_tau = jnp.concatenate([jnp.ones((1,), jnp.float32), w_G])[tau]
   next_token = _correction(key_next, tau, w_tau, q_GxV, p_G1xV)
-  return VerifyResult(tau, next_token, w_G)
+  return _result(tau, next_token, w_G)
 
 
 def block_verify(key, draft_tokens, draft_probs, target_probs, coins=None) -> VerifyResult:
@@ -215,7 +226,7 @@ def greedy_verify(key, draft_tokens, draft_probs, target_probs) -> VerifyResult:
   argmax_G1 = jnp.argmax(p_G1xV, axis=-1).astype(jnp.int32)
   match_G = draft_tokens_G == argmax_G1[:-1]
   tau = _leading_true_count(match_G)
-  return VerifyResult(tau, argmax_G1[tau], jnp.cumprod(match_G.astype(jnp.float32)))
+  return _result(tau, argmax_G1[tau], jnp.cumprod(match_G.astype(jnp.float32)))
 
 
 def exact_match_verify(key, draft_tokens, draft_probs, target_probs) -> VerifyResult:
@@ -227,4 +238,4 @@ def exact_match_verify(key, draft_tokens, draft_probs, target_probs) -> VerifyRe
   gamma, draft_tokens_G, _, p_G1xV, _, p_tok_G = _prepare(draft_tokens, draft_probs, target_probs)
   samples_G1 = jax.vmap(sampling.sample_from_weights)(jax.random.split(key, gamma + 1), p_G1xV)
   tau = _leading_true_count(samples_G1[:-1] == draft_tokens_G)
-  return VerifyResult(tau, samples_G1[tau], jnp.cumprod(p_tok_G))
+  return _result(tau, samples_G1[tau], jnp.cumprod(p_tok_G))

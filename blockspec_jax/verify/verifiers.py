@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Callable, ClassVar
 
 import jax
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 from blockspec_jax.verify import rules
 
 __all__ = ["Verifier", "TokenVerifier", "BlockVerifier", "GreedyVerifier", "ExactMatchVerifier", "VERIFIERS",
-           "DEFAULT_VERIFIER", "get_verifier", "row_keys"]
+           "DEFAULT_VERIFIER", "get_verifier", "row_keys", "warn_if_inexact"]
 
 
 def row_keys(key: jax.Array, batch_size: int) -> jax.Array:
@@ -23,14 +24,20 @@ def row_keys(key: jax.Array, batch_size: int) -> jax.Array:
 class Verifier:
   """A verification rule plus its settings. Call it on one block; ``batch`` maps it over rows with ``jax.vmap``.
 
-  Subclasses set ``name``, ``lossless`` (exactly the target law when the draft law is the one passed in) and
-  ``needs_draft_probs``. Hashable and static under ``jax.jit``.
+  Subclasses set ``name``, ``lossless`` (exactly the target law when the draft law is the one passed in),
+  ``requires_greedy_target`` (lossless only when the target is sampled at temperature 0) and ``needs_draft_probs``.
+  Hashable and static under ``jax.jit``.
   """
 
   name: ClassVar[str] = ""
   lossless: ClassVar[bool] = True
+  requires_greedy_target: ClassVar[bool] = False
   needs_draft_probs: ClassVar[bool] = True
   rule: ClassVar[Callable[..., rules.VerifyResult]]
+
+  def lossless_under(self, sampler) -> bool:
+    """Whether decoding with this rule has exactly the target's law under ``sampler`` (a ``sampling.Sampler``)."""
+    return self.lossless and (sampler.temperature == 0.0 or not self.requires_greedy_target)
 
   def __call__(self, key, draft_tokens, draft_probs, target_probs) -> rules.VerifyResult:
     return type(self).rule(key, draft_tokens, draft_probs, target_probs)
@@ -63,8 +70,9 @@ class BlockVerifier(Verifier):
 
 @dataclasses.dataclass(frozen=True)
 class GreedyVerifier(Verifier):
-  """Lossless only for a greedy (temperature 0) target."""
+  """Lossless only for a greedy (temperature 0) target; at T > 0 it emits argmaxes, not samples."""
   name: ClassVar[str] = "greedy"
+  requires_greedy_target: ClassVar[bool] = True
   needs_draft_probs: ClassVar[bool] = False
   rule = staticmethod(rules.greedy_verify)
 
@@ -79,6 +87,24 @@ class ExactMatchVerifier(Verifier):
 VERIFIERS: dict[str, type[Verifier]] = {
     cls.name: cls for cls in (BlockVerifier, TokenVerifier, GreedyVerifier, ExactMatchVerifier)}
 DEFAULT_VERIFIER = "block"
+
+
+_warned_inexact: set = set()  # (rule name, temperature) pairs already warned about in this process
+
+
+def warn_if_inexact(verifier: Verifier, sampler) -> bool:
+  """Warn (once per rule and temperature in a process) when ``verifier`` does not sample the target's law under
+  ``sampler`` although the user asked for sampling (e.g. the greedy rule at T > 0). Returns True when inexact."""
+  if verifier.lossless_under(sampler):
+    return False
+  key = (verifier.name, float(sampler.temperature))
+  if key not in _warned_inexact:
+    _warned_inexact.add(key)
+    why = ("it is lossless only for a greedy (T = 0) target" if verifier.requires_greedy_target
+           else "it is a lossy rule")
+    warnings.warn(f"verifier {verifier.name!r} at temperature {sampler.temperature:g} does not sample the target's "
+                  f"distribution: {why}; use 'block' or 'token' for exact sampling", UserWarning, stacklevel=3)
+  return True
 
 
 def get_verifier(name: str = DEFAULT_VERIFIER, **settings) -> Verifier:
