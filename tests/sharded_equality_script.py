@@ -49,6 +49,20 @@ def main():
       print(f"T={sampler.temperature} mesh data={data} model={model}: equal={same} output sharding {spec_layout}, "
             f"q weight {t_sh['layers_0']['attn']['q']['weight'].sharding.spec}")
       ok &= same
+  # Compiled once: another batch of the same shapes (new keys, new prompts) reuses the cached programs.
+  programs = len(parallel._COMPILED)
+  mesh = parallel.make_mesh(4, 2)
+  t_sh, d_sh = parallel.shard_params(target, mesh), parallel.shard_params(drafter, mesh)
+  tokens2, lens2 = spec.prepare_prompts([[p % 60 + 2 for p in row] for row in prompts[::-1]])
+  k_sh, tok_sh, len_sh = parallel.shard_batch(mesh, jax.random.split(jax.random.key(5), 8), tokens2, lens2)
+  static = dict(config=config, drafter=ModelDrafter(small), gamma=3, max_new_tokens=12, verifier="block",
+                sampler=sampling.Sampler(1.0))
+  parallel.sharded_speculative(mesh, t_sh, d_sh, k_sh, tok_sh, len_sh, **static)
+  fns = [fn for fn in parallel._COMPILED.values()]
+  once = len(parallel._COMPILED) == programs and all(fn._cache_size() == 1 for fn in fns)
+  print(f"compiled once: {once} ({len(parallel._COMPILED)} programs, executables per program "
+        f"{sorted(fn._cache_size() for fn in fns)})")
+  ok &= once
   print("ALL EQUAL" if ok else "MISMATCH")
   return 0 if ok else 1
 

@@ -22,6 +22,7 @@ def test_sharded_equals_unsharded_on_eight_devices():
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "ALL EQUAL" in proc.stdout
   assert proc.stdout.count("equal=True") == 6
+  assert "compiled once: True" in proc.stdout  # a second batch of the same shapes does not recompile
 
 
 class _FakeMesh:

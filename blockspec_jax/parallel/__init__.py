@@ -124,25 +124,53 @@ def cache_sharding(mesh: Mesh, config) -> NamedSharding:
   return NamedSharding(mesh, P(None, DATA, None, heads, None))
 
 
-def _compile(program, static, mesh, param_trees, batch_arrays):
-  batch = batch_arrays[0].shape[0]
-  static = dict(static, cache_sharding=cache_sharding(mesh, static["config"]))
-  fn = functools.partial(program, **static)
-  out_shape = jax.eval_shape(fn, *param_trees, *batch_arrays)
-  in_shardings = tuple(param_shardings(p, mesh) for p in param_trees) + tuple(
-      batch_sharding(mesh, batch) for _ in batch_arrays)
-  return jax.jit(fn, in_shardings=in_shardings, out_shardings=_output_shardings(out_shape, mesh))
+def _abstract(tree):
+  """Hashable description of a pytree of arrays: its structure and every leaf's shape and dtype."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+
+
+# (program, static settings, mesh, abstract inputs) -> the jax.jit for them: one jit object per distinct program, so
+# its compiled executable is reused by every later call with the same shapes instead of recompiling per call.
+_COMPILED: dict = {}
+
+
+def _compiled(program, static, mesh, param_trees, batch_arrays):
+  key = (program, tuple(sorted(static.items())), mesh, tuple(_abstract(t) for t in param_trees),
+         _abstract(batch_arrays))
+  fn = _COMPILED.get(key)
+  if fn is None:
+    batch = batch_arrays[0].shape[0]
+    settings = dict(static, cache_sharding=cache_sharding(mesh, static["config"]))
+    bound = functools.partial(program, **settings)
+    out_shape = jax.eval_shape(bound, *param_trees, *batch_arrays)
+    in_shardings = tuple(param_shardings(p, mesh) for p in param_trees) + tuple(
+        batch_sharding(mesh, batch) for _ in batch_arrays)
+    fn = _COMPILED[key] = jax.jit(bound, in_shardings=in_shardings, out_shardings=_output_shardings(out_shape, mesh))
+  return fn
+
+
+def _mesh_context(mesh: Mesh):
+  return jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else mesh
 
 
 def sharded_speculative(mesh: Mesh, target_params, drafter_params, keys_B, tokens_BxP, prompt_len_B, **static):
-  """Run the speculative loop with parameters, caches and rows laid out on ``mesh``; same tokens as one device."""
-  with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else mesh:
-    fn = _compile(spec.speculative_program, static, mesh, (target_params, drafter_params),
-                  (keys_B, tokens_BxP, prompt_len_B))
+  """Run the speculative loop with parameters, caches and rows laid out on ``mesh``; same tokens as one device.
+
+  ``static``: the keyword settings of ``generate_speculative`` (config, drafter, gamma, max_new_tokens, verifier,
+  sampler, stop_ids, pad_id). The compiled program is cached per (settings, mesh, shapes): a second call with the
+  same shapes does not recompile.
+  """
+  spec.check_prompt_values(tokens_BxP, prompt_len_B, static["config"].vocab_size)
+  with _mesh_context(mesh):
+    fn = _compiled(spec.speculative_program, static, mesh, (target_params, drafter_params),
+                   (keys_B, tokens_BxP, prompt_len_B))
     return fn(target_params, drafter_params, keys_B, tokens_BxP, prompt_len_B)
 
 
 def sharded_autoregressive(mesh: Mesh, target_params, keys_B, tokens_BxP, prompt_len_B, **static):
-  with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else mesh:
-    fn = _compile(spec.autoregressive_program, static, mesh, (target_params,), (keys_B, tokens_BxP, prompt_len_B))
+  """The autoregressive baseline on ``mesh`` (see :func:`sharded_speculative`)."""
+  spec.check_prompt_values(tokens_BxP, prompt_len_B, static["config"].vocab_size)
+  with _mesh_context(mesh):
+    fn = _compiled(spec.autoregressive_program, static, mesh, (target_params,), (keys_B, tokens_BxP, prompt_len_B))
     return fn(target_params, keys_B, tokens_BxP, prompt_len_B)
