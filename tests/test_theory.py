@@ -283,7 +283,7 @@ def _draw(rng, probs_V):
 
 
 def _simulate(rule, rng, drafter, target, context, gamma):
-  """One iteration, transcribed literally from ALGORITHMS.md (stop-at-first-rejection / coin scan)."""
+  """One iteration, transcribed literally from docs/ALGORITHMS.md §1-2 (stop-at-first-rejection / coin scan)."""
   draft = []
   for _ in range(gamma):
     draft.append(_draw(rng, drafter.next_probs(context + tuple(draft))))

@@ -5,7 +5,7 @@
     text = tok.decode(ids)
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])   # str, then tok.encode(prompt)
 
-Two families (recipes that match llama.cpp and transformers id-for-id, docs MODELS_AND_DATA.md):
+Two families (recipes that match llama.cpp and transformers id-for-id, docs/MODELS_AND_DATA.md):
 
 Byte-level BPE (``tokenizer.ggml.model == "gpt2"``) from ``tokenizer.ggml.{tokens,merges,token_type}`` with the
 pre-tokenizer named by ``tokenizer.ggml.pre``:

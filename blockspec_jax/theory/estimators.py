@@ -1,7 +1,7 @@
 """Estimators of the expected number of accepted draft tokens from sampled drafts (numpy, float64).
 
 Along a draft ``X^γ ~ M_s`` the probability that verification accepts at least ``i`` tokens given the first ``i``
-draft tokens is a known function of the draft (ALGORITHMS.md §2, §7):
+draft tokens is a known function of the draft (docs/ALGORITHMS.md §2, §8):
 
 * token verification: ``P(τ ≥ i | X^i) = Π_{j≤i} min(1, p_{j-1}(X_j) / q_{j-1}(X_j))``  (:func:`token_weights`);
 * block verification: ``P(τ ≥ i | X^i) = w_i``, ``w_i = min(1, w_{i-1} p_{i-1}(X_i) / q_{i-1}(X_i))``, ``w_0 = 1``

