@@ -160,11 +160,13 @@ def compiling(label: str, stream=None):
     stream.flush()
 
 
-def enable_compilation_cache(directory: str | os.PathLike | None = None) -> pathlib.Path | None:
+def enable_compilation_cache(directory: str | os.PathLike | None = None, min_compile_time_s: float = 0.5
+                             ) -> pathlib.Path | None:
   """Turn on JAX's persistent compilation cache, so a second run of a job loads its compiled programs from disk.
 
   ``directory``: explicit path; else ``$BLOCKSPEC_JAX_COMPILE_CACHE``; else ``<cache dir>/jax_compilation``. The
-  strings ``""``, ``"0"`` and ``"off"`` (argument or variable) disable it. Returns the directory in use, or None.
+  strings ``""``, ``"0"`` and ``"off"`` (argument or variable) disable it. Programs that compile faster than
+  ``min_compile_time_s`` are not written. Returns the directory in use, or None.
   """
   import jax
   if directory is None:
@@ -176,7 +178,7 @@ def enable_compilation_cache(directory: str | os.PathLike | None = None) -> path
   path = pathlib.Path(directory).expanduser()
   path.mkdir(parents=True, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir", str(path))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   return path
 

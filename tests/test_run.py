@@ -109,3 +109,32 @@ def test_compiling_announces_the_first_call(capsys):
     pass
   lines = stream.getvalue().splitlines()
   assert lines[0] == "compiling block (T = 1) …" and lines[1].startswith("compiled block (T = 1) in ")
+
+
+_CACHE_SCRIPT = """
+import sys, jax, jax.numpy as jnp
+from blockspec_jax import jobs, kernels
+events = []
+jax.monitoring.register_event_listener(lambda name, **kw: events.append(name))
+print("dir", jobs.enable_compilation_cache(sys.argv[1], min_compile_time_s=0))
+f = jax.jit(lambda x, w: jnp.tanh(kernels.linear(x, w)) * 3)
+y = f(jnp.ones((2, 64)), jnp.ones((32, 64)))
+print("value", float(y.sum()))
+print("hits", sum(e == "/jax/compilation_cache/cache_hits" for e in events))
+"""
+
+
+def test_persistent_compilation_cache_is_hit_by_a_second_process(tmp_path):
+  """jobs.enable_compilation_cache: a second process loads the compiled program (custom CPU kernel included) from
+  disk instead of compiling it, and computes the same numbers."""
+  import subprocess
+  import sys
+  cache = tmp_path / "jax_cache"
+  runs = [subprocess.run([sys.executable, "-c", _CACHE_SCRIPT, str(cache)], capture_output=True, text=True,
+                         timeout=300) for _ in range(2)]
+  outs = [dict(line.split(" ", 1) for line in r.stdout.splitlines() if " " in line) for r in runs]
+  assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
+  assert outs[0]["dir"] == str(cache) and any(cache.iterdir())
+  assert outs[0]["hits"] == "0" and int(outs[1]["hits"]) >= 1
+  assert outs[0]["value"] == outs[1]["value"]
+  assert jobs.enable_compilation_cache("off") is None
