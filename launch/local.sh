@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m blockspec_jax "$@"
-python -m blockspec_jax.eval.bench_verify
+python -m blockspec_jax.eval.bench_verify --config configs/verify_bench.py
