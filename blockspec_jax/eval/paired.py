@@ -140,6 +140,10 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   if args.positions < 1 or args.sample_tokens < 1:
     ap.error("--positions and --sample-tokens must be >= 1")
+  with jobs.cli_errors(ap.prog):
+    jobs.check_settings(gamma=args.gamma, temperatures=(args.temperature,), num_prompts=args.num_prompts,
+                        dtype=args.dtype, models=(args.target, args.drafter))
+    prompts_lib.load_prompts(args.prompts, limit=args.num_prompts)
 
   start = time.perf_counter()
   target = hub.load_model(args.target, args.dtype)
@@ -148,18 +152,20 @@ def main(argv=None) -> int:
   prompt_ids = jobs.encode_prompts(target, prompts_lib.load_prompts(args.prompts, limit=args.num_prompts), chat=True)
   tokens_BxP, prompt_len_B = spec.prepare_prompts(prompt_ids)
   keys_B = jax.random.split(jax.random.key(args.seed + 1), len(prompt_ids))
-  out = spec.generate_autoregressive(target.params["params"], keys_B, tokens_BxP, prompt_len_B, config=target.config,
-                                     max_new_tokens=args.sample_tokens,
-                                     sampler=sampling.Sampler(temperature=args.temperature),
-                                     stop_ids=target.stop_ids)
+  with jobs.compiling("the target's sampling loop (compiled and run once)"):
+    out = spec.generate_autoregressive(target.params["params"], keys_B, tokens_BxP, prompt_len_B,
+                                       config=target.config, max_new_tokens=args.sample_tokens,
+                                       sampler=sampling.Sampler(temperature=args.temperature),
+                                       stop_ids=target.stop_ids)
   samples = [np.asarray(out.tokens_BxN[b, :int(out.num_tokens_B[b])]).tolist() for b in range(len(prompt_ids))]
   contexts = build_contexts(prompt_ids, samples, args.positions)
   print(f"paired: {args.drafter} → {args.target}, T = {args.temperature:g}; {len(contexts)} contexts "
         f"({len(prompt_ids)} prompts × {args.positions} positions in a target sample), {args.draws} drafts of "
         f"γ = {args.gamma} each", flush=True)
-  table = paired_acceptance(target.params["params"], drafter.params["params"], contexts, config=target.config,
-                            drafter=ModelDrafter(drafter.config), gamma=args.gamma, temperature=args.temperature,
-                            draws=args.draws, seed=args.seed)
+  with jobs.compiling(f"the paired scoring program ({len(contexts)} contexts, compiled and run)"):
+    table = paired_acceptance(target.params["params"], drafter.params["params"], contexts, config=target.config,
+                              drafter=ModelDrafter(drafter.config), gamma=args.gamma, temperature=args.temperature,
+                              draws=args.draws, seed=args.seed)
   summary = summarize_paired(table)
   print(f"{'γ':>2} | {'BE token':>8} {'BE block':>8} | {'block − token (E[τ])':>20} | {'gain':>6}")
   for s in summary:

