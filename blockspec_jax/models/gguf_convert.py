@@ -46,7 +46,8 @@ import numpy as np
 
 from blockspec_jax.models.decoder import DecoderConfig
 
-__all__ = ["GGUFContents", "SUPPORTED_ARCHS", "read_gguf", "config_from_gguf", "convert", "param_shapes"]
+__all__ = ["GGUFContents", "SUPPORTED_ARCHS", "read_gguf", "config_from_gguf", "convert", "param_shapes",
+           "insert_param"]
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -248,20 +249,26 @@ def convert(path: os.PathLike | str | GGUFContents, dtype: str = "float32", prog
       raise ValueError(f"{contents.path}: tensor {name} maps to {'/'.join(param_path)}, which the config "
                        "does not have (layer index out of range, biases without qkv_bias, or q/k/post norms "
                        "without qk_norm / post_norms?)")
-    value = _dequantize(contents.tensors[name])
-    if value.shape != expected[param_path]:
-      raise ValueError(f"{contents.path}: tensor {name} has shape {value.shape} after conversion, expected "
-                       f"{expected[param_path]} for {'/'.join(param_path)}")
-    node = tree
-    for key in param_path[:-1]:
-      node = node.setdefault(key, {})
-    if param_path[-1] in node:
-      raise ValueError(f"{contents.path}: two tensors map to {'/'.join(param_path)}")
-    node[param_path[-1]] = np.ascontiguousarray(value, dtype=np_dtype)
+    insert_param(tree, param_path, np.ascontiguousarray(_dequantize(contents.tensors[name]), dtype=np_dtype),
+                 expected[param_path], f"{contents.path}: tensor {name}")
   missing = [p for p in expected if _lookup(tree, p) is None]
   if missing:
     raise ValueError(f"{contents.path}: missing tensors for {['/'.join(p) for p in missing[:10]]}")
   return config, {"params": tree}
+
+
+def insert_param(tree: dict, param_path: tuple[str, ...], value: np.ndarray, shape: tuple[int, ...], where: str
+                 ) -> None:
+  """Put ``value`` at ``param_path`` of the nested ``tree``; ValueError (naming ``where``) if its shape is not
+  ``shape`` or the place is already filled. Shared by the GGUF and the Hugging Face converters."""
+  if value.shape != shape:
+    raise ValueError(f"{where} has shape {value.shape}, expected {shape} for {'/'.join(param_path)}")
+  node = tree
+  for key in param_path[:-1]:
+    node = node.setdefault(key, {})
+  if param_path[-1] in node:
+    raise ValueError(f"{where}: two tensors map to {'/'.join(param_path)}")
+  node[param_path[-1]] = value
 
 
 def _lookup(tree: dict, path: tuple[str, ...]):

@@ -60,7 +60,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from blockspec_jax.models.decoder import DecoderConfig
-from blockspec_jax.models.gguf_convert import param_shapes
+from blockspec_jax.models.gguf_convert import insert_param, param_shapes
 from blockspec_jax.models.tokenizer import TokenizerWrapper
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "SUPPORTED_ARCHITECTURES", "REQUIRED_FILES", "check_checkpoint_dir",
@@ -455,13 +455,8 @@ def convert(directory: os.PathLike | str, dtype: str = "float32", progress: bool
         head = (name, np.array(value, dtype=np_dtype))
         continue
       param_path = targets[name]
-      if value.shape != expected[param_path]:
-        raise ValueError(f"{path}: tensor {name} has shape {value.shape}, expected {expected[param_path]} for "
-                         f"{'/'.join(param_path)}")
-      node = tree
-      for key in param_path[:-1]:
-        node = node.setdefault(key, {})
-      node[param_path[-1]] = np.array(value, dtype=np_dtype)  # copies out of the memory map
+      # np.array copies out of the memory map.
+      insert_param(tree, param_path, np.array(value, dtype=np_dtype), expected[param_path], f"{path}: tensor {name}")
   finally:
     if bar is not None:
       bar.close()
