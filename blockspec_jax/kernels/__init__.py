@@ -1,41 +1,68 @@
-"""Linear layers for decoding: ``y_MxN = x_MxK @ w_NxK.T`` with a streaming CPU kernel for small M.
+"""Linear layers for decoding: ``y_MxN = x_MxK @ w_NxK.T`` with a streaming CPU kernel for decode-time passes.
 
-    y_MxN = linear(x_MxK, w_NxK, impl="auto", dtype=jnp.float32)
+    y_BxTxN = linear(x_BxTxK, w_NxK, impl="auto", dtype=jnp.float32)
 
-Weights are stored (out, in) = [N, K], as in GGUF and torch. At decode time M (batch rows x new tokens) is 1 for a
-step and γ+1 for a verify pass, and a linear layer is memory-bound: it streams N*K weights to do M*N*K multiply-adds.
+Weights are stored (out, in) = [N, K], as in GGUF and torch. At decode time a pass has T = 1 token per row (a step)
+or γ+1 (a verify pass), and a linear layer is memory-bound: it streams N*K weights to do B*T*N*K multiply-adds.
 XLA's CPU dot (Eigen / oneDNN GEMM) packs the weight panel first, so on a 2-core AVX2 machine a pass over 5 tokens
-costs 1.5-3x a single-token step, which eats most of what speculative decoding saves. ``linear_cpu.cc`` (an XLA FFI
-custom call) streams every weight row once and applies it to all M rows while it is in registers; it also makes each
-output bit-identical whatever M is, so a token's logits in a verify pass equal its logits in a single step.
+costs 1.5-3x a single-token step, which eats most of what speculative decoding saves; with bfloat16 weights it also
+widens the whole weight matrix on every call. ``linear_cpu.cc`` (an XLA FFI custom call) streams every weight row
+once and applies it to all M = B*T rows (tiled in L2-sized blocks of rows and weight rows, any M) while it is in
+registers.
+
+Same numbers for a row whatever the pass: the kernel sums every output in one fixed order that depends only on K,
+so a row's outputs are bit-identical whatever M, the blocking or the thread split. "auto" picks the kernel by the
+tokens per row of the pass (``x.shape[-2] <= KERNEL_MAX_TOKENS``), never by the batch, so a row decoded alone, in
+a batch of any size, one token at a time or inside a verify pass gets the same logits, in float32 and bfloat16
+models alike (greedy speculative decoding then reproduces autoregressive decoding exactly). Passes longer than
+``KERNEL_MAX_TOKENS`` tokens per row (prefill of long prompts) use XLA's GEMM, whose rounding differs from the
+kernel's; they only fill the KV cache.
 
 ``impl``:
-  "auto"   the kernel on CPU when M <= ``KERNEL_MAX_ROWS``, the weights are float32 / bfloat16, the kernel library
-           could be built, and the call is not traced under a multi-device mesh (the custom call has no sharding
-           rule); XLA's dot otherwise. On GPU/TPU ``lax.platform_dependent`` selects XLA's dot.
-  "xla"    always ``jnp.einsum`` in ``dtype`` (what ``flax.linen.Dense`` computes).
-  "kernel" like "auto" but raises if the kernel cannot be built (for tests and benchmarks).
+  "auto"   the kernel when the computation runs on CPU (checked first, so on GPU / TPU the kernel is never built
+           or called), the pass has at most ``KERNEL_MAX_TOKENS`` tokens per row, the weights are float32 /
+           bfloat16, the call is not traced under a multi-device mesh (the custom call has no sharding rule) and
+           the library could be built and loaded; XLA's dot in ``dtype`` otherwise. The platform is a concrete
+           committed input's device, else the ``jax.default_device`` in effect, else ``jax.default_backend()``.
+  "xla"    always ``jnp.einsum`` in ``dtype`` (what ``flax.linen.Dense`` computes), on every backend.
+  "kernel" the kernel for any width; raises KernelUnavailable off CPU or if the library cannot be built (tests,
+           benchmarks).
 
-The kernel path computes in float32 (bfloat16 weights are widened in registers) and returns ``dtype``; it has a
-custom VJP made of XLA dots, so gradients work on either path.
+The kernel path computes in float32 (bfloat16 weights are widened in registers; float32 weights are used as they
+are) and returns ``dtype``; it has a custom VJP made of XLA dots, so gradients work on either path.
 
-Building: the first use compiles ``linear_cpu.cc`` with the system C++ compiler (``$CXX``, default ``g++``, about
-10 s) into ``$BLOCKSPEC_JAX_CACHE/kernels`` (default ``~/.cache/blockspec_jax/kernels``), keyed by the source hash
-and the jax version; later processes load the cached library. No compiler, or a failed build, gives one warning and
-the XLA path. ``BLOCKSPEC_JAX_KERNEL=0`` disables the kernel. The kernel shares XLA's intra-op thread pool (no
-threads of its own); ``BLOCKSPEC_JAX_KERNEL_THREADS`` caps how many of them one call uses.
+Building: the first use in a process compiles ``linear_cpu.cc`` with the system C++ compiler (``$CXX``, default
+``g++``, about 10 s) into ``<cache>/kernels`` (``blockspec_jax.paths.default_cache_dir()``: ``$BLOCKSPEC_JAX_CACHE``
+or ``~/.cache/blockspec_jax``) as ``linear_cpu-<key>.so``. The key hashes the source, the compiler's resolved path
+and ``--version`` output, the flags, the jax version and the machine (``platform.machine()`` plus whether
+/proc/cpuinfo lists AVX2 / FMA, the features the kernel dispatches on at run time). Next to the library a sidecar
+``.json``, written after it by atomic rename, records its size and SHA-256; a later process loads the cached library
+only when both match (a truncated library would kill the process with SIGBUS inside ``ctypes.CDLL``), and a library
+that does not match or does not load is deleted and rebuilt once, with a warning. A failed build writes a ``.failed``
+marker holding the error, so later processes fall back at once instead of retrying a 10 s failing build; the marker
+is keyed like the library, so a changed compiler or source retries, and ``BLOCKSPEC_JAX_KERNEL_REBUILD=1`` forces a
+rebuild (ignoring both the marker and a cached library). Checks and builds hold an exclusive ``flock`` on
+``linear_cpu-<key>.lock``, so concurrent processes build once. No compiler, a failed build or a library that will not
+load gives one warning per process and the XLA path. ``BLOCKSPEC_JAX_KERNEL=0`` disables the kernel. The kernel
+shares XLA's intra-op thread pool (no threads of its own); ``BLOCKSPEC_JAX_KERNEL_THREADS`` caps how many of them one
+call uses.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import dataclasses
 import hashlib
+import json
 import os
 import pathlib
+import platform
 import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 
 import jax
@@ -44,46 +71,207 @@ import numpy as np
 
 from blockspec_jax.paths import default_cache_dir
 
-__all__ = ["IMPLS", "KERNEL_MAX_ROWS", "KernelUnavailable", "kernel_available", "linear"]
+__all__ = ["IMPLS", "KERNEL_MAX_TOKENS", "KernelUnavailable", "kernel_available", "linear"]
 
 IMPLS = ("auto", "xla", "kernel")
-# Above this many rows a GEMM that packs its operands wins (prefill); at or below it the streaming kernel does.
-KERNEL_MAX_ROWS = 16
+# "auto" uses the kernel for passes of at most this many tokens per row (x.shape[-2]: decode steps, verify passes,
+# drafts, short prompts), whatever the batch; longer passes (prefill) use XLA's GEMM.
+KERNEL_MAX_TOKENS = 16
 _SOURCE = pathlib.Path(__file__).with_name("linear_cpu.cc")
 _TARGETS = {np.dtype(np.float32): "blockspec_jax_linear_f32", np.dtype(jnp.bfloat16): "blockspec_jax_linear_bf16"}
 
 
 class KernelUnavailable(RuntimeError):
-  """The CPU linear kernel could not be built or loaded (message says why)."""
+  """The CPU linear kernel could not be built or loaded, or cannot run here (message says why)."""
 
 
 def _cache_dir() -> pathlib.Path:
   return default_cache_dir() / "kernels"
 
 
-def _build(source: pathlib.Path, out_dir: pathlib.Path) -> pathlib.Path:
-  """Compile ``source`` into ``out_dir`` (atomic rename, so concurrent processes are safe); return the .so path."""
-  text = source.read_bytes()
-  key = hashlib.sha256(text + jax.__version__.encode()).hexdigest()[:16]
-  lib = out_dir / f"linear_cpu-{key}.so"
-  if lib.exists():
-    return lib
-  cxx = os.environ.get("CXX", "g++")
-  if shutil.which(cxx) is None:
-    raise KernelUnavailable(f"no C++ compiler {cxx!r} on PATH (set $CXX) to build {source.name}")
-  out_dir.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-  os.close(fd)
-  cmd = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-w", "-isystem", jax.ffi.include_dir(), str(source),
-         "-o", tmp, "-lpthread"]
+# ---------------------------------------------------------------------------------------------------------------
+# Building, caching and loading the library.
+
+_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
+# CPU features linear_cpu.cc dispatches on at run time (``target`` attributes, no -march): part of the cache key so
+# a cache directory shared by different machines keeps one build per kind of machine.
+_CPU_FEATURES = ("avx2", "fma")
+
+
+def _machine() -> str:
+  """``platform.machine()`` plus the ``_CPU_FEATURES`` that /proc/cpuinfo lists, e.g. "x86_64+avx2+fma"."""
+  machine = platform.machine() or "unknown"
   try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-      raise KernelUnavailable(f"building {source.name} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
-    os.replace(tmp, lib)
+    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+      for line in f:
+        if line.startswith(("flags", "Features")):
+          have = set(line.split(":", 1)[-1].split())
+          return "+".join([machine] + [c for c in _CPU_FEATURES if c in have])
+  except OSError:
+    pass
+  return machine
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """One build of a source: its key and files (``<stem>-<key>.so`` / ``.json`` / ``.failed`` / ``.lock``)."""
+  key: str
+  cmd: tuple[str, ...]  # without the output path
+  compiler: str  # resolved path
+  compiler_version: str
+  lib: pathlib.Path  # the library
+  meta: pathlib.Path  # sidecar: {"size", "sha256", ...} of the library, written after it
+  failed: pathlib.Path  # failure marker: {"error", ...}
+  lock: pathlib.Path  # flock'd while checking / building / loading
+
+
+def _plan(source: pathlib.Path, out_dir: pathlib.Path) -> _Plan:
+  """The build of ``source`` with ``$CXX`` (default g++). The key hashes the source, the compiler's resolved path and
+  ``--version`` output, the flags, the jax version and ``_machine()``. Raises KernelUnavailable without a compiler."""
+  name = os.environ.get("CXX", "g++")
+  found = shutil.which(name)
+  if found is None:
+    raise KernelUnavailable(f"no C++ compiler {name!r} on PATH (set $CXX) to build {source.name}")
+  compiler = os.path.realpath(found)
+  try:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+  except (OSError, subprocess.SubprocessError) as e:
+    raise KernelUnavailable(f"cannot run {compiler} --version: {type(e).__name__}: {e}") from e
+  cmd = (compiler, *_FLAGS, "-isystem", jax.ffi.include_dir(), str(source), "-lpthread")
+  digest = hashlib.sha256()
+  for part in (source.read_bytes(), compiler.encode(), version.encode(), " ".join(_FLAGS).encode(),
+               jax.__version__.encode(), _machine().encode()):
+    digest.update(len(part).to_bytes(8, "little") + part)
+  key = digest.hexdigest()[:16]
+  base = out_dir / f"{source.stem}-{key}"
+  return _Plan(key, cmd, compiler, version.strip(), base.with_suffix(".so"), base.with_suffix(".json"),
+               base.with_suffix(".failed"), base.with_suffix(".lock"))
+
+
+@contextlib.contextmanager
+def _file_lock(path: pathlib.Path):
+  """An exclusive ``flock`` on ``path`` (no-op where fcntl is missing): one process checks or builds at a time."""
+  try:
+    import fcntl
+  except ImportError:  # not POSIX
+    yield
+    return
+  with open(path, "a+b") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _write_json(path: pathlib.Path, obj: dict) -> None:
+  """Write ``obj`` to ``path`` atomically (temporary file + rename)."""
+  fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path.parent)
+  try:
+    with os.fdopen(fd, "w") as f:
+      json.dump(obj, f, indent=1)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
   finally:
     if os.path.exists(tmp):
       os.unlink(tmp)
+
+
+def _sha256(path: pathlib.Path) -> str:
+  return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _verified(plan: _Plan) -> bool:
+  """The library exists and its size and SHA-256 match the sidecar written when it was built."""
+  try:
+    meta = json.loads(plan.meta.read_text())
+    size = plan.lib.stat().st_size
+  except (OSError, ValueError):
+    return False
+  return isinstance(meta, dict) and meta.get("size") == size and meta.get("sha256") == _sha256(plan.lib)
+
+
+def _remove(*paths: pathlib.Path) -> None:
+  for path in paths:
+    path.unlink(missing_ok=True)
+
+
+def _fail(plan: _Plan, message: str) -> KernelUnavailable:
+  """Remember a failed build (the marker makes later processes skip it) and return the error to raise."""
+  _write_json(plan.failed, {"error": message, "cmd": list(plan.cmd), "compiler_version": plan.compiler_version,
+                            "jax": jax.__version__, "machine": _machine(), "time": time.time()})
+  return KernelUnavailable(message)
+
+
+def _compile(plan: _Plan) -> None:
+  """Compile into a temporary file, then rename it to ``plan.lib`` and write the sidecar; a failure writes the
+  marker and raises KernelUnavailable."""
+  fd, tmp = tempfile.mkstemp(suffix=".so", dir=plan.lib.parent)
+  os.close(fd)
+  cmd = [*plan.cmd, "-o", tmp]
+  try:
+    try:
+      proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+      raise _fail(plan, f"running {' '.join(cmd)} failed: {type(e).__name__}: {e}") from e
+    if proc.returncode != 0:
+      raise _fail(plan, f"building {plan.lib.name} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+    size, sha = os.path.getsize(tmp), _sha256(pathlib.Path(tmp))
+    os.chmod(tmp, 0o755)  # mkstemp made it private; a shared cache directory needs it readable
+    os.replace(tmp, plan.lib)
+    _write_json(plan.meta, {"size": size, "sha256": sha, "cmd": list(plan.cmd),
+                            "compiler_version": plan.compiler_version, "jax": jax.__version__,
+                            "machine": _machine()})
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+
+
+def _open_library(source: pathlib.Path, out_dir: pathlib.Path, load=ctypes.CDLL):
+  """``load(path)`` of the built library of ``source``, building it if needed; raises KernelUnavailable.
+
+  Under an exclusive lock on the build's lock file: a failure marker raises at once (unless
+  ``BLOCKSPEC_JAX_KERNEL_REBUILD=1``); a cached library is loaded only after its size and SHA-256 match its sidecar
+  (a truncated file would crash the process with SIGBUS inside the loader); a library that does not match, or does
+  not load, is deleted and rebuilt once (with a warning); a failed build, or a fresh build that does not load,
+  writes the failure marker.
+  """
+  out_dir.mkdir(parents=True, exist_ok=True)
+  plan = _plan(source, out_dir)
+  forced = os.environ.get("BLOCKSPEC_JAX_KERNEL_REBUILD", "0") == "1"
+  with _file_lock(plan.lock):
+    if plan.failed.exists() and not forced:
+      try:
+        error = json.loads(plan.failed.read_text()).get("error", "?")
+      except (OSError, ValueError, AttributeError):
+        error = "?"
+      raise KernelUnavailable(f"an earlier build failed ({plan.failed}; it is retried when the compiler or the "
+                              f"source changes, or with BLOCKSPEC_JAX_KERNEL_REBUILD=1): {error}")
+    stale = None
+    if plan.lib.exists() and not forced:
+      if not _verified(plan):
+        stale = "does not match the size / SHA-256 recorded when it was built"
+      else:
+        try:
+          return load(str(plan.lib))
+        except (OSError, AttributeError) as e:
+          stale = f"failed to load ({type(e).__name__}: {e})"
+    if stale is not None:
+      warnings.warn(f"blockspec_jax: cached kernel library {plan.lib} {stale}; rebuilding it", RuntimeWarning,
+                  stacklevel=2)
+    _remove(plan.lib, plan.meta, plan.failed)
+    _compile(plan)
+    try:
+      return load(str(plan.lib))
+    except (OSError, AttributeError) as e:
+      raise _fail(plan, f"the freshly built {plan.lib} failed to load: {type(e).__name__}: {e}") from e
+
+
+def _register(lib: ctypes.CDLL) -> ctypes.CDLL:
+  """Register the library's FFI handlers with XLA for the CPU platform (AttributeError if a symbol is missing)."""
+  f32, bf16 = lib.BsjLinearF32, lib.BsjLinearBF16
+  jax.ffi.register_ffi_target(_TARGETS[np.dtype(np.float32)], jax.ffi.pycapsule(f32), platform="cpu")
+  jax.ffi.register_ffi_target(_TARGETS[np.dtype(jnp.bfloat16)], jax.ffi.pycapsule(bf16), platform="cpu")
   return lib
 
 
@@ -101,21 +289,18 @@ def _load() -> ctypes.CDLL:
     try:
       if os.environ.get("BLOCKSPEC_JAX_KERNEL", "1") == "0":
         raise KernelUnavailable("disabled by BLOCKSPEC_JAX_KERNEL=0")
-      lib = ctypes.CDLL(str(_build(_SOURCE, _cache_dir())))
-      jax.ffi.register_ffi_target(_TARGETS[np.dtype(np.float32)], jax.ffi.pycapsule(lib.BsjLinearF32),
-                                  platform="cpu")
-      jax.ffi.register_ffi_target(_TARGETS[np.dtype(jnp.bfloat16)], jax.ffi.pycapsule(lib.BsjLinearBF16),
-                                  platform="cpu")
-    except (KernelUnavailable, OSError, subprocess.SubprocessError) as e:
+      lib = _open_library(_SOURCE, _cache_dir(), load=lambda path: _register(ctypes.CDLL(path)))
+    except (KernelUnavailable, OSError) as e:
       err = e if isinstance(e, KernelUnavailable) else KernelUnavailable(f"{type(e).__name__}: {e}")
       _state["error"] = err
-      raise err
+      raise err from None
     _state["lib"] = lib
     return lib
 
 
 def kernel_available(warn: bool = False) -> bool:
-  """Whether the CPU kernel is built and registered (building it on first call). ``warn``: warn once if not."""
+  """Whether the CPU kernel is built and registered (building it on first call, whatever the platform: ``linear``
+  checks the platform before calling this). ``warn``: warn once per process if not."""
   try:
     _load()
     return True
@@ -139,9 +324,8 @@ def _ffi(x_MxK, w_NxK):
 
 @jax.custom_vjp
 def _kernel_linear(x_MxK, w_NxK):
-  """float32 [M, N]: the kernel on CPU, XLA's float32 dot on other platforms."""
-  return jax.lax.platform_dependent(x_MxK, w_NxK, cpu=_ffi,
-                                    default=lambda x, w: _xla(x, w, jnp.float32))
+  """float32 [M, N] from the CPU kernel (only ever called once ``linear`` has found the platform is CPU)."""
+  return _ffi(x_MxK, w_NxK)
 
 
 def _kernel_linear_fwd(x_MxK, w_NxK):
@@ -167,17 +351,30 @@ def _under_multidevice_mesh() -> bool:
   return mesh is not None and not getattr(mesh, "empty", True) and mesh.size > 1
 
 
+def _platform(x) -> str:
+  """The platform ("cpu", "gpu", "tpu", ...) the product with ``x`` runs on: a concrete committed array's device,
+  else the ``jax.default_device`` in effect, else ``jax.default_backend()``. (A jitted function whose inputs are
+  committed to another platform than the default one is not seen here; the kernel is then left out only if that
+  default is not CPU.)"""
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and getattr(x, "committed", False):
+    return next(iter(x.devices())).platform
+  device = jax.config.jax_default_device
+  if device is not None:
+    return device.split(":")[0] if isinstance(device, str) else device.platform
+  return jax.default_backend()
+
+
 def linear(x_MxK: jax.Array, w_NxK: jax.Array, *, impl: str = "auto", dtype=jnp.float32) -> jax.Array:
-  """``x_MxK @ w_NxK.T`` in ``dtype``; leading dims of ``x`` beyond M are allowed (``[..., K] -> [..., N]``).
+  """``x_MxK @ w_NxK.T`` in ``dtype``; leading dims of ``x`` beyond M are allowed (``[..., T, K] -> [..., T, N]``).
 
   Args:
-    x_MxK: activations [..., K].
+    x_MxK: activations [..., T, K] (T = ``x.shape[-2]``, the tokens per row of the pass; 1 for a 1-D ``x``).
     w_NxK: weights [N, K] (out, in).
     impl: "auto", "xla" or "kernel" (see the module docstring).
     dtype: compute / result dtype of the XLA path and result dtype of the kernel path.
   Raises:
-    ValueError: shapes that do not contract, unknown ``impl``.
-    KernelUnavailable: ``impl="kernel"`` and the kernel cannot be built.
+    ValueError: shapes that do not contract, unknown ``impl``, ``impl="kernel"`` with other than f32 / bf16 weights.
+    KernelUnavailable: ``impl="kernel"`` and the platform is not CPU or the kernel cannot be built.
   """
   if impl not in IMPLS:
     raise ValueError(f"linear impl must be one of {IMPLS}, got {impl!r}")
@@ -185,12 +382,19 @@ def linear(x_MxK: jax.Array, w_NxK: jax.Array, *, impl: str = "auto", dtype=jnp.
     raise ValueError(f"linear: x {x_MxK.shape} and w {w_NxK.shape} do not contract (expected x [..., K], w [N, K])")
   lead = x_MxK.shape[:-1]
   rows = int(np.prod(lead, dtype=np.int64))
-  use_kernel = impl != "xla" and np.dtype(w_NxK.dtype) in _TARGETS and not _under_multidevice_mesh()
+  tokens = x_MxK.shape[-2] if x_MxK.ndim >= 2 else 1
+  use_kernel = False
   if impl == "auto":
-    use_kernel = use_kernel and 0 < rows <= KERNEL_MAX_ROWS and kernel_available(warn=True)
+    # The platform is checked before kernel_available(), so on GPU / TPU the kernel is never built. The width test
+    # looks at the tokens per row only, never at the batch, so a row's numbers do not depend on its neighbours.
+    use_kernel = (np.dtype(w_NxK.dtype) in _TARGETS and 0 < rows and tokens <= KERNEL_MAX_TOKENS
+                  and not _under_multidevice_mesh() and _platform(x_MxK) == "cpu" and kernel_available(warn=True))
   elif impl == "kernel":
     if np.dtype(w_NxK.dtype) not in _TARGETS:
       raise ValueError(f"linear impl='kernel' needs float32 or bfloat16 weights, got {w_NxK.dtype}")
+    where = _platform(x_MxK)
+    if where != "cpu":
+      raise KernelUnavailable(f"linear impl='kernel' runs on CPU only; this computation runs on {where!r}")
     _load()
     use_kernel = rows > 0
   if not use_kernel:

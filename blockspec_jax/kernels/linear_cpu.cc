@@ -1,18 +1,20 @@
-// Memory-bound small-M linear layer for CPU decoding: y[m, n] = sum_k x[m, k] * w[n, k].
+// Linear layer for CPU decoding: y[m, n] = sum_k x[m, k] * w[n, k], for any number of rows M.
 //
-//   x  float32 [M, K]   activations (M = batch rows x new tokens: 1 for a decode step, γ+1 for a verify pass)
-//   w  float32 or bfloat16 [N, K]   weights in (out, in) layout, streamed from memory exactly once per call
+//   x  float32 [M, K]   activations (M = batch rows x tokens per row: B for a decode step, B*(γ+1) for a verify pass)
+//   w  float32 or bfloat16 [N, K]   weights in (out, in) layout, streamed from memory once per call
 //   y  float32 [M, N]
 //
-// Why: at decode time a linear layer reads N*K weights to do M*N*K multiply-adds with M <= ~16. A general GEMM
-// (Eigen, oneDNN, OpenBLAS) packs the weight panel first and costs 1.5-3x a matrix-vector product already at M = 2..5
-// on a 2-core AVX2 machine, which is exactly the verify pass of speculative decoding. This kernel streams each weight
-// row once and applies it to all M activation rows while it is in registers, so a pass over γ+1 tokens costs about
-// what a single-token step costs as long as the FMA units keep up with memory (M <= ~16 on AVX2).
+// Why: at decode time a linear layer reads N*K weights to do M*N*K multiply-adds. A general GEMM (Eigen, oneDNN,
+// OpenBLAS) packs the weight panel first and costs 1.5-3x a matrix-vector product already at M = 2..5 on a 2-core
+// AVX2 machine, which is exactly the verify pass of speculative decoding. This kernel streams each weight row once and
+// applies it to the activation rows while it is in registers, so a pass over γ+1 tokens costs about what a
+// single-token step costs as long as the FMA units keep up with memory (M <= ~16 on AVX2). Wider passes (large
+// batches) are compute-bound: rows and weight rows are then tiled in L2-sized blocks (rows_avx2).
 //
 // Determinism: every y[m, n] is summed in one fixed order (8 lanes over k in steps of 8, a fixed horizontal
 // reduction, then the k tail) that does not depend on M, on the blocking of m and n, or on the thread split. So a
-// row's logits are bit-identical whether it is computed alone (autoregressive step) or inside a multi-token pass.
+// row's logits are bit-identical whether it is computed alone (autoregressive step), inside a multi-token pass, or
+// next to any number of other rows.
 //
 // Threads: the call runs on XLA's own intra-op thread pool (the FFI ThreadPool context), so it never competes with
 // a second set of threads for the cores. N is cut into chunks (multiples of 4 rows); the calling thread and the
@@ -27,6 +29,8 @@
 #include <cstring>
 #include <functional>
 #include <thread>
+#include <type_traits>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -131,12 +135,60 @@ __attribute__((target("avx2,fma"))) void rows_avx2_nr(const float* x, const WT* 
   if (M - m == 1) micro<1, NR>(x, w, y, N, K, m, n);
 }
 
+// Cache blocking for any M: weight rows [n0, n1) are taken in blocks of about kWeightBlockBytes (L2 resident) and,
+// inside a block, activation rows in equal tiles of at most about kRowTileBytes (a multiple of 3 rows, L2 resident),
+// so a wide pass (many rows) re-reads both from L2 instead of streaming all of x from memory for every 4 weight rows.
+// bfloat16 weights applied to more than kWidenRows rows are widened to float32 once per block (into a per-thread
+// scratch buffer) instead of once per 3 rows. With M <= one tile this is the plain loop. Blocking, tiling and widening
+// (exact) only reorder whole outputs, never the sum of one, so they change no bits.
+constexpr int64_t kWeightBlockBytes = 128 << 10;
+constexpr int64_t kRowTileBytes = 128 << 10;
+constexpr int64_t kWidenRows = 6;
+
+template <typename WT>
+__attribute__((target("avx2,fma"))) void block_avx2(const float* x, const WT* w, float* y, int64_t M, int64_t N,
+                                                    int64_t K, int64_t n0, int64_t n1, int64_t tile) {
+  for (int64_t m0 = 0; m0 < M; m0 += tile) {
+    const int64_t mt = std::min(tile, M - m0);
+    const float* xt = x + m0 * K;
+    float* yt = y + m0 * N;
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) rows_avx2_nr<4>(xt, w, yt, mt, N, K, n);
+    for (; n < n1; ++n) rows_avx2_nr<1>(xt, w, yt, mt, N, K, n);
+  }
+}
+
+__attribute__((target("avx2,fma"))) void widen_avx2(const uint16_t* w, float* out, int64_t count) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(out + i, load8(w + i));
+  for (; i < count; ++i) out[i] = load_scalar(w + i);
+}
+
 template <typename WT>
 __attribute__((target("avx2,fma"))) void rows_avx2(const float* x, const WT* w, float* y, int64_t M, int64_t N,
                                                    int64_t K, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) rows_avx2_nr<4>(x, w, y, M, N, K, n);
-  for (; n < n1; ++n) rows_avx2_nr<1>(x, w, y, M, N, K, n);
+  if (M <= 0) return;
+  constexpr bool kBf16 = !std::is_same<WT, float>::value;
+  const bool widen = kBf16 && M > kWidenRows;
+  const int64_t w_bytes = widen ? int64_t(sizeof(float)) : int64_t(sizeof(WT));
+  const int64_t block = std::max<int64_t>(4, kWeightBlockBytes / (K * w_bytes) / 4 * 4);
+  const int64_t tile_max = std::max<int64_t>(3, kRowTileBytes / (K * int64_t(sizeof(float))) / 3 * 3);
+  const int64_t tiles = (M + tile_max - 1) / tile_max;
+  const int64_t tile = ((M + tiles - 1) / tiles + 2) / 3 * 3;  // equal tiles: the last one is not a sliver
+  for (int64_t b0 = n0; b0 < n1; b0 += block) {
+    const int64_t b1 = std::min(n1, b0 + block);
+    if constexpr (kBf16) {
+      if (widen) {
+        thread_local std::vector<float> scratch;
+        scratch.resize(static_cast<size_t>((b1 - b0) * K));
+        widen_avx2(w + b0 * K, scratch.data(), (b1 - b0) * K);
+        // The block's rows are rows [0, b1 - b0) of the scratch: shift y by b0 columns to match.
+        block_avx2(x, scratch.data(), y + b0, M, N, K, 0, b1 - b0, tile);
+        continue;
+      }
+    }
+    block_avx2(x, w, y, M, N, K, b0, b1, tile);
+  }
 }
 
 bool HaveAvx2Fma() {

@@ -1,7 +1,7 @@
 """Decoder-only transformer (llama / qwen2 / gemma3 family) with a KV cache written at per-row positions.
 
-One forward serves prefill, single-token decoding, multi-token verification and tree drafts (DESIGN.md, "The decode
-loop")::
+One forward serves prefill, single-token decoding, multi-token verification and tree drafts
+(docs/ARCHITECTURE.md, "Contract 3: the decoder forward")::
 
     logits_BxTxV, cache = Decoder(config).apply(params, tokens_BxT, positions_BxT, cache, attn_mask_BxTxS)
 
@@ -41,7 +41,8 @@ contiguously; see ``blockspec_jax.kernels``)::
     lm_head/weight                        [V, D]  (absent when ``tie_embeddings``: logits = x @ embed.T)
 
 Linear layers run through ``blockspec_jax.kernels.linear`` with ``config.matmul`` ("auto": a streaming CPU kernel
-for decode steps and verify passes, at most ``KERNEL_MAX_ROWS`` = B*T rows, XLA's dot for prefill and on GPU/TPU).
+for passes of at most ``KERNEL_MAX_TOKENS`` = 16 tokens per row (decode steps, verify passes), whatever the batch;
+XLA's dot for longer prefill, on GPU/TPU and under multi-device meshes).
 
 Rotary styles: "half" (rotate-half / NeoX: dim i pairs with i + H/2, as in HF llama and qwen2) and "interleaved"
 (adjacent pairs 2i, 2i+1, as in GGUF llama files whose converter permuted the q/k rows). Both use frequency
