@@ -178,7 +178,9 @@ def test_decoder_pass_of_many_rows_equals_steps_and_row_alone(dtype):
   np.testing.assert_array_equal(np.asarray(alone_1xTxV[0]), full_BxTxV[2])
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+# bfloat16 is the dtype where the old batch-dependent switch changed tokens; float32 rows are held bit-identical at
+# the forward level by test_decoder_pass_of_many_rows_equals_steps_and_row_alone (both dtypes).
+@pytest.mark.parametrize("dtype", [jnp.bfloat16])
 def test_greedy_rows_do_not_depend_on_the_batch_or_the_pass_width(dtype):
   """The defect: with bfloat16 models, passes over more than 16 rows went to XLA's bfloat16 dot while single steps
   stayed on the kernel (float32 sums), so greedy speculative output differed from autoregressive once
