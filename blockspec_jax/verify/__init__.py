@@ -9,6 +9,11 @@ from blockspec_jax.verify.verifiers import (DEFAULT_VERIFIER, VERIFIERS, BlockVe
                                             GreedyVerifier, TokenVerifier, Verifier, get_verifier, row_keys,
                                             warn_if_inexact)
 
+from blockspec_jax.verify.tree import (TREE_RULES, TreeVerifyResult, chain_parents, check_tree, tree_sampling,
+                                       tree_verify)
+from blockspec_jax.verify import traversal  # registers "traversal" in TREE_RULES
+from blockspec_jax.verify.traversal import traversal_verify
+
 import jax as _jax
 
 #: Batched forms: the single-block rules mapped over a leading batch axis (one key per row).
