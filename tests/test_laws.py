@@ -48,7 +48,7 @@ MODELS = {
 }
 
 
-def _top_k_pair(seed, vocab, depth, k):
+def top_k_pair(seed, vocab, depth, k):
   """Drafter and target after the *same* top-k transform (rows with zeros): losslessness w.r.t. the transformed law."""
   rng = np.random.default_rng(seed)
   rows = theory.num_rows_for(vocab, depth)
@@ -123,7 +123,7 @@ def _sequence_chi2(tokens_NxT, target, prompt):
 LOOP_CASES = {
     "random_v3_d2_g3": (MODELS["random_v3_d2"][0], (0,), 3),
     "random_v4_d1_g2": (MODELS["random_v4_d1"][0], (2,), 2),
-    "topk2_v4_d2_g4": (lambda: _top_k_pair(8, 4, 2, 2), (1, 3), 4),
+    "topk2_v4_d2_g4": (lambda: top_k_pair(8, 4, 2, 2), (1, 3), 4),
 }
 
 

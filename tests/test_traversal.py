@@ -11,7 +11,6 @@ deterministic because the seeds are.
 
 import functools
 import itertools
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -22,13 +21,12 @@ from blockspec_jax import theory
 from blockspec_jax.verify import rules
 from blockspec_jax.verify.traversal import (TreeVerifyResult, traversal_verify, traversal_verify_with_replacement,
                                             tree_postorder)
+from test_laws import stable_seed
 
 PASS_P = 1e-3
 RULES = {True: traversal_verify, False: traversal_verify_with_replacement}  # keyed by "without replacement"
 
 
-def stable_seed(*parts) -> int:
-  return zlib.crc32("/".join(map(str, parts)).encode()) % 2**31
 
 
 def layout(branching) -> tuple[int, ...]:

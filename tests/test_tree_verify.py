@@ -7,7 +7,6 @@ p > 1e-3 where the law must be exact, p < 1e-6 where a bias must be detected (se
 
 import functools
 import itertools
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -15,18 +14,16 @@ import numpy as np
 import pytest
 from scipy import optimize
 
-from blockspec_jax import sampling, theory
+from blockspec_jax import theory
 from blockspec_jax.decoding import reference as ref
 from blockspec_jax.verify import tree
+from test_laws import stable_seed, top_k_pair
 
 PASS_P = 1e-3
 BIAS_P = 1e-6
 NUM_SAMPLES = 150_000
 
 
-def stable_seed(*parts) -> int:
-  """A seed from names, the same in every process (never ``hash()``: it is salted per process)."""
-  return zlib.crc32("/".join(map(str, parts)).encode()) % 2**31
 
 
 # --- drawing trees from tabular models (test helpers) --------------------------------------------------------------
@@ -161,23 +158,13 @@ def assert_paths_are_chains(res, parents_N):
     assert np.all(accepted[..., parents_N == parent].sum(-1) <= 1)
 
 
-def _top_k_pair(seed, vocab, depth, k):
-  """Drafter and target after the same top-k transform (rows with zeros)."""
-  rng = np.random.default_rng(seed)
-  rows = theory.num_rows_for(vocab, depth)
-  pair = []
-  for scale in (1.0, 2.0):
-    logits = scale * rng.normal(size=(rows, vocab))
-    probs = np.asarray(sampling.probs_from_logits(jnp.asarray(logits, jnp.float32), top_k=k), np.float64)
-    pair.append(theory.TabularLM(probs / probs.sum(-1, keepdims=True), depth))
-  return tuple(pair)
 
 
 # All models share V = 5, depth 2 and a context of length 1, and all trees have N = 4 nodes, so each rule compiles
 # its runner once.
 MODELS = {
     "v5_d2": (lambda: (theory.TabularLM.random(13, 5, 2, 0.7), theory.TabularLM.random(14, 5, 2, 0.7)), (0,)),
-    "topk3_v5_d2": (lambda: _top_k_pair(22, 5, 2, 3), (2,)),
+    "topk3_v5_d2": (lambda: top_k_pair(22, 5, 2, 3), (2,)),
 }
 
 SHAPES = {
