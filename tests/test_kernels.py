@@ -84,7 +84,6 @@ def test_generic_path_is_bit_identical_to_vector_path(tmp_path):
   for name, env in (("default", {}), ("generic", {"BLOCKSPEC_JAX_KERNEL_GENERIC": "1"}),
                     ("one_thread", {"BLOCKSPEC_JAX_KERNEL_THREADS": "1"})):
     out = tmp_path / f"{name}.npy"
-    import os
     subprocess.run([sys.executable, "-c", script, str(tmp_path), str(out)], check=True, timeout=120,
                    env=dict(os.environ, JAX_PLATFORMS="cpu", **env))
     outs[name] = np.load(out)
