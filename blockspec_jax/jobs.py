@@ -190,12 +190,12 @@ def _phases(method: str, target, drafter, gamma: int, max_new_tokens: int, sampl
   from blockspec_jax.drafters import ModelDrafter
   tp = target.params["params"]
   if method == "autoregressive":
-    common = dict(config=target.config, max_new_tokens=max_new_tokens)
+    common = dict(target=target.config, max_new_tokens=max_new_tokens)
     return (lambda tokens, lens: spec.prefill_autoregressive(tp, tokens, lens, **common),
             lambda keys, state: spec.decode_autoregressive(tp, keys, state, sampler=sampler, stop_ids=stop_ids,
                                                            **common))
   dp = drafter.params["params"]
-  common = dict(config=target.config, drafter=ModelDrafter(drafter.config), gamma=gamma, max_new_tokens=max_new_tokens)
+  common = dict(target=target.config, drafter=ModelDrafter(drafter.config), gamma=gamma, max_new_tokens=max_new_tokens)
   return (lambda tokens, lens: spec.prefill_speculative(tp, dp, tokens, lens, **common),
           lambda keys, state: spec.decode_speculative(tp, dp, keys, state, verifier=method, sampler=sampler,
                                                       stop_ids=stop_ids, **common))

@@ -31,17 +31,17 @@ def main():
   keys = jax.random.split(jax.random.key(0), 8)
   ok = True
   for sampler in (sampling.Sampler(0.0), sampling.Sampler(1.0)):
-    static = dict(config=config, drafter=ModelDrafter(small), gamma=3, max_new_tokens=12, verifier="block",
+    static = dict(target=config, drafter=ModelDrafter(small), gamma=3, max_new_tokens=12, verifier="block",
                   sampler=sampler)
     reference = spec.generate_speculative(target, drafter, keys, tokens, lens, **static)
-    ar_ref = spec.generate_autoregressive(target, keys, tokens, lens, config=config, max_new_tokens=12,
+    ar_ref = spec.generate_autoregressive(target, keys, tokens, lens, target=config, max_new_tokens=12,
                                           sampler=sampler)
     for data, model in ((8, 1), (4, 2), (2, 4)):
       mesh = parallel.make_mesh(data, model)
       t_sh, d_sh = parallel.shard_params(target, mesh), parallel.shard_params(drafter, mesh)
       k_sh, tok_sh, len_sh = parallel.shard_batch(mesh, keys, tokens, lens)
       out = parallel.sharded_speculative(mesh, t_sh, d_sh, k_sh, tok_sh, len_sh, **static)
-      ar = parallel.sharded_autoregressive(mesh, t_sh, k_sh, tok_sh, len_sh, config=config, max_new_tokens=12,
+      ar = parallel.sharded_autoregressive(mesh, t_sh, k_sh, tok_sh, len_sh, target=config, max_new_tokens=12,
                                            sampler=sampler)
       same = (np.array_equal(np.asarray(out.tokens_BxN), np.asarray(reference.tokens_BxN))
               and np.array_equal(np.asarray(ar.tokens_BxN), np.asarray(ar_ref.tokens_BxN)))
@@ -55,7 +55,7 @@ def main():
   t_sh, d_sh = parallel.shard_params(target, mesh), parallel.shard_params(drafter, mesh)
   tokens2, lens2 = spec.prepare_prompts([[p % 60 + 2 for p in row] for row in prompts[::-1]])
   k_sh, tok_sh, len_sh = parallel.shard_batch(mesh, jax.random.split(jax.random.key(5), 8), tokens2, lens2)
-  static = dict(config=config, drafter=ModelDrafter(small), gamma=3, max_new_tokens=12, verifier="block",
+  static = dict(target=config, drafter=ModelDrafter(small), gamma=3, max_new_tokens=12, verifier="block",
                 sampler=sampling.Sampler(1.0))
   parallel.sharded_speculative(mesh, t_sh, d_sh, k_sh, tok_sh, len_sh, **static)
   fns = [fn for fn in parallel._COMPILED.values()]

@@ -200,14 +200,14 @@ def test_greedy_rows_do_not_depend_on_the_batch_or_the_pass_width(dtype):
 
   def ar(rows):
     tokens_BxP, len_B = spec.prepare_prompts([prompts[i] for i in rows])
-    out = spec.generate_autoregressive(target, keys_B[np.asarray(rows)], tokens_BxP, len_B, config=cfg,
+    out = spec.generate_autoregressive(target, keys_B[np.asarray(rows)], tokens_BxP, len_B, target=cfg,
                                        max_new_tokens=n_new, sampler=greedy)
     return np.asarray(out.tokens_BxN)
 
   alone_BxN = np.concatenate([ar([i]) for i in range(33)])
   np.testing.assert_array_equal(ar(range(33)), alone_BxN)
   tokens_BxP, len_B = spec.prepare_prompts(prompts)
-  out = spec.generate_speculative(target, drafter, keys_B, tokens_BxP, len_B, config=cfg, drafter=ModelDrafter(cfg),
+  out = spec.generate_speculative(target, drafter, keys_B, tokens_BxP, len_B, target=cfg, drafter=ModelDrafter(cfg),
                                   gamma=3, max_new_tokens=n_new, sampler=greedy)
   np.testing.assert_array_equal(np.asarray(out.tokens_BxN), alone_BxN)
   assert 0 < int(out.metrics.num_accepted_tokens.sum()) < int(out.metrics.num_draft_tokens.sum())

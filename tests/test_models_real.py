@@ -185,7 +185,7 @@ def _our_last_logits(model, prompts_ids):
 def _our_greedy(model, prompts_ids, num_new):
   tokens_BxP, lengths_B = speculative.prepare_prompts(prompts_ids)
   keys_B = jax.random.split(jax.random.PRNGKey(0), len(prompts_ids))
-  out = speculative.generate_autoregressive(model.params["params"], keys_B, tokens_BxP, lengths_B, config=model.config,
+  out = speculative.generate_autoregressive(model.params["params"], keys_B, tokens_BxP, lengths_B, target=model.config,
                                             max_new_tokens=num_new, sampler=sampling.Sampler(temperature=0.0))
   return np.asarray(out.tokens_BxN)
 

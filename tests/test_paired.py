@@ -9,7 +9,7 @@ from test_speculative import PROMPTS, model_pair
 
 
 def _table(drafter_noise_params, config, target, gamma=4, draws=16, temperature=1.0, seed=0):
-  return paired.paired_acceptance(target, drafter_noise_params, PROMPTS, config=config, drafter=ModelDrafter(config),
+  return paired.paired_acceptance(target, drafter_noise_params, PROMPTS, target=config, drafter=ModelDrafter(config),
                                   gamma=gamma, temperature=temperature, draws=draws, seed=seed)
 
 
@@ -54,5 +54,5 @@ def test_bad_arguments():
   with pytest.raises(ValueError, match="gamma and draws must be >= 1"):
     _table(drafter, config, target, gamma=0)
   with pytest.raises(ValueError, match="at least one token"):
-    paired.paired_acceptance(target, drafter, [[1], []], config=config, drafter=ModelDrafter(config), gamma=2,
+    paired.paired_acceptance(target, drafter, [[1], []], target=config, drafter=ModelDrafter(config), gamma=2,
                              temperature=1.0, draws=1)

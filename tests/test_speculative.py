@@ -43,14 +43,14 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
 
 def run_ar(config, params, prompts, keys, max_new, sampler=GREEDY, stop_ids=()):
   tokens, lens = spec.prepare_prompts(prompts)
-  return spec.generate_autoregressive(params, keys, tokens, lens, config=config, max_new_tokens=max_new,
+  return spec.generate_autoregressive(params, keys, tokens, lens, target=config, max_new_tokens=max_new,
                                       sampler=sampler, stop_ids=stop_ids)
 
 
 def run_spec(config, target, drafter_params, prompts, keys, max_new, gamma, verifier="block", sampler=GREEDY,
              stop_ids=(), drafter_config=None):
   tokens, lens = spec.prepare_prompts(prompts)
-  return spec.generate_speculative(target, drafter_params, keys, tokens, lens, config=config,
+  return spec.generate_speculative(target, drafter_params, keys, tokens, lens, target=config,
                                    drafter=ModelDrafter(drafter_config or config), gamma=gamma,
                                    max_new_tokens=max_new, verifier=verifier, sampler=sampler, stop_ids=stop_ids)
 
@@ -178,18 +178,18 @@ def test_prefill_then_decode_equals_one_program():
   keys = jax.random.split(jax.random.key(3), 4)
   t1 = sampling.Sampler(1.0)
   tokens, lens = spec.prepare_prompts(PROMPTS)
-  common = dict(config=config, drafter=ModelDrafter(config), gamma=3, max_new_tokens=14)
+  common = dict(target=config, drafter=ModelDrafter(config), gamma=3, max_new_tokens=14)
   for verifier in ("token", "block"):
     whole = run_spec(config, target, drafter, PROMPTS, keys, 14, 3, verifier, t1)
     state = spec.prefill_speculative(target, drafter, tokens, lens, **common)
     split = spec.decode_speculative(target, drafter, keys, state, verifier=verifier, sampler=t1, **common)
     jax.tree.map(np.testing.assert_array_equal, split, whole)
   whole = run_ar(config, target, PROMPTS, keys, 9, t1)
-  state = spec.prefill_autoregressive(target, tokens, lens, config=config, max_new_tokens=9)
-  split = spec.decode_autoregressive(target, keys, state, config=config, max_new_tokens=9, sampler=t1)
+  state = spec.prefill_autoregressive(target, tokens, lens, target=config, max_new_tokens=9)
+  split = spec.decode_autoregressive(target, keys, state, target=config, max_new_tokens=9, sampler=t1)
   jax.tree.map(np.testing.assert_array_equal, split, whole)
   # Raw uint32 keys (jax.random.PRNGKey style, [B, 2]) are the same keys: the same output.
-  raw = spec.decode_autoregressive(target, jax.random.key_data(keys), state, config=config, max_new_tokens=9,
+  raw = spec.decode_autoregressive(target, jax.random.key_data(keys), state, target=config, max_new_tokens=9,
                                    sampler=t1)
   jax.tree.map(np.testing.assert_array_equal, raw, whole)
   state = spec.prefill_speculative(target, drafter, tokens, lens, **common)
@@ -200,10 +200,10 @@ def test_prefill_then_decode_equals_one_program():
   with pytest.raises(ValueError, match=r"keys_B must hold one key per row: shape \(4,\) .* got \(2,\)"):
     spec.decode_speculative(target, drafter, keys[:2], state, **common)
   with pytest.raises(ValueError, match=r"one key per row.*got \(3, 2\)"):
-    spec.generate_autoregressive(target, jax.random.key_data(keys[:3]), tokens, lens, config=config,
+    spec.generate_autoregressive(target, jax.random.key_data(keys[:3]), tokens, lens, target=config,
                                  max_new_tokens=9)
   with pytest.raises(ValueError, match="one key per row"):
-    spec.generate_autoregressive(target, keys[:3], tokens, lens, config=config, max_new_tokens=9)
+    spec.generate_autoregressive(target, keys[:3], tokens, lens, target=config, max_new_tokens=9)
 
 
 def test_errors():
@@ -244,7 +244,7 @@ def test_prompt_values_are_checked_before_decoding():
   config, target, drafter = model_pair()
   keys = jax.random.split(jax.random.key(0), 2)
   tokens = jnp.asarray([[1, 2, 3], [4, 5, 0]], jnp.int32)
-  common = dict(config=config, max_new_tokens=4)
+  common = dict(target=config, max_new_tokens=4)
   for lens, message in (([3, 0], r"rows \[1\] have lengths \[0\]"), ([3, -2], r"rows \[1\] have lengths \[-2\]"),
                         ([4, 2], r"rows \[0\] have lengths \[4\]")):
     with pytest.raises(ValueError, match=message):

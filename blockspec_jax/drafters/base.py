@@ -1,21 +1,20 @@
-"""The drafter protocol and the model drafter.
+"""The model chain drafter (the protocol itself is :class:`blockspec_jax.decoding.contracts.Drafter`).
 
-A drafter proposes γ tokens per iteration together with the full rows ``q`` they were drawn from. Cache convention
-shared with the target (see :mod:`blockspec_jax.decoding.speculative`): at the start of an iteration a row has
-``length`` committed tokens and its model caches hold valid keys/values for positions ``< length − 1`` at least;
-the last committed token has not been fed yet. Rollback is therefore nothing but the row's ``length``: entries at
-or beyond it are stale and are overwritten before anything attends to them.
+A chain drafter proposes γ tokens per iteration together with the full rows ``q`` they were drawn from. Cache
+convention shared with the target (see :mod:`blockspec_jax.decoding.contracts`): at the start of an iteration a row
+has ``length`` committed tokens and its model caches hold valid keys/values for positions ``< length − 1`` at least;
+the last committed token has not been fed yet. Rollback is therefore nothing but the row's ``length``: entries at or
+beyond it are stale and are overwritten before anything attends to them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
-
 import jax
 import jax.numpy as jnp
 
 from blockspec_jax import sampling
+from blockspec_jax.decoding.contracts import SAMPLING_CHAIN, Commit, Drafter, chain_draft
 from blockspec_jax.models import decoder as decoder_lib
 
 __all__ = ["Drafter", "ModelDrafter", "feed"]
@@ -28,28 +27,27 @@ def feed(module, params, tokens_BxT, positions_BxT, cache, max_len: int):
   return logits.astype(jnp.float32), cache
 
 
-class Drafter(Protocol):
-  """What the speculative loop needs from a drafter. Implementations are frozen dataclasses (static under jit)."""
-
-  def init_state(self, params, tokens_BxP: jax.Array, prompt_len_B: jax.Array, max_len: int) -> Any:
-    """Prefill on the padded prompts ``tokens_BxP`` (row b's prompt is ``tokens_BxP[b, :prompt_len_B[b]]``; the
-    width P is the prompts', not the cache's), returning the drafter's loop state for a cache of ``max_len``."""
-
-  def propose(self, params, state, tokens_BxS, length_B, keys_BxG, gamma: int, sampler: sampling.Sampler):
-    """Draft γ tokens after ``tokens_BxS[:, :length_B]``: ``(state, draft_BxG int32, q_BxGxV f32)``.
-
-    ``q_BxGxV[b, i]`` must be exactly the law ``draft_BxG[b, i]`` was drawn from (after ``sampler``).
-    """
-
-  def commit(self, state, length_B: jax.Array) -> Any:
-    """Called after verification with the new committed lengths (rollback point)."""
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelDrafter:
-  """A small decoder-only model as drafter (the standard pairing: same tokenizer, fewer layers / params)."""
+  """A small decoder-only model drafting one chain of γ tokens (the standard pairing: same tokenizer, fewer layers).
+
+  Lossless with every registered lossless rule: ``q`` rows are exactly the laws the tokens were drawn from.
+  """
 
   config: decoder_lib.DecoderConfig
+  sibling_sampling = SAMPLING_CHAIN
+  is_chain = True
+
+  @property
+  def vocab_size(self) -> int:
+    return self.config.vocab_size
+
+  @property
+  def max_len(self) -> int:
+    return self.config.max_len
+
+  def num_nodes(self, gamma: int) -> int:
+    return gamma
 
   @property
   def module(self):
@@ -64,7 +62,8 @@ class ModelDrafter:
     _, cache = feed(self.module, params, tokens_BxP, positions_BxP, cache, max_len)
     return cache
 
-  def propose(self, params, state, tokens_BxS, length_B, keys_BxG, gamma, sampler):
+  def propose(self, params, state, tokens_BxS, length_B, key_B, gamma, sampler):
+    keys_BxG = jax.vmap(lambda k: jax.random.split(k, gamma))(key_B)
     cache = state
     max_len = tokens_BxS.shape[1]
     batch = tokens_BxS.shape[0]
@@ -88,8 +87,8 @@ class ModelDrafter:
     x_last_B = jax.vmap(sampling.sample)(keys_GxB[-1], q_last_BxV)
     draft_BxG = jnp.concatenate([jnp.swapaxes(draft_GmxB, 0, 1), x_last_B[:, None]], axis=1)
     q_BxGxV = jnp.concatenate([jnp.swapaxes(q_GmxBxV, 0, 1), q_last_BxV[:, None]], axis=1)
-    return cache, draft_BxG.astype(jnp.int32), q_BxGxV
+    return cache, chain_draft(draft_BxG.astype(jnp.int32), q_BxGxV)
 
-  def commit(self, state, length_B):
-    del length_B  # the cache is indexed by position: moving the row's length is the rollback
+  def commit(self, params, state, commit: Commit):
+    del params, commit  # the cache is indexed by position: moving the row's length is the rollback
     return state

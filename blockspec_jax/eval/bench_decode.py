@@ -179,7 +179,7 @@ def run(max_new_tokens=64, gamma=4, reps=5, prompt_len=32, temperature=0.0, veri
 
   # 1. Autoregressive.
   ar_fn = jax.jit(lambda tp, k, t, l: speculative.generate_autoregressive(
-      tp, k, t, l, config=target_config, max_new_tokens=max_new_tokens, sampler=sampler))
+      tp, k, t, l, target=target_config, max_new_tokens=max_new_tokens, sampler=sampler))
   wall_s, out = _wall_and_output(ar_fn, (target_params, keys_B, tokens_BxP, prompt_len_B), reps)
   num_tokens = int(out.num_tokens_B[0])
   figures["autoregressive"] = dict(wall_s=wall_s, tokens=num_tokens, tokens_per_s=num_tokens / wall_s)
@@ -190,7 +190,7 @@ def run(max_new_tokens=64, gamma=4, reps=5, prompt_len=32, temperature=0.0, veri
   figures["speculative"] = {}
   for name in ("token", "block"):
     spec_fn = jax.jit(lambda tp, dp, k, t, l, name=name: speculative.generate_speculative(
-        tp, dp, k, t, l, config=target_config, drafter=drafter, gamma=gamma, max_new_tokens=max_new_tokens,
+        tp, dp, k, t, l, target=target_config, drafter=drafter, gamma=gamma, max_new_tokens=max_new_tokens,
         verifier=name, sampler=sampler))
     wall_s, out = _wall_and_output(spec_fn, (target_params, drafter_params, keys_B, tokens_BxP, prompt_len_B), reps)
     num_tokens = int(out.num_tokens_B[0])
@@ -204,7 +204,7 @@ def run(max_new_tokens=64, gamma=4, reps=5, prompt_len=32, temperature=0.0, veri
   # 3. Loop overhead: drafter identical to the target, greedy.
   same_drafter = ModelDrafter(target_config)
   same_fn = jax.jit(lambda tp, dp, k, t, l: speculative.generate_speculative(
-      tp, dp, k, t, l, config=target_config, drafter=same_drafter, gamma=gamma, max_new_tokens=max_new_tokens,
+      tp, dp, k, t, l, target=target_config, drafter=same_drafter, gamma=gamma, max_new_tokens=max_new_tokens,
       verifier=overhead_verifier, sampler=greedy))
   wall_s, out = _wall_and_output(same_fn, (target_params, target_params, keys_B, tokens_BxP, prompt_len_B), reps)
   iterations = int(out.iterations)

@@ -40,31 +40,28 @@ import numpy as np
 
 from blockspec_jax import sampling
 from blockspec_jax.decoding import speculative as spec
+from blockspec_jax.decoding.contracts import Drafter
 from blockspec_jax.drafters import ModelDrafter
-from blockspec_jax.drafters.base import Drafter
-from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.verify import get_verifier
 
 __all__ = ["expected_accepted_table", "paired_acceptance", "summarize_paired"]
 
 
-def expected_accepted_table(target_params, drafter_params, keys_D, tokens_BxP, prompt_len_B, *, config,
+def expected_accepted_table(target_params, drafter_params, keys_D, tokens_BxP, prompt_len_B, *, target,
                             drafter: Drafter, gamma: int, sampler: sampling.Sampler,
                             verifiers: tuple[str, ...] = ("token", "block")) -> jax.Array:
   """``E_DxBxRxG`` f32: for draw d, context b, rule r and γ = g + 1, ``Σ_{i≤γ} P(τ ≥ i | X^i)`` on the first γ tokens
   of draw d's draft. ``keys_D`` holds one key per draw; row b's draft in draw d uses ``fold_in(keys_D[d], b)``."""
   rules = tuple(get_verifier(v) for v in verifiers)
-  module = decoder_lib.Decoder(config)
-  state = spec.speculative_prefill(target_params, drafter_params, tokens_BxP, prompt_len_B, config=config,
+  state = spec.speculative_prefill(target_params, drafter_params, tokens_BxP, prompt_len_B, target=target,
                                    drafter=drafter, gamma=gamma, max_new_tokens=1)
   batch = tokens_BxP.shape[0]
 
   def one_draw(key):
     row_keys_B = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(batch))
-    draft_keys_BxG = jax.vmap(lambda k: jax.random.split(k, gamma))(row_keys_B)
-    _, draft_BxG, q_BxGxV, p_BxG1xV, _ = spec.draft_and_score(
-        target_params, drafter_params, state, draft_keys_BxG, module=module, drafter=drafter, gamma=gamma,
-        sampler=sampler)
+    scored = spec.draft_and_score(target_params, drafter_params, state, row_keys_B, target=target,
+                                  drafter=drafter, gamma=gamma, sampler=sampler)
+    draft_BxG, q_BxGxV, p_BxG1xV = scored.draft.tokens_BxN, scored.draft.q_BxNxV, scored.p_BxN1xV
     # acceptance_probs do not depend on the verifier's uniforms: any key gives the same table.
     per_rule = [jnp.stack([jnp.sum(rule.batch(row_keys_B, draft_BxG[:, :g], q_BxGxV[:, :g],
                                               p_BxG1xV[:, :g + 1]).acceptance_probs, axis=1)
@@ -74,10 +71,10 @@ def expected_accepted_table(target_params, drafter_params, keys_D, tokens_BxP, p
   return jax.lax.map(one_draw, keys_D)
 
 
-_table = jax.jit(expected_accepted_table, static_argnames=("config", "drafter", "gamma", "sampler", "verifiers"))
+_table = jax.jit(expected_accepted_table, static_argnames=("target", "drafter", "gamma", "sampler", "verifiers"))
 
 
-def paired_acceptance(target_params, drafter_params, contexts: Sequence[Sequence[int]], *, config,
+def paired_acceptance(target_params, drafter_params, contexts: Sequence[Sequence[int]], *, target,
                       drafter: Drafter, gamma: int, temperature: float, draws: int, seed: int = 0,
                       verifiers: tuple[str, ...] = ("token", "block")) -> np.ndarray:
   """Ragged token-id ``contexts`` → the ``[draws, contexts, rules, γ]`` table of :func:`expected_accepted_table`."""
@@ -87,7 +84,7 @@ def paired_acceptance(target_params, drafter_params, contexts: Sequence[Sequence
     raise ValueError("every context needs at least one token")
   tokens_BxP, prompt_len_B = spec.prepare_prompts([list(c) for c in contexts])
   keys_D = jax.random.split(jax.random.key(seed), draws)
-  return np.asarray(_table(target_params, drafter_params, keys_D, tokens_BxP, prompt_len_B, config=config,
+  return np.asarray(_table(target_params, drafter_params, keys_D, tokens_BxP, prompt_len_B, target=target,
                            drafter=drafter, gamma=gamma, sampler=sampling.Sampler(temperature=temperature),
                            verifiers=tuple(verifiers)))
 
@@ -154,7 +151,7 @@ def main(argv=None) -> int:
   keys_B = jax.random.split(jax.random.key(args.seed + 1), len(prompt_ids))
   with jobs.compiling("the target's sampling loop (compiled and run once)"):
     out = spec.generate_autoregressive(target.params["params"], keys_B, tokens_BxP, prompt_len_B,
-                                       config=target.config, max_new_tokens=args.sample_tokens,
+                                       target=target.config, max_new_tokens=args.sample_tokens,
                                        sampler=sampling.Sampler(temperature=args.temperature),
                                        stop_ids=target.stop_ids)
   samples = [np.asarray(out.tokens_BxN[b, :int(out.num_tokens_B[b])]).tolist() for b in range(len(prompt_ids))]
@@ -163,7 +160,7 @@ def main(argv=None) -> int:
         f"({len(prompt_ids)} prompts × {args.positions} positions in a target sample), {args.draws} drafts of "
         f"γ = {args.gamma} each", flush=True)
   with jobs.compiling(f"the paired scoring program ({len(contexts)} contexts, compiled and run)"):
-    table = paired_acceptance(target.params["params"], drafter.params["params"], contexts, config=target.config,
+    table = paired_acceptance(target.params["params"], drafter.params["params"], contexts, target=target.config,
                               drafter=ModelDrafter(drafter.config), gamma=args.gamma, temperature=args.temperature,
                               draws=args.draws, seed=args.seed)
   summary = summarize_paired(table)

@@ -24,7 +24,8 @@ and k head, before rotary), ``post_norms`` (x += RMSNorm(Attn(...)), x += RMSNor
 default head_dim**-0.5), ``norm_plus_one`` (RMSNorms multiply by 1 + scale; GGUF files already store 1 + w, so
 converted gemma3 weights use the plain convention), and local layers: ``layer_types[i] == "sliding"`` layers
 rotate with ``rope_theta_local`` and additionally mask every slot s with ``position - s >= sliding_window`` (ANDed
-with the caller's mask inside the decoder; the window is measured in slot indices, which equal positions).
+with the caller's mask inside the decoder; the window is measured in slot indices, which equal positions for committed
+tokens; a tree draft's node slots lie past its position, inside any window longer than the tree's depth).
 Parameter tree (linear weights are (out, in), as in GGUF and torch, so decoding streams each output's weights
 contiguously; see ``blockspec_jax.kernels``)::
 
@@ -164,6 +165,18 @@ class KVCache:
   def max_len(self) -> int:
     return self.k_LxBxSxKxH.shape[2]
 
+  def move_slots(self, src_BxM: jax.Array, dst_BxM: jax.Array, valid_BxM: jax.Array) -> "KVCache":
+    """Copy every layer's entries of slots ``src_BxM`` to slots ``dst_BxM`` where ``valid_BxM`` (a tree's path
+    commit). All sources are gathered before any write, so a destination may be another move's source."""
+    rows_Bx1 = jnp.arange(src_BxM.shape[0], dtype=jnp.int32)[:, None]
+    dst_BxM = jnp.where(valid_BxM, dst_BxM, self.max_len)  # invalid moves write out of range and are dropped
+
+    def move(x_LxBxSxKxH):
+      moved_LxBxMxKxH = x_LxBxSxKxH[:, rows_Bx1, src_BxM]
+      return x_LxBxSxKxH.at[:, rows_Bx1, dst_BxM].set(moved_LxBxMxKxH, mode="drop")
+
+    return KVCache(move(self.k_LxBxSxKxH), move(self.v_LxBxSxKxH))
+
 
 def init_cache(config: DecoderConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
   """Zero cache of shape [L, B, S=max_len, K, H] in ``dtype`` (default: the config's compute dtype)."""
@@ -253,7 +266,7 @@ class Attention(nn.Module):
   sliding: bool = False  # local layer: rope_theta_local and the sliding-window mask
 
   @nn.compact
-  def __call__(self, x_BxTxD, positions_BxT, k_BxSxKxH, v_BxSxKxH, attn_mask_BxTxS):
+  def __call__(self, x_BxTxD, positions_BxT, slots_BxT, k_BxSxKxH, v_BxSxKxH, attn_mask_BxTxS):
     cfg = self.config
     b, t, _ = x_BxTxD.shape
     n, kh, h, g = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.group_size
@@ -270,8 +283,8 @@ class Attention(nn.Module):
     q_BxTxNxH = apply_rotary(q_BxTxNxH, positions_BxT, theta, cfg.rope_style)
     k_BxTxKxH = apply_rotary(k_BxTxKxH, positions_BxT, theta, cfg.rope_style)
 
-    k_BxSxKxH = _write_slots(k_BxSxKxH, k_BxTxKxH, positions_BxT)
-    v_BxSxKxH = _write_slots(v_BxSxKxH, v_BxTxKxH, positions_BxT)
+    k_BxSxKxH = _write_slots(k_BxSxKxH, k_BxTxKxH, slots_BxT)
+    v_BxSxKxH = _write_slots(v_BxSxKxH, v_BxTxKxH, slots_BxT)
 
     scale = h ** -0.5 if cfg.query_scale is None else cfg.query_scale
     q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, kh, g, h)  # query head n = kv head (n // g), as in HF repeat_kv
@@ -313,12 +326,12 @@ class Block(nn.Module):
   sliding: bool = False
 
   @nn.compact
-  def __call__(self, x_BxTxD, positions_BxT, k_BxSxKxH, v_BxSxKxH, attn_mask_BxTxS):
+  def __call__(self, x_BxTxD, positions_BxT, slots_BxT, k_BxSxKxH, v_BxSxKxH, attn_mask_BxTxS):
     cfg = self.config
     norm = lambda name: RMSNorm(cfg.rms_eps, cfg.dtype, cfg.norm_plus_one, name=name)
     h_BxTxD = norm("attn_norm")(x_BxTxD)
     attn_BxTxD, k_BxSxKxH, v_BxSxKxH = Attention(cfg, self.sliding, name="attn")(
-        h_BxTxD, positions_BxT, k_BxSxKxH, v_BxSxKxH, attn_mask_BxTxS)
+        h_BxTxD, positions_BxT, slots_BxT, k_BxSxKxH, v_BxSxKxH, attn_mask_BxTxS)
     if cfg.post_norms:
       attn_BxTxD = norm("post_attn_norm")(attn_BxTxD)
     x_BxTxD = x_BxTxD + attn_BxTxD
@@ -335,8 +348,13 @@ class Decoder(nn.Module):
   config: DecoderConfig
 
   @nn.compact
-  def __call__(self, tokens_BxT, positions_BxT, cache: KVCache, attn_mask_BxTxS, return_hidden: bool = False):
-    """Returns ``(logits_BxTxV f32, new_cache)`` or ``(logits_BxTxV, new_cache, hidden_BxTxD)``."""
+  def __call__(self, tokens_BxT, positions_BxT, cache: KVCache, attn_mask_BxTxS, return_hidden: bool = False,
+               slots_BxT=None):
+    """Returns ``(logits_BxTxV f32, new_cache)`` or ``(logits_BxTxV, new_cache, hidden_BxTxD)``.
+
+    ``slots_BxT`` (default: ``positions_BxT``) are the cache slots the new keys/values go to; tree drafts write
+    node ``n`` at its own slot while rotating it by its depth's position (see blockspec_jax.decoding.contracts).
+    """
     cfg = self.config
     b, t = tokens_BxT.shape
     s = cache.max_len
@@ -347,6 +365,9 @@ class Decoder(nn.Module):
     if cache.k_LxBxSxKxH.shape != (cfg.num_layers, b, s, cfg.num_kv_heads, cfg.head_dim):
       raise ValueError(f"cache shape {cache.k_LxBxSxKxH.shape} does not match config/batch")
     positions_BxT = positions_BxT.astype(jnp.int32)
+    slots_BxT = positions_BxT if slots_BxT is None else jnp.asarray(slots_BxT).astype(jnp.int32)
+    if slots_BxT.shape != (b, t):
+      raise ValueError(f"slots_BxT shape {slots_BxT.shape} != tokens shape {(b, t)}")
     attn_mask_BxTxS = attn_mask_BxTxS.astype(jnp.bool_)
 
     embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=jnp.float32,
@@ -357,7 +378,7 @@ class Decoder(nn.Module):
     k_LxBxSxKxH, v_LxBxSxKxH = cache.k_LxBxSxKxH, cache.v_LxBxSxKxH
     for i in range(cfg.num_layers):
       x_BxTxD, k_BxSxKxH, v_BxSxKxH = Block(cfg, cfg.layer_type(i) == "sliding", name=f"layers_{i}")(
-          x_BxTxD, positions_BxT, k_LxBxSxKxH[i], v_LxBxSxKxH[i], attn_mask_BxTxS)
+          x_BxTxD, positions_BxT, slots_BxT, k_LxBxSxKxH[i], v_LxBxSxKxH[i], attn_mask_BxTxS)
       k_LxBxSxKxH = k_LxBxSxKxH.at[i].set(k_BxSxKxH)
       v_LxBxSxKxH = v_LxBxSxKxH.at[i].set(v_BxSxKxH)
     hidden_BxTxD = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.norm_plus_one, name="final_norm")(x_BxTxD)

@@ -27,6 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from blockspec_jax.decoding import speculative as spec
+from blockspec_jax.models.scorer import as_scorer
 
 __all__ = ["DATA", "MODEL", "make_mesh", "initialize_multihost", "param_spec", "param_shardings", "shard_params",
            "batch_sharding", "shard_batch", "cache_sharding", "sharded_speculative", "sharded_autoregressive"]
@@ -117,8 +118,12 @@ def _output_shardings(out_shape, mesh: Mesh):
   return jax.tree.map(lambda x: NamedSharding(mesh, P(DATA) if x.ndim else P()), out_shape)
 
 
-def cache_sharding(mesh: Mesh, config) -> NamedSharding:
-  """KV cache ``[L, B, S, K, H]``: rows over ``data``, KV heads over ``model`` when it divides them."""
+def cache_sharding(mesh: Mesh, target) -> NamedSharding:
+  """KV cache ``[L, B, S, K, H]``: rows over ``data``, KV heads over ``model`` when it divides them. ``target``: a
+  ``DecoderConfig`` or a scorer carrying one (``.config``)."""
+  config = getattr(as_scorer(target), "config", None)
+  if config is None:
+    raise TypeError(f"sharding the caches of {type(target).__name__} needs its DecoderConfig (a .config attribute)")
   heads = MODEL if _divisible(config.num_kv_heads, mesh, MODEL) else None
   return NamedSharding(mesh, P(None, DATA, None, heads, None))
 
@@ -140,7 +145,7 @@ def _compiled(program, static, mesh, param_trees, batch_arrays):
   fn = _COMPILED.get(key)
   if fn is None:
     batch = batch_arrays[0].shape[0]
-    settings = dict(static, cache_sharding=cache_sharding(mesh, static["config"]))
+    settings = dict(static, cache_sharding=cache_sharding(mesh, static["target"]))
     bound = functools.partial(program, **settings)
     out_shape = jax.eval_shape(bound, *param_trees, *batch_arrays)
     in_shardings = tuple(param_shardings(p, mesh) for p in param_trees) + tuple(
@@ -156,11 +161,11 @@ def _mesh_context(mesh: Mesh):
 def sharded_speculative(mesh: Mesh, target_params, drafter_params, keys_B, tokens_BxP, prompt_len_B, **static):
   """Run the speculative loop with parameters, caches and rows laid out on ``mesh``; same tokens as one device.
 
-  ``static``: the keyword settings of ``generate_speculative`` (config, drafter, gamma, max_new_tokens, verifier,
+  ``static``: the keyword settings of ``generate_speculative`` (target, drafter, gamma, max_new_tokens, verifier,
   sampler, stop_ids, pad_id). The compiled program is cached per (settings, mesh, shapes): a second call with the
   same shapes does not recompile.
   """
-  spec.check_prompt_values(tokens_BxP, prompt_len_B, static["config"].vocab_size)
+  spec.check_prompt_values(tokens_BxP, prompt_len_B, as_scorer(static["target"]).vocab_size)
   with _mesh_context(mesh):
     fn = _compiled(spec.speculative_program, static, mesh, (target_params, drafter_params),
                    (keys_B, tokens_BxP, prompt_len_B))
@@ -169,7 +174,7 @@ def sharded_speculative(mesh: Mesh, target_params, drafter_params, keys_B, token
 
 def sharded_autoregressive(mesh: Mesh, target_params, keys_B, tokens_BxP, prompt_len_B, **static):
   """The autoregressive baseline on ``mesh`` (see :func:`sharded_speculative`)."""
-  spec.check_prompt_values(tokens_BxP, prompt_len_B, static["config"].vocab_size)
+  spec.check_prompt_values(tokens_BxP, prompt_len_B, as_scorer(static["target"]).vocab_size)
   with _mesh_context(mesh):
     fn = _compiled(spec.autoregressive_program, static, mesh, (target_params,), (keys_B, tokens_BxP, prompt_len_B))
     return fn(target_params, keys_B, tokens_BxP, prompt_len_B)

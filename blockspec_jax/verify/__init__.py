@@ -5,9 +5,9 @@ from blockspec_jax.verify.rules import (VerifyResult, block_acceptance_threshold
                                         clipped_ratio, exact_match_verify, greedy_verify, token_verify)
 from blockspec_jax.verify.validation import (BAD_SUM, NEGATIVE, NOT_FINITE, check_block_shapes, describe_errors,
                                              distribution_errors, validate_block, validate_distributions)
-from blockspec_jax.verify.verifiers import (DEFAULT_VERIFIER, VERIFIERS, BlockVerifier, ExactMatchVerifier,
-                                            GreedyVerifier, TokenVerifier, Verifier, get_verifier, row_keys,
-                                            warn_if_inexact)
+from blockspec_jax.verify.verifiers import (CHAIN, DEFAULT_VERIFIER, TREE, VERIFIERS, BlockVerifier,
+                                            ExactMatchVerifier, GreedyVerifier, TokenVerifier, TreeVerifier, Verdict,
+                                            Verifier, get_verifier, register_tree_rule, row_keys, warn_if_inexact)
 
 from blockspec_jax.verify.tree import (TREE_RULES, TreeVerifyResult, chain_parents, check_tree, tree_sampling,
                                        tree_verify)

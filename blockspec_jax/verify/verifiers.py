@@ -1,4 +1,18 @@
-"""Verifiers: frozen dataclasses wrapping one single-block rule, with a batched form; selectable by name or gin."""
+"""Verifiers: frozen dataclasses wrapping one rule, with a batched form; selectable by name (``VERIFIERS``) or gin.
+
+Every registered rule declares what the engine and the tests need to know about it (class attributes):
+
+=====================  ==========================================================================================
+``lossless``           exactly the target's law when the draft law passed in is the one the draft was drawn from
+``requires_greedy_target``  lossless only for a greedy (temperature 0) target (the greedy rule)
+``needs_draft_probs``  reads the drafter rows ``q`` (False: greedy, exact-match)
+``structure``          ``"chain"`` (verifies one chain of γ tokens) or ``"tree"`` (any tree, chains included)
+``sibling_sampling``   for tree rules, how siblings must be drawn: ``"with_replacement"`` / ``"without_replacement"``
+=====================  ==========================================================================================
+
+Chain rules (:mod:`blockspec_jax.verify.rules`) and tree rules (:data:`blockspec_jax.verify.tree.TREE_RULES`) share
+one registry; :meth:`Verifier.verify_draft` is the engine's one entry point for both.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +23,35 @@ from typing import Callable, ClassVar
 import jax
 import jax.numpy as jnp
 
-from blockspec_jax.verify import rules
+from flax import struct
 
-__all__ = ["Verifier", "TokenVerifier", "BlockVerifier", "GreedyVerifier", "ExactMatchVerifier", "VERIFIERS",
-           "DEFAULT_VERIFIER", "get_verifier", "row_keys", "warn_if_inexact"]
+from blockspec_jax.decoding.contracts import SAMPLING_CHAIN, Draft, accepted_path
+from blockspec_jax.verify import rules
+from blockspec_jax.verify import traversal as _traversal  # noqa: F401  (registers "traversal" in TREE_RULES)
+from blockspec_jax.verify.tree import TREE_RULES, tree_verify
+
+__all__ = ["Verifier", "TokenVerifier", "BlockVerifier", "GreedyVerifier", "ExactMatchVerifier", "TreeVerifier",
+           "Verdict", "VERIFIERS", "DEFAULT_VERIFIER", "CHAIN", "TREE", "get_verifier", "register_tree_rule",
+           "row_keys", "warn_if_inexact"]
+
+CHAIN = "chain"
+TREE = "tree"
+
+
+@struct.dataclass
+class Verdict:
+  """A verified draft, per row, in the engine's terms (``G`` = γ, the draft's maximum depth).
+
+  ``num_accepted_B``       int32 ``[B]``      τ: nodes on the accepted path
+  ``path_BxG``             int32 ``[B, G]``   the accepted node at depth ``i + 1`` (−1 from τ on)
+  ``next_token_B``         int32 ``[B]``      the correction or bonus token
+  ``expected_accepted_B``  f32 ``[B]``        the Rao–Blackwellised ``Σ_i P(τ ≥ i | draft)`` where the rule provides
+                                              it (chain rules), NaN otherwise (tree rules)
+  """
+  num_accepted_B: jax.Array
+  path_BxG: jax.Array
+  next_token_B: jax.Array
+  expected_accepted_B: jax.Array
 
 
 def row_keys(key: jax.Array, batch_size: int) -> jax.Array:
@@ -33,7 +72,33 @@ class Verifier:
   lossless: ClassVar[bool] = True
   requires_greedy_target: ClassVar[bool] = False
   needs_draft_probs: ClassVar[bool] = True
+  structure: ClassVar[str] = CHAIN
+  sibling_sampling: ClassVar[str | None] = None
   rule: ClassVar[Callable[..., rules.VerifyResult]]
+
+  def check_drafter(self, drafter_name: str, is_chain: bool, sibling_sampling: str) -> None:
+    """Raise a ValueError when drafts declared so cannot be verified by this rule (losslessly)."""
+    if self.structure == CHAIN and not is_chain:
+      tree_rules = ", ".join(sorted(n for n, c in VERIFIERS.items() if c.structure == TREE))
+      raise ValueError(f"verifier {self.name!r} verifies chains, but drafter {drafter_name} draws trees; use a tree "
+                       f"rule ({tree_rules})")
+    if (self.structure == TREE and sibling_sampling != SAMPLING_CHAIN
+        and sibling_sampling != self.sibling_sampling):
+      fitting = ", ".join(sorted(n for n, c in VERIFIERS.items()
+                                 if c.structure == TREE and c.sibling_sampling == sibling_sampling))
+      raise ValueError(f"verifier {self.name!r} needs siblings drawn {self.sibling_sampling.replace('_', ' ')}, but "
+                       f"drafter {drafter_name} draws them {sibling_sampling.replace('_', ' ')}: the result would "
+                       f"not be lossless; use {fitting or 'a rule for that sampling'}")
+
+  def verify_draft(self, keys_B, draft: Draft, p_BxN1xV, depth_BxN, gamma: int) -> Verdict:
+    """Verify every row's draft against the target rows ``p_BxN1xV`` (row 0: after the last committed token, row
+    ``n + 1``: after node ``n``); ``depth_BxN`` from :func:`blockspec_jax.decoding.contracts.node_depths`."""
+    if not draft.is_chain:
+      raise ValueError(f"verifier {self.name!r} verifies chains; the draft is a tree")
+    res = self.batch(keys_B, draft.tokens_BxN, draft.q_rows(p_BxN1xV.shape[-1]), p_BxN1xV)
+    index_G = jnp.arange(gamma, dtype=jnp.int32)
+    path_BxG = jnp.where(index_G[None, :] < res.num_accepted[:, None], index_G[None, :], -1)
+    return Verdict(res.num_accepted, path_BxG, res.next_token, jnp.sum(res.acceptance_probs, axis=1))
 
   def lossless_under(self, sampler) -> bool:
     """Whether decoding with this rule has exactly the target's law under ``sampler`` (a ``sampling.Sampler``)."""
@@ -84,9 +149,48 @@ class ExactMatchVerifier(Verifier):
   rule = staticmethod(rules.exact_match_verify)
 
 
+@dataclasses.dataclass(frozen=True)
+class TreeVerifier(Verifier):
+  """A tree rule of :data:`~blockspec_jax.verify.tree.TREE_RULES` (one subclass per registered name). Lossless when
+  siblings are drawn as ``sibling_sampling`` says; any tree of ``N`` nodes (a chain is one)."""
+  structure: ClassVar[str] = TREE
+
+  def __call__(self, key, tokens_N, parents_N, draft_probs_NxV, target_probs_N1xV):
+    return tree_verify(key, tokens_N, parents_N, draft_probs_NxV, target_probs_N1xV, rule=self.name)
+
+  def batch(self, keys_B, tokens_BxN, parents_BxN, draft_probs_BxNxV, target_probs_BxN1xV):
+    """Verify ``B`` independent trees (one key per row); a :class:`~blockspec_jax.verify.TreeVerifyResult`."""
+    return jax.vmap(self)(keys_B, tokens_BxN, parents_BxN, draft_probs_BxNxV, target_probs_BxN1xV)
+
+  def verify_draft(self, keys_B, draft: Draft, p_BxN1xV, depth_BxN, gamma: int) -> Verdict:
+    res = self.batch(keys_B, draft.tokens_BxN, draft.parents_BxN, draft.q_rows(p_BxN1xV.shape[-1]), p_BxN1xV)
+    nan_B = jnp.full(res.num_accepted.shape, jnp.nan, jnp.float32)
+    return Verdict(res.num_accepted, accepted_path(res.accepted_N, depth_BxN, gamma), res.next_token, nan_B)
+
+
 VERIFIERS: dict[str, type[Verifier]] = {
     cls.name: cls for cls in (BlockVerifier, TokenVerifier, GreedyVerifier, ExactMatchVerifier)}
 DEFAULT_VERIFIER = "block"
+
+
+def register_tree_rule(name: str, fn=None, sibling_sampling: str | None = None) -> type[TreeVerifier]:
+  """Register a tree rule under ``name`` as a verifier (and in ``TREE_RULES`` when ``fn`` is given). Returns its
+  class. A registered name is picked up by the main job, ``eval.paired`` and the registry-wide law tests."""
+  if fn is not None:
+    TREE_RULES[name] = (fn, sibling_sampling)
+  if name not in TREE_RULES:
+    raise ValueError(f"no tree rule {name!r} in TREE_RULES; pass fn and sibling_sampling")
+  if name in VERIFIERS and VERIFIERS[name].structure != TREE:
+    raise ValueError(f"{name!r} is already a chain verifier")
+  cls = type(f"TreeVerifier_{name}", (TreeVerifier,), {"name": name, "sibling_sampling": TREE_RULES[name][1],
+                                                        "__module__": __name__})
+  cls = dataclasses.dataclass(frozen=True)(cls)
+  VERIFIERS[name] = cls
+  return cls
+
+
+for _name in list(TREE_RULES):
+  register_tree_rule(_name)
 
 
 _warned_inexact: set = set()  # (rule name, temperature) pairs already warned about in this process

@@ -1,0 +1,270 @@
+"""The engine's contracts: what a drafter proposes, what a target scorer computes, what a commit tells the drafter.
+
+Everything the speculative loop (:mod:`blockspec_jax.decoding.speculative`) exchanges with models lives here, so a
+new drafter (tree drafters, n-gram lookup, heads on the target's hidden states, steered drafters) or a new target
+model plugs in without the loop changing, as t5x's ``tokens_to_logits`` callback lets any model plug into its loop.
+The loop imports nothing from :mod:`blockspec_jax.drafters`.
+
+Layout of one iteration for a row with ``length`` committed tokens (the last one, at position ``length − 1``, is not
+yet in any cache) and a draft of ``N`` nodes::
+
+    query t = 0        the last committed token   position length − 1            cache slot length − 1
+    query t = n + 1    draft node n               position length − 1 + depth_n  cache slot length + n
+
+``depth_n ≥ 1`` is the number of nodes on the root-to-``n`` path (a chain has ``depth_n = n + 1``, so its slots are
+its positions and nothing moves). Node ``n`` attends to the committed slots ``< length`` and to the slots of its own
+ancestors and itself (:func:`tree_attention_mask`); its rotary angle is its depth's position, so the keys and values
+it writes are exactly those an autoregressive pass over its root-to-node path would write at positions
+``length .. length − 1 + depth_n``. *Path commit* then moves the accepted path's entries from slots
+``length + path[i]`` to ``length + i`` (:func:`path_slots`, applied with the scorer's ``move_slots``), after which the
+cache holds what a fresh autoregressive pass over the committed tokens holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from blockspec_jax import sampling
+
+__all__ = ["Draft", "Commit", "Scored", "TargetScorer", "Drafter", "chain_draft", "chain_parents_BxN",
+           "ancestors", "node_depths", "tree_positions", "tree_attention_mask", "accepted_path", "path_slots",
+           "SAMPLING_CHAIN", "check_drafter"]
+
+#: A chain drafter's declared ``sibling_sampling``: one child per node, which is a draw both with and without replacement.
+SAMPLING_CHAIN = "chain"
+
+
+@struct.dataclass
+class Draft:
+  """What a drafter proposes for every row: a tree of ``N`` nodes (a chain is the tree ``parents = [−1, 0, 1, …]``).
+
+  ``tokens_BxN``   int32 ``[B, N]``      the drafted token of every node
+  ``parents_BxN``  int32 ``[B, N]``      parent node (−1 = the last committed token), ``parents[b, n] < n``; the children
+                                         of a node are consecutive, in the order they were drawn. Rows may hold
+                                         different trees (same ``N``).
+  ``q_BxNxV``      f32 ``[B, N, V]`` or ``None``   row ``n`` = the drafter's law at node ``n``'s PARENT context, the law
+                                         ``n`` and its siblings were drawn from (before any without-replacement
+                                         removal). ``None`` means every node is a point mass at its token (n-gram /
+                                         prompt lookup): no ``[B, N, V]`` is built by the drafter; verification forms
+                                         the one-hot rows inside its fused computation (:meth:`q_rows`).
+  ``is_chain``     static bool           the drafter promises ``parents = chain``: the loop then skips the tree mask and
+                                         the path commit (slots already equal positions).
+  """
+  tokens_BxN: jax.Array
+  parents_BxN: jax.Array
+  q_BxNxV: Optional[jax.Array] = None
+  is_chain: bool = struct.field(pytree_node=False, default=False)
+
+  @property
+  def num_nodes(self) -> int:
+    return self.tokens_BxN.shape[1]
+
+  def q_rows(self, vocab_size: int) -> jax.Array:
+    """``q_BxNxV``, or the point masses ``one_hot(tokens)`` when the drafter gave none (f32 ``[B, N, V]``)."""
+    if self.q_BxNxV is not None:
+      return self.q_BxNxV
+    return jax.nn.one_hot(self.tokens_BxN, vocab_size, dtype=jnp.float32)
+
+
+def chain_parents_BxN(batch: int, gamma: int) -> jax.Array:
+  """int32 ``[B, γ]`` rows ``[−1, 0, 1, …, γ − 2]``: the parents of a chain."""
+  return jnp.broadcast_to(jnp.arange(-1, gamma - 1, dtype=jnp.int32), (batch, gamma))
+
+
+def chain_draft(tokens_BxG: jax.Array, q_BxGxV: Optional[jax.Array] = None) -> Draft:
+  """A chain of ``γ`` tokens per row as a :class:`Draft` (``q_BxGxV[b, i]`` = the law token ``i`` was drawn from)."""
+  batch, gamma = tokens_BxG.shape
+  return Draft(tokens_BxG.astype(jnp.int32), chain_parents_BxN(batch, gamma), q_BxGxV, is_chain=True)
+
+
+@struct.dataclass
+class Commit:
+  """What the loop tells the drafter after verification (one iteration, every row; ``G`` = γ, the maximum depth).
+
+  ``old_length_B``      int32 ``[B]``          committed tokens before this iteration
+  ``new_length_B``      int32 ``[B]``          after it (stop tokens and the budget applied; finished rows unchanged)
+  ``num_accepted_B``    int32 ``[B]``          τ: draft nodes on the accepted path (before stop / budget cuts)
+  ``path_BxG``          int32 ``[B, G]``       node index at depth ``i + 1`` of the accepted path, −1 from ``τ`` on
+  ``tokens_BxG1``       int32 ``[B, G + 1]``   the emitted block: the path's tokens, then the correction/bonus ``Y`` at
+                                               index τ (what was committed is its first ``new − old`` entries)
+  ``hidden_BxG1xD``     ``[B, G + 1, D]``      the target's last-layer hidden states (the LM head's input) at the
+                                               queries ``[last committed, path nodes]``: row ``i`` produced the target
+                                               law that token ``i`` of the block was verified against (row τ: ``Y``'s).
+                                               Rows beyond τ are unspecified.
+  """
+  old_length_B: jax.Array
+  new_length_B: jax.Array
+  num_accepted_B: jax.Array
+  path_BxG: jax.Array
+  tokens_BxG1: jax.Array
+  hidden_BxG1xD: jax.Array
+
+
+@struct.dataclass
+class Scored:
+  """A target pass: ``logits_BxTxV`` f32, ``hidden_BxTxD`` (final-norm output), and the updated cache."""
+  logits_BxTxV: jax.Array
+  hidden_BxTxD: jax.Array
+  cache: Any
+
+
+@runtime_checkable
+class TargetScorer(Protocol):
+  """The target model as the loop sees it. Implementations are hashable frozen dataclasses (static under ``jit``);
+  :class:`blockspec_jax.models.scorer.DecoderScorer` serves any :class:`~blockspec_jax.models.DecoderConfig`.
+
+  ``vocab_size``  V of its rows;  ``max_len``  the longest cache (positions) it supports.
+  ``init_cache(batch, cache_len)``  an empty cache for ``cache_len`` slots.
+  ``score(params, tokens_BxT, positions_BxT, slots_BxT, mask_BxTxS, cache) -> Scored``: one pass over ``T`` new
+      tokens; token ``t`` of row ``b`` gets rotary position ``positions_BxT[b, t]``, writes its keys/values at
+      ``slots_BxT[b, t]`` (slots ``≥ S`` are dropped) and attends to the slots where ``mask_BxTxS[b, t]`` is True
+      (after the write).
+  ``move_slots(cache, src_BxM, dst_BxM, valid_BxM)``: copy the entries of slots ``src`` to slots ``dst`` where
+      ``valid`` (the path commit); the destination slots of a row never hold a later source of that row.
+  """
+
+  @property
+  def vocab_size(self) -> int: ...
+
+  @property
+  def max_len(self) -> int: ...
+
+  def init_cache(self, batch: int, cache_len: int) -> Any: ...
+
+  def score(self, params, tokens_BxT, positions_BxT, slots_BxT, mask_BxTxS, cache) -> Scored: ...
+
+  def move_slots(self, cache, src_BxM, dst_BxM, valid_BxM) -> Any: ...
+
+
+class Drafter(Protocol):
+  """What the speculative loop needs from a drafter. Implementations are frozen dataclasses (static under ``jit``).
+
+  Declared, not probed:
+  ``vocab_size``   V of its rows (must equal the target's)
+  ``max_len``      the longest cache it supports, or ``None`` (no cache: n-gram lookup)
+  ``sibling_sampling``  how siblings are drawn: ``"with_replacement"`` (i.i.d.), ``"without_replacement"``, or
+                   :data:`SAMPLING_CHAIN` (one child per node: both). A tree verifier requires its own mode.
+  ``is_chain``     whether every draft is a chain (``parents = [−1, 0, …]``)
+  ``num_nodes(gamma)``  ``N``: nodes per draft for maximum depth ``gamma`` (static; sizes the caches)
+
+  Cache convention shared with the target: at the start of an iteration a row's caches hold valid entries for
+  positions ``< length − 1`` at least; the last committed token has not been fed. Tree nodes are written at slots
+  ``length + n`` (see the module docstring) and :meth:`commit` moves the accepted path into place.
+
+  ``init_state(params, tokens_BxP, prompt_len_B, max_len)``: prefill on the padded prompts (row ``b``'s prompt is
+      ``tokens_BxP[b, :prompt_len_B[b]]``), returning the drafter's loop state for caches of ``max_len`` slots.
+  ``propose(params, state, tokens_BxS, length_B, key_B, gamma, sampler) -> (state, Draft)``: a draft after each
+      row's committed tokens ``tokens_BxS[b, :length_B[b]]``, using one key per row. ``Draft.q_BxNxV`` must be
+      exactly the laws the nodes were drawn from, after ``sampler``.
+  ``commit(params, state, commit: Commit) -> state``: after verification (rollback point, accepted path, the target's
+      hidden states at the accepted positions).
+  """
+
+  @property
+  def vocab_size(self) -> int: ...
+
+  @property
+  def max_len(self) -> Optional[int]: ...
+
+  @property
+  def sibling_sampling(self) -> str: ...
+
+  @property
+  def is_chain(self) -> bool: ...
+
+  def num_nodes(self, gamma: int) -> int: ...
+
+  def init_state(self, params, tokens_BxP: jax.Array, prompt_len_B: jax.Array, max_len: int) -> Any: ...
+
+  def propose(self, params, state, tokens_BxS: jax.Array, length_B: jax.Array, key_B: jax.Array, gamma: int,
+              sampler: sampling.Sampler) -> tuple[Any, Draft]: ...
+
+  def commit(self, params, state, commit: Commit) -> Any: ...
+
+
+_DRAFTER_ATTRIBUTES = ("vocab_size", "max_len", "sibling_sampling", "is_chain", "num_nodes", "init_state", "propose",
+                       "commit")
+
+
+def check_drafter(drafter) -> None:
+  """Raise a TypeError naming what ``drafter`` lacks of the :class:`Drafter` protocol."""
+  missing = [name for name in _DRAFTER_ATTRIBUTES if not hasattr(drafter, name)]
+  if missing:
+    raise TypeError(f"{type(drafter).__name__} is not a Drafter: it lacks {', '.join(missing)} (see "
+                    "blockspec_jax.decoding.contracts.Drafter)")
+
+
+# --- tree layout, shared by the loop and by tree drafters ------------------------------------------------------------
+
+def ancestors(parents_BxN: jax.Array) -> jax.Array:
+  """bool ``[B, N, N]``: ``A[b, n, m]`` iff node ``m`` is node ``n`` or one of its ancestors.
+
+  Transitive closure of the parent relation by ``⌈log2 N⌉`` boolean squarings (``O(N³ log N)`` per row, tiny next
+  to a model pass for the N ≤ 64 of drafts).
+  """
+  batch, n_nodes = parents_BxN.shape
+  index_N = jnp.arange(n_nodes, dtype=jnp.int32)
+  reach_BxNxN = (parents_BxN[:, :, None] == index_N[None, None, :]) | (index_N[:, None] == index_N[None, :])[None]
+  steps = max(int(n_nodes - 1).bit_length(), 0)
+  for _ in range(steps):
+    reach_BxNxN = reach_BxNxN | (jnp.einsum("bnk,bkm->bnm", reach_BxNxN.astype(jnp.int32),
+                                            reach_BxNxN.astype(jnp.int32)) > 0)
+  return reach_BxNxN
+
+
+def node_depths(ancestors_BxNxN: jax.Array) -> jax.Array:
+  """int32 ``[B, N]``: ``depth_n`` = nodes on the root-to-``n`` path (children of the root have depth 1)."""
+  return jnp.sum(ancestors_BxNxN, axis=-1).astype(jnp.int32)
+
+
+def tree_positions(length_B: jax.Array, depth_BxN: jax.Array):
+  """Rotary positions and cache slots of the query ``[last committed, node 0 .. N − 1]`` (int32 ``[B, N + 1]`` each)."""
+  n_nodes = depth_BxN.shape[1]
+  last_Bx1 = length_B[:, None] - 1
+  positions_BxN1 = jnp.concatenate([last_Bx1, last_Bx1 + depth_BxN], axis=1)
+  slots_BxN1 = last_Bx1 + jnp.arange(n_nodes + 1, dtype=jnp.int32)[None, :]
+  return positions_BxN1, slots_BxN1
+
+
+def tree_attention_mask(length_B: jax.Array, ancestors_BxNxN: jax.Array, cache_len: int) -> jax.Array:
+  """bool ``[B, N + 1, S]`` for the query ``[last committed, nodes]`` laid out as in :func:`tree_positions`.
+
+  Query 0 sees slots ``≤ length − 1``; node ``n`` sees slots ``< length`` and the slots ``length + m`` of its
+  ancestors-or-self ``m``. On a chain this is the causal mask.
+  """
+  n_nodes = ancestors_BxNxN.shape[1]
+  slots_S = jnp.arange(cache_len, dtype=jnp.int32)
+  committed_BxS = slots_S[None, :] < length_B[:, None]
+  node_BxS = slots_S[None, :] - length_B[:, None]
+  in_tree_BxS = (node_BxS >= 0) & (node_BxS < n_nodes)
+  node_BxS = jnp.clip(node_BxS, 0, n_nodes - 1)
+  sees_BxNxS = jnp.take_along_axis(ancestors_BxNxN, jnp.broadcast_to(node_BxS[:, None, :], (
+      node_BxS.shape[0], n_nodes, cache_len)), axis=2) & in_tree_BxS[:, None, :]
+  nodes_BxNxS = sees_BxNxS | committed_BxS[:, None, :]
+  return jnp.concatenate([committed_BxS[:, None, :], nodes_BxNxS], axis=1)
+
+
+def accepted_path(accepted_BxN: jax.Array, depth_BxN: jax.Array, gamma: int) -> jax.Array:
+  """int32 ``[B, γ]``: the accepted node at depth ``i + 1`` (−1 where the path is shorter), from a bool ``[B, N]``
+  marking a root-to-node chain."""
+  batch, n_nodes = accepted_BxN.shape
+  depth_slot_BxN = jnp.where(accepted_BxN, depth_BxN - 1, gamma)  # rejected nodes land in a dropped column
+  path_BxG = jnp.full((batch, gamma), -1, jnp.int32)
+  rows_BxN = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, n_nodes))
+  nodes_BxN = jnp.broadcast_to(jnp.arange(n_nodes, dtype=jnp.int32)[None, :], (batch, n_nodes))
+  return path_BxG.at[rows_BxN, depth_slot_BxN].set(nodes_BxN, mode="drop")
+
+
+def path_slots(length_B: jax.Array, path_BxG: jax.Array, num_accepted_B: jax.Array):
+  """The path commit's moves: ``(src_BxG, dst_BxG, valid_BxG)`` = slots ``length + path[i]`` → ``length + i`` for
+  ``i < τ``. A destination never holds a later source (``path[j] ≥ j``), so one gather-then-scatter is exact."""
+  gamma = path_BxG.shape[1]
+  index_G = jnp.arange(gamma, dtype=jnp.int32)
+  valid_BxG = index_G[None, :] < num_accepted_B[:, None]
+  src_BxG = length_B[:, None] + jnp.maximum(path_BxG, 0)
+  dst_BxG = length_B[:, None] + index_G[None, :]
+  return src_BxG, dst_BxG, valid_BxG

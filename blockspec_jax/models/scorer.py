@@ -1,0 +1,59 @@
+"""The target scorer for our Flax decoders: :class:`blockspec_jax.decoding.contracts.TargetScorer` over a
+:class:`~blockspec_jax.models.decoder.DecoderConfig`.
+
+The speculative loop talks to the target only through this protocol, so another Flax causal LM plugs in by
+implementing ``init_cache`` / ``score`` / ``move_slots`` (see the contract's docstring for the shapes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from blockspec_jax.decoding.contracts import Scored
+from blockspec_jax.models import decoder as decoder_lib
+
+__all__ = ["DecoderScorer", "as_scorer"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderScorer:
+  """:class:`~blockspec_jax.models.decoder.Decoder` as the loop's target (also the model drafters' forward)."""
+
+  config: decoder_lib.DecoderConfig
+
+  @property
+  def vocab_size(self) -> int:
+    return self.config.vocab_size
+
+  @property
+  def max_len(self) -> int:
+    return self.config.max_len
+
+  @property
+  def module(self) -> decoder_lib.Decoder:
+    return decoder_lib.Decoder(self.config)
+
+  def init_cache(self, batch: int, cache_len: int) -> decoder_lib.KVCache:
+    return decoder_lib.init_cache(self.config, batch, cache_len, self.config.dtype)
+
+  def score(self, params, tokens_BxT, positions_BxT, slots_BxT, mask_BxTxS, cache) -> Scored:
+    logits_BxTxV, cache, hidden_BxTxD = self.module.apply(
+        {"params": params}, tokens_BxT, positions_BxT, cache, mask_BxTxS, return_hidden=True, slots_BxT=slots_BxT)
+    return Scored(logits_BxTxV.astype(jnp.float32), hidden_BxTxD, cache)
+
+  def move_slots(self, cache: decoder_lib.KVCache, src_BxM, dst_BxM, valid_BxM) -> decoder_lib.KVCache:
+    return cache.move_slots(src_BxM, dst_BxM, valid_BxM)
+
+
+def as_scorer(target) -> "DecoderScorer":
+  """``target`` if it is already a scorer; a :class:`DecoderScorer` for a ``DecoderConfig``; else a TypeError."""
+  if isinstance(target, decoder_lib.DecoderConfig):
+    return DecoderScorer(target)
+  missing = [name for name in ("vocab_size", "max_len", "init_cache", "score", "move_slots")
+             if not hasattr(target, name)]
+  if missing:
+    raise TypeError(f"target must be a DecoderConfig or a TargetScorer (blockspec_jax.decoding.contracts); "
+                    f"{type(target).__name__} lacks {', '.join(missing)}")
+  return target
