@@ -26,16 +26,70 @@ import numpy as np
 
 from blockspec_jax.paths import default_cache_dir
 
-__all__ = ["METHODS", "UsageError", "check_gamma", "check_settings", "check_cache_room", "check_pair",
+__all__ = ["METHODS", "AUTOREGRESSIVE", "known_methods", "parse_method", "build_drafter", "UsageError",
+           "check_gamma", "check_settings", "check_cache_room", "check_pair",
            "encode_prompts", "run_method", "compiling", "enable_compilation_cache", "COMPILE_CACHE_ENV_VAR",
            "peak_rss_gb", "cli_errors"]
 
-METHODS = ("autoregressive", "token", "block")
+AUTOREGRESSIVE = "autoregressive"
+METHODS = (AUTOREGRESSIVE, "token", "block")  # the main job's default comparison
 COMPILE_CACHE_ENV_VAR = "BLOCKSPEC_JAX_COMPILE_CACHE"
 
 
 class UsageError(ValueError):
   """A job setting that cannot work (caught by :func:`cli_errors` and printed as one line)."""
+
+
+def known_methods() -> tuple[str, ...]:
+  """``"autoregressive"`` and every registered verifier (``verify.VERIFIERS``); each verifier also as
+  ``"<verifier>@<drafter>"`` with any registered drafter (``drafters.DRAFTERS``)."""
+  from blockspec_jax import verify
+  return (AUTOREGRESSIVE,) + tuple(verify.VERIFIERS)
+
+
+def _default_drafter(verifier) -> str:
+  """The drafter a bare verifier name runs with: the model chain for chain rules, k i.i.d. chains for tree rules
+  that need siblings drawn with replacement, RSD-C trees for rules that need them drawn without."""
+  if verifier.structure == "chain":
+    return "model"
+  return "k_chains" if verifier.sibling_sampling == "with_replacement" else "rsd_c"
+
+
+def parse_method(method: str) -> tuple[str, str | None]:
+  """``"autoregressive"`` → ``("autoregressive", None)``; ``"<verifier>[@<drafter>]"`` → ``(verifier, drafter)``
+  with the rule's default drafter filled in. Unknown names and drafters the rule cannot verify losslessly are a
+  :class:`UsageError` listing what is known."""
+  from blockspec_jax import drafters, verify
+  if not isinstance(method, str):
+    raise UsageError(f"a method is a string like 'block' or 'rrs_wor@rsd_c', got {method!r}")
+  if method == AUTOREGRESSIVE:
+    return AUTOREGRESSIVE, None
+  rule, _, drafter_name = method.partition("@")
+  if rule not in verify.VERIFIERS:
+    raise UsageError(f"unknown method {method!r}; known: {', '.join(known_methods())} (a verifier may name its "
+                     f"drafter: '<verifier>@<drafter>', drafters: {', '.join(drafters.DRAFTERS)})")
+  verifier = verify.get_verifier(rule)
+  drafter_name = drafter_name or _default_drafter(verifier)
+  if drafter_name not in drafters.DRAFTERS:
+    raise UsageError(f"unknown drafter {drafter_name!r} in method {method!r}; known drafters: "
+                     f"{', '.join(drafters.DRAFTERS)}")
+  cls = drafters.DRAFTERS[drafter_name]
+  try:
+    verifier.check_drafter(repr(drafter_name), cls.is_chain, cls.sibling_sampling)
+  except ValueError as e:
+    raise UsageError(f"method {method!r}: {e}") from None
+  return rule, drafter_name
+
+
+def build_drafter(drafter_name: str, target_model, drafter_model, settings: dict | None = None):
+  """The drafter object of a method: a registered drafter built on ``drafter_model`` (a ``hub.LoadedModel``; model-
+  free drafters take the target's vocabulary) with ``settings[drafter_name]`` (e.g. ``{"k_chains": {"k": 4}}``)."""
+  from blockspec_jax import drafters
+  try:
+    return drafters.make(drafter_name, config=drafter_model.config, vocab_size=target_model.config.vocab_size,
+                         **dict((settings or {}).get(drafter_name, {})))
+  except (TypeError, ValueError) as e:
+    raise UsageError(f"drafter {drafter_name!r}: {e}") from None
 
 
 def check_gamma(gamma, name: str = "gamma") -> int:
@@ -54,18 +108,24 @@ def _check_positive_int(value, name: str) -> int:
 
 
 def check_settings(*, gamma=None, gammas: Iterable | None = None, methods: Iterable[str] = (),
-                   known_methods: Sequence[str] = METHODS, temperatures: Iterable = (), max_new_tokens=None,
+                   known_methods: Sequence[str] | None = None, temperatures: Iterable = (), max_new_tokens=None,
                    num_prompts=None, dtype: str | None = None, models: Iterable[str] = ()) -> None:
   """Check a job's settings before anything heavy runs (no model is loaded); raises :class:`UsageError`.
 
-  ``models``: registry names or local paths (checked with ``hub.check_model_name``)."""
+  ``methods`` are checked with :func:`parse_method` (every registered verifier, optionally ``@drafter``) unless
+  ``known_methods`` lists the only allowed names. ``models``: registry names or local paths (checked with
+  ``hub.check_model_name``)."""
   if gamma is not None:
     check_gamma(gamma)
   for g in gammas or ():
     check_gamma(g, "every gamma")
-  unknown = [m for m in methods if m not in known_methods]
-  if unknown:
-    raise UsageError(f"unknown methods {unknown}; known: {', '.join(known_methods)}")
+  if known_methods is None:
+    for method in methods:
+      parse_method(method)
+  else:
+    unknown = [m for m in methods if m not in known_methods]
+    if unknown:
+      raise UsageError(f"unknown methods {unknown}; known: {', '.join(known_methods)}")
   for t in temperatures:
     if isinstance(t, bool) or not isinstance(t, (int, float, np.number)) or not t >= 0:
       raise UsageError(f"temperatures must be numbers >= 0, got {t!r}")
@@ -84,14 +144,16 @@ def check_settings(*, gamma=None, gammas: Iterable | None = None, methods: Itera
         raise UsageError(str(e)) from None
 
 
-def check_cache_room(prompt_width: int, max_new_tokens: int, gamma: int, *configs) -> int:
-  """Slots a decode needs, ``P + max_new_tokens + γ + 1`` (γ = 0 for autoregressive decoding); raises
-  :class:`UsageError` naming the numbers when it exceeds the smallest ``max_len`` of ``configs``. Returns it."""
-  needed = prompt_width + max_new_tokens + gamma + 1
-  limit = min(c.max_len for c in configs)
+def check_cache_room(prompt_width: int, max_new_tokens: int, draft_nodes: int, *configs) -> int:
+  """Slots a decode needs, ``P + max_new_tokens + N + 1`` (``N`` draft nodes: γ for a chain, 0 for autoregressive
+  decoding); raises :class:`UsageError` naming the numbers when it exceeds the smallest ``max_len`` of ``configs``
+  (entries that are None, e.g. model-free drafters, have no limit). Returns it."""
+  needed = prompt_width + max_new_tokens + draft_nodes + 1
+  limits = [c.max_len for c in configs if c is not None and c.max_len is not None]
+  limit = min(limits) if limits else needed
   if needed > limit:
     raise UsageError(f"prompts too long for the cache: longest prompt {prompt_width} tokens + {max_new_tokens} new "
-                     f"+ {gamma + 1} draft slots = {needed} > max_len {limit}")
+                     f"+ {draft_nodes + 1} draft slots = {needed} > max_len {limit}")
   return needed
 
 
@@ -183,27 +245,31 @@ def enable_compilation_cache(directory: str | os.PathLike | None = None, min_com
   return path
 
 
-def _phases(method: str, target, drafter, gamma: int, max_new_tokens: int, sampler, stop_ids):
+def _phases(method: str, target, drafter, gamma: int, max_new_tokens: int, sampler, stop_ids,
+            drafter_settings=None):
   """The method's two compiled phases: ``prefill(tokens, lens) -> state`` and ``decode(keys, state) ->
   DecodeOutput`` (together exactly ``generate_autoregressive`` / ``generate_speculative``)."""
   from blockspec_jax.decoding import speculative as spec
-  from blockspec_jax.drafters import ModelDrafter
   tp = target.params["params"]
-  if method == "autoregressive":
+  rule, drafter_name = parse_method(method)
+  if rule == AUTOREGRESSIVE:
     common = dict(target=target.config, max_new_tokens=max_new_tokens)
     return (lambda tokens, lens: spec.prefill_autoregressive(tp, tokens, lens, **common),
             lambda keys, state: spec.decode_autoregressive(tp, keys, state, sampler=sampler, stop_ids=stop_ids,
                                                            **common))
   dp = drafter.params["params"]
-  common = dict(target=target.config, drafter=ModelDrafter(drafter.config), gamma=gamma, max_new_tokens=max_new_tokens)
+  drafter_obj = build_drafter(drafter_name, target, drafter, drafter_settings)
+  common = dict(target=target.config, drafter=drafter_obj, gamma=gamma, max_new_tokens=max_new_tokens)
   return (lambda tokens, lens: spec.prefill_speculative(tp, dp, tokens, lens, **common),
-          lambda keys, state: spec.decode_speculative(tp, dp, keys, state, verifier=method, sampler=sampler,
+          lambda keys, state: spec.decode_speculative(tp, dp, keys, state, verifier=rule, sampler=sampler,
                                                       stop_ids=stop_ids, **common))
 
 
-def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tokens, temperature, seed, stop_ids):
-  """Decode every prompt at batch 1 with ``method`` ("autoregressive" or a verifier name); returns the summary row
-  and the generated token lists.
+def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tokens, temperature, seed, stop_ids,
+               drafter_settings=None):
+  """Decode every prompt at batch 1 with ``method`` ("autoregressive", a verifier name, or
+  ``"<verifier>@<drafter>"``, see :func:`parse_method`; ``drafter_settings`` as in :func:`build_drafter`); returns
+  the summary row and the generated token lists.
 
   Prefill and decode phase are compiled and timed apart (each ends in ``block_until_ready``): ``wall_s`` is their
   sum, ``prefill_s`` the prompt forwards (target, and drafter for speculative methods), ``decode_s`` the loop, which
@@ -213,7 +279,7 @@ def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tok
   from blockspec_jax import sampling
   from blockspec_jax.decoding import speculative as spec
   sampler = sampling.Sampler(temperature=temperature)
-  prefill, decode = _phases(method, target, drafter, gamma, max_new_tokens, sampler, stop_ids)
+  prefill, decode = _phases(method, target, drafter, gamma, max_new_tokens, sampler, stop_ids, drafter_settings)
   padded = [(ids + [0] * (width - len(ids))) for ids in prompt_ids]
   key = jax.random.key(seed)
 
@@ -234,19 +300,20 @@ def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tok
     prefill_s, decode_s = prefill_s + p_s, decode_s + d_s
     n = int(out.num_tokens_B[0])
     tokens += n
-    calls += n if method == "autoregressive" else int(out.metrics.num_drafts[0])
+    calls += n if method == AUTOREGRESSIVE else int(out.metrics.num_drafts[0])
     outputs.append(np.asarray(out.tokens_BxN[0, :n]).tolist())
     metrics.append(out.metrics)
   wall = prefill_s + decode_s
-  summary = dict(method=method, temperature=temperature, gamma=None if method == "autoregressive" else gamma,
+  summary = dict(method=method, temperature=temperature, gamma=None if method == AUTOREGRESSIVE else gamma,
                  prompts=len(prompt_ids), tokens_generated=tokens, target_calls=calls, wall_s=wall,
                  tokens_per_s=tokens / wall, prefill_s=prefill_s, decode_s=decode_s,
                  decode_tokens_per_s=tokens / decode_s)
   merged = jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *metrics)
   s = spec.summarize_metrics(merged)
   summary["invalid_prob_rows"] = s["invalid_prob_rows"]
-  if method != "autoregressive":
+  if method != AUTOREGRESSIVE:
     summary.update(block_efficiency=s["mean_acceptance_length"], draft_acceptance_rate=s["draft_acceptance_rate"],
+                   draft_nodes=int(np.sum(merged.num_draft_tokens)) // max(int(np.sum(merged.num_drafts)), 1),
                    acceptance_per_position=s["acceptance_per_position"],
                    expected_accepted_per_draft=s["expected_accepted_per_draft"],
                    per_prompt_acceptance_length=s["per_row_mean_acceptance_length"])

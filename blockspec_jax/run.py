@@ -1,9 +1,13 @@
-"""The main job: autoregressive vs speculative decoding (token and block verification) on real models and prompts.
+"""The main job: autoregressive vs speculative decoding (any registered rule and drafter) on real models and prompts.
 
     python -m blockspec_jax.run [--gin_file gin/runs/qwen_pair.gin] [--gin_param "run_job.gamma = 6"]
 
 Default: Qwen2.5-Coder 0.5B drafter → 1.5B target (one tokenizer), the shipped prompt file (code, chat, math), γ = 4,
-T ∈ {0, 1}. For each temperature, every method decodes every prompt at batch 1 (one compiled program per method and
+T ∈ {0, 1}, methods autoregressive, token, block. ``run_job.methods`` takes every registered verifier
+(``verify.VERIFIERS``: block, token, greedy, exact_match, rrs, rrs_wor, spectr, traversal, …), each optionally with
+its drafter, ``"<verifier>@<drafter>"`` (``drafters.DRAFTERS``: model, k_chains, rsd_c, rsd_s, ngram; default: the
+model chain for chain rules, k i.i.d. chains or RSD-C trees for tree rules), and ``run_job.drafter_settings`` binds
+drafter shapes, e.g. ``{"k_chains": {"k": 4}, "rsd_c": {"branching": (2, 2, 1, 1)}}``. For each temperature, every method decodes every prompt at batch 1 (one compiled program per method and
 temperature: prompts are padded to a common width and carry their own lengths, so nothing recompiles per prompt;
 the first prompt is run once untimed to compile). Prints a table and writes a JSON file with, per method and
 temperature: block efficiency (mean acceptance length), draft acceptance rate, per-position acceptance, target calls,
@@ -31,17 +35,19 @@ METHODS = jobs.METHODS
 
 
 def format_table(rows) -> str:
-  header = (f"{'method':<15} {'T':>4} {'γ':>3} | {'BE':>5} {'accept':>7} | {'calls':>6} {'tokens':>6} {'wall s':>8} "
-            f"{'tok/s':>7} {'speedup':>7} | {'prefill s':>9} {'dec tok/s':>9} {'dec x':>6}")
+  header = (f"{'method':<18} {'T':>4} {'γ':>3} {'N':>3} | {'BE':>5} {'accept':>7} | {'calls':>6} {'tokens':>6} "
+            f"{'wall s':>8} {'tok/s':>7} {'speedup':>7} | {'prefill s':>9} {'dec tok/s':>9} {'dec x':>6}")
   lines = [header, "-" * len(header)]
   for r in rows:
     be = f"{r['block_efficiency']:5.2f}" if "block_efficiency" in r else "    -"
     acc = f"{r['draft_acceptance_rate']:7.3f}" if "draft_acceptance_rate" in r else "      -"
-    lines.append(f"{r['method']:<15} {r['temperature']:>4.1f} {r['gamma'] or '-':>3} | {be} {acc} | "
+    nodes = r.get("draft_nodes") or "-"
+    lines.append(f"{r['method']:<18} {r['temperature']:>4.1f} {r['gamma'] or '-':>3} {nodes:>3} | {be} {acc} | "
                  f"{r['target_calls']:>6} {r['tokens_generated']:>6} {r['wall_s']:>8.2f} {r['tokens_per_s']:>7.2f} "
                  f"{r['speedup']:>6.2f}x | {r['prefill_s']:>9.2f} {r['decode_tokens_per_s']:>9.2f} "
                  f"{r['decode_speedup']:>5.2f}x")
-  lines.append("BE: block efficiency = mean tokens per target call (1 + accepted / drafts); accept: draft acceptance "
+  lines.append("N: draft nodes scored per target call (γ for a chain); "
+               "BE: block efficiency = mean tokens per target call (1 + accepted / drafts); accept: draft acceptance "
                "rate; speedup: tokens/s over autoregressive decoding of the target at the same temperature, end to "
                "end (prefill + decode); dec: the decode phase alone (prompt forwards timed apart and left out).")
   return "\n".join(lines)
@@ -52,7 +58,8 @@ def run_job(target: str = "qwen2.5-coder-1.5b", drafter: str = "qwen2.5-coder-0.
             prompts_path: str = str(prompts_lib.DEFAULT_PROMPTS), num_prompts: int | None = 6, gamma: int = 4,
             temperatures=(0.0, 1.0), methods=METHODS, max_new_tokens: int = 64, dtype: str = "float32",
             seed: int = 0, chat: bool = True, output_json: str | None = "results/run.json",
-            cache_dir: str | None = None, show_text: bool = True, compilation_cache: str | None = None) -> dict:
+            cache_dir: str | None = None, show_text: bool = True, compilation_cache: str | None = None,
+            drafter_settings: dict | None = None) -> dict:
   """The main job (see the module docstring). Every setting is checked before a model is loaded.
 
   ``compilation_cache``: JAX's persistent compilation cache directory (default ``$BLOCKSPEC_JAX_COMPILE_CACHE`` or
@@ -72,7 +79,10 @@ def run_job(target: str = "qwen2.5-coder-1.5b", drafter: str = "qwen2.5-coder-0.
         f"jax {jax.__version__} on {jax.devices()[0].platform}; compilation cache {compile_dir or 'off'}", flush=True)
   prompt_ids = jobs.encode_prompts(target_model, rows, chat)
   width = max(len(p) for p in prompt_ids)
-  jobs.check_cache_room(width, max_new_tokens, gamma, target_model.config, drafter_model.config)
+  speculative = [jobs.parse_method(m) for m in methods if m != jobs.AUTOREGRESSIVE]
+  drafter_objs = [jobs.build_drafter(d, target_model, drafter_model, drafter_settings) for _, d in speculative]
+  draft_nodes = max([d.num_nodes(gamma) for d in drafter_objs], default=0)
+  jobs.check_cache_room(width, max_new_tokens, draft_nodes, target_model.config, *drafter_objs)
   stop_ids = target_model.stop_ids
   results, texts = [], {}
   for temperature in temperatures:
@@ -80,7 +90,7 @@ def run_job(target: str = "qwen2.5-coder-1.5b", drafter: str = "qwen2.5-coder-0.
     for method in methods:
       summary, outputs = jobs.run_method(method, target_model, drafter_model, prompt_ids, width, gamma=gamma,
                                     max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                    stop_ids=stop_ids)
+                                    stop_ids=stop_ids, drafter_settings=drafter_settings)
       if method == "autoregressive":
         baseline = summary
       summary["speedup"] = summary["tokens_per_s"] / baseline["tokens_per_s"] if baseline else float("nan")

@@ -10,7 +10,7 @@ import numpy as np
 
 from blockspec_jax import parallel, sampling
 from blockspec_jax.decoding import speculative as spec
-from blockspec_jax.drafters import ModelDrafter
+from blockspec_jax.drafters import ModelDrafter, make
 from blockspec_jax.models import decoder as dec
 
 
@@ -30,13 +30,17 @@ def main():
   tokens, lens = spec.prepare_prompts(prompts)
   keys = jax.random.split(jax.random.key(0), 8)
   ok = True
-  for sampler in (sampling.Sampler(0.0), sampling.Sampler(1.0)):
-    static = dict(target=config, drafter=ModelDrafter(small), gamma=3, max_new_tokens=12, verifier="block",
-                  sampler=sampler)
+  # Every mesh shape once (data only, data × model, model-heavy), T = 0 and T = 1 both covered; then a tree drafter
+  # (RSD-C, traversal: tree mask, node slots and path commit under sharding).
+  cases = ((sampling.Sampler(0.0), ModelDrafter(small), "block", ((8, 1), (2, 4))),
+           (sampling.Sampler(1.0), ModelDrafter(small), "block", ((4, 2),)),
+           (sampling.Sampler(1.0), make("rsd_c", config=small, branching=(2, 1, 1)), "traversal", ((4, 2),)))
+  for sampler, drafter_obj, rule, meshes in cases:
+    static = dict(target=config, drafter=drafter_obj, gamma=3, max_new_tokens=12, verifier=rule, sampler=sampler)
     reference = spec.generate_speculative(target, drafter, keys, tokens, lens, **static)
     ar_ref = spec.generate_autoregressive(target, keys, tokens, lens, target=config, max_new_tokens=12,
                                           sampler=sampler)
-    for data, model in ((8, 1), (4, 2), (2, 4)):
+    for data, model in meshes:
       mesh = parallel.make_mesh(data, model)
       t_sh, d_sh = parallel.shard_params(target, mesh), parallel.shard_params(drafter, mesh)
       k_sh, tok_sh, len_sh = parallel.shard_batch(mesh, keys, tokens, lens)
@@ -46,7 +50,8 @@ def main():
       same = (np.array_equal(np.asarray(out.tokens_BxN), np.asarray(reference.tokens_BxN))
               and np.array_equal(np.asarray(ar.tokens_BxN), np.asarray(ar_ref.tokens_BxN)))
       spec_layout = out.tokens_BxN.sharding.spec
-      print(f"T={sampler.temperature} mesh data={data} model={model}: equal={same} output sharding {spec_layout}, "
+      print(f"{rule} T={sampler.temperature} mesh data={data} model={model}: equal={same} output sharding "
+            f"{spec_layout}, "
             f"q weight {t_sh['layers_0']['attn']['q']['weight'].sharding.spec}")
       ok &= same
   # Compiled once: another batch of the same shapes (new keys, new prompts) reuses the cached programs.

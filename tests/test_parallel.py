@@ -21,7 +21,7 @@ def test_sharded_equals_unsharded_on_eight_devices():
   print(proc.stdout[-3000:], proc.stderr[-3000:])
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "ALL EQUAL" in proc.stdout
-  assert proc.stdout.count("equal=True") == 6
+  assert proc.stdout.count("equal=True") == 4
   assert "compiled once: True" in proc.stdout  # a second batch of the same shapes does not recompile
 
 

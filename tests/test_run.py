@@ -62,7 +62,7 @@ def test_pair_checks():
     ("run_job.gamma = -1", "gamma must be >= 1, got -1"),
     ("run_job.gamma = 2.5", "gamma must be an integer >= 1, got 2.5"),
     ("run_job.num_prompts = 0", "num_prompts must be an integer >= 1"),
-    ("run_job.methods = ('blok',)", "unknown methods ['blok']"),
+    ("run_job.methods = ('blok',)", "unknown method 'blok'"),
     ("run_job.temperatures = (-1.0,)", "temperatures must be numbers >= 0"),
     ("run_job.dtype = 'float16'", "dtype must be 'float32' or 'bfloat16'"),
     ("run_job.target = 'llama-405b'", "unknown model 'llama-405b'"),

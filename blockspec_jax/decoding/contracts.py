@@ -51,6 +51,8 @@ class Draft:
                                          removal). ``None`` means every node is a point mass at its token (n-gram /
                                          prompt lookup): no ``[B, N, V]`` is built by the drafter; verification forms
                                          the one-hot rows inside its fused computation (:meth:`q_rows`).
+                                         Only chains may omit ``q`` (siblings drawn from a point mass would repeat
+                                         one token).
   ``is_chain``     static bool           the drafter promises ``parents = chain``: the loop then skips the tree mask and
                                          the path commit (slots already equal positions).
   """

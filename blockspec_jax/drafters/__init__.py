@@ -1,5 +1,45 @@
-"""Drafters: the protocol the speculative loop relies on, and the drafters that implement it."""
+"""Drafters on the engine's contract (:class:`blockspec_jax.decoding.contracts.Drafter`), and their registry.
 
-from blockspec_jax.drafters.base import Drafter, ModelDrafter, feed
+``DRAFTERS``: ``"model"`` (one chain from a small model), ``"k_chains"`` (SpecTr: k i.i.d. chains), ``"rsd_c"``
+(RSD-C trees without replacement), ``"rsd_s"`` (RSD-S stochastic beam trees), ``"ngram"`` (prompt lookup, no model).
+``make(name, config=..., vocab_size=..., **settings)`` builds one.
+"""
 
-__all__ = ["Drafter", "ModelDrafter", "feed"]
+from __future__ import annotations
+
+from blockspec_jax.decoding.contracts import Drafter
+from blockspec_jax.drafters.base import ModelDrafter, feed
+from blockspec_jax.drafters.ngram import NGramDrafter, lookup
+from blockspec_jax.drafters.trees import (KChainDrafter, RSDConstantDrafter, RSDStochasticBeamDrafter, gumbel_top_k,
+                                          shape_for_budget)
+
+__all__ = ["Drafter", "ModelDrafter", "feed", "NGramDrafter", "lookup", "KChainDrafter", "RSDConstantDrafter",
+           "RSDStochasticBeamDrafter", "gumbel_top_k", "shape_for_budget", "DRAFTERS", "make"]
+
+#: name -> drafter class (class attributes ``is_chain`` and ``sibling_sampling`` say which rules can verify it).
+DRAFTERS = {"model": ModelDrafter, "k_chains": KChainDrafter, "rsd_c": RSDConstantDrafter,
+            "rsd_s": RSDStochasticBeamDrafter, "ngram": NGramDrafter}
+
+_MODEL_FREE = ("ngram",)
+
+
+def make(name: str, config=None, vocab_size: int | None = None, **settings):
+  """The drafter registered as ``name``: model drafters need ``config`` (the drafter's DecoderConfig), model-free ones
+  ``vocab_size`` (the target's); ``settings`` are the class's fields (``k``, ``branching``, ``width``, ``max_ngram``,
+  …). Unknown names and settings are a ValueError naming what is known."""
+  if name not in DRAFTERS:
+    raise ValueError(f"unknown drafter {name!r}; known drafters: {', '.join(DRAFTERS)}")
+  cls = DRAFTERS[name]
+  fields = [f for f in cls.__dataclass_fields__ if f not in ("config", "vocab_size")]
+  unknown = sorted(set(settings) - set(fields))
+  if unknown:
+    raise ValueError(f"drafter {name!r} has no settings {unknown}; its settings: {', '.join(fields) or 'none'}")
+  if name in _MODEL_FREE:
+    if vocab_size is None:
+      vocab_size = getattr(config, "vocab_size", None)
+    if vocab_size is None:
+      raise ValueError(f"drafter {name!r} needs the target's vocab_size")
+    return cls(vocab_size=int(vocab_size), **settings)
+  if config is None:
+    raise ValueError(f"drafter {name!r} drafts with a model: pass its DecoderConfig (config=...)")
+  return cls(config, **settings)

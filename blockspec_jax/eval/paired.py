@@ -23,6 +23,10 @@ The paired difference (block − token) per context is averaged over draws; the 
 Contexts: the first ``--num-prompts`` shipped prompts (chat template, as the main job), each extended by the first
 0, n/k, 2n/k, … tokens (k = ``--positions``) of one autoregressive sample of n = ``--sample-tokens`` tokens from the
 target at ``--temperature``.
+
+Trees (:mod:`blockspec_jax.eval.paired_trees`): ``--trees [--budgets 4,8,16] [--temperatures 1,0.6]`` compares
+chains, SpecTr's k chains, RSD-C and RSD-S trees under their rules at equal node budgets, writes the table to
+``--json`` after every arm (a rerun with the same file resumes: finished arms are kept) and a plot (SVG) beside it.
 """
 
 from __future__ import annotations
@@ -115,6 +119,83 @@ def build_contexts(prompt_ids: Sequence[Sequence[int]], samples: Sequence[Sequen
   return contexts
 
 
+def sampled_contexts(target, prompt_ids, temperature: float, args) -> list:
+  """Prompts extended by prefixes of one target sample each at ``temperature`` (see :func:`build_contexts`)."""
+  from blockspec_jax import jobs
+  tokens_BxP, prompt_len_B = spec.prepare_prompts(prompt_ids)
+  keys_B = jax.random.split(jax.random.key(args.seed + 1), len(prompt_ids))
+  with jobs.compiling(f"the target's sampling loop at T = {temperature:g} (compiled and run once)"):
+    out = spec.generate_autoregressive(target.params["params"], keys_B, tokens_BxP, prompt_len_B,
+                                       target=target.config, max_new_tokens=args.sample_tokens,
+                                       sampler=sampling.Sampler(temperature=temperature), stop_ids=target.stop_ids)
+  samples = [np.asarray(out.tokens_BxN[b, :int(out.num_tokens_B[b])]).tolist() for b in range(len(prompt_ids))]
+  return build_contexts(prompt_ids, samples, args.positions)
+
+
+def _trees_main(args, target, drafter_model, prompt_ids, start) -> int:
+  """``--trees``: every arm of ``paired_trees.arms_for_budget`` at every budget and temperature; resumable."""
+  from blockspec_jax import jobs
+  from blockspec_jax.eval import paired_trees as pt
+  path = pathlib.Path(args.json)
+  done = json.loads(path.read_text())["results"] if path.exists() else []
+  have = {(r["temperature"], r["budget"], r["arm"]) for r in done}
+  if done:
+    print(f"resuming from {path}: {len(done)} arms already measured", flush=True)
+  results = list(done)
+  for temperature in args.temperature_list:
+    contexts = sampled_contexts(target, prompt_ids, temperature, args)
+    for budget in args.budget_list:
+      for arm in pt.arms_for_budget(budget):
+        if (temperature, budget, arm.label) in have:
+          continue
+        drafter = jobs.build_drafter(arm.drafter, target, drafter_model, {arm.drafter: dict(arm.settings)})
+        t0 = time.perf_counter()
+        with jobs.compiling(f"T = {temperature:g}, {budget} nodes, {arm.label} ({len(contexts)} contexts)"):
+          table = pt.run_arm(target.params["params"], drafter_model.params["params"], contexts, arm,
+                             target=target.config, drafter=drafter, draws=args.draws, temperature=temperature,
+                             seed=args.seed, verify_draws=args.verify_draws)
+        results.append(dict(temperature=temperature, budget=budget, arm=arm.label, gamma=arm.gamma,
+                            rules=list(arm.rules), seconds=time.perf_counter() - t0, table=table.tolist()))
+        be = ", ".join(f"{r} {1 + table.mean(axis=(0, 1))[i]:.3f}" for i, r in enumerate(arm.rules))
+        print(f"  T={temperature:g} N={budget:>2} {arm.label:<18} BE {be}  ({time.perf_counter() - t0:.0f} s)",
+              flush=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dict(config=vars(args), contexts=len(contexts), results=results)))
+  print(format_trees(results, args.temperature_list))
+  for temperature in args.temperature_list:
+    rows = pt.summarize_arms([r for r in results if r["temperature"] == temperature])
+    svg = path.with_name(f"{path.stem}_T{temperature:g}.svg")
+    svg.write_text(pt.plot_arms(rows, temperature))
+    print(f"wrote {svg}")
+  print(f"wrote {path}; {time.perf_counter() - start:.0f} s")
+  return 0
+
+
+def format_trees(results, temperatures) -> str:
+  """The trees table: per temperature and budget, every (arm, rule) BE ± stderr, then the paired comparisons."""
+  from blockspec_jax.eval import paired_trees as pt
+  lines = []
+  for temperature in temperatures:
+    sub = [r for r in results if r["temperature"] == temperature]
+    rows = pt.summarize_arms(sub)
+    lines.append(f"\nT = {temperature:g}: block efficiency (1 + E[τ]) ± one standard error over contexts")
+    lines.append(f"{'N':>3} {'arm':<20} {'γ':>2} {'rule':<10} {'BE':>7} {'± se':>6}")
+    for r in rows:
+      lines.append(f"{r['budget']:>3} {r['arm']:<20} {r['gamma']:>2} {r['rule']:<10} {r['be']:>7.3f} "
+                   f"{r['be_stderr']:>6.3f}")
+    for r in sub:
+      if "traversal" in r["rules"] and "rrs_wor" in r["rules"]:
+        d, se = pt.paired_difference(sub, r["budget"], r["arm"], "traversal", "rrs_wor")
+        lines.append(f"    N={r['budget']:>2} {r['arm']}: traversal − rrs_wor on the same trees: {d:+.3f} ± {se:.3f}")
+    by = {(r["budget"], r["arm"], r["rule"]): r["be"] for r in rows}
+    chain8 = by.get((8, "chain", "block"))
+    best16 = max(((be, k) for k, be in by.items() if k[0] == 16 and k[1] != "chain"), default=None)
+    if chain8 and best16:
+      lines.append(f"    best tree at 16 nodes: {best16[1][2]} on {best16[1][1]} BE {best16[0]:.3f} = "
+                   f"{best16[0] / chain8:.3f}× chain-block at γ = 8 ({chain8:.3f})")
+  return "\n".join(lines)
+
+
 def main(argv=None) -> int:
   from blockspec_jax import jobs
   from blockspec_jax.eval import prompts as prompts_lib
@@ -133,8 +214,14 @@ def main(argv=None) -> int:
   ap.add_argument("--temperature", type=float, default=1.0)
   ap.add_argument("--dtype", default="float32")
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--json", default="results/paired.json")
+  ap.add_argument("--json", default=None, help="default results/paired.json (results/paired_trees.json with --trees)")
+  ap.add_argument("--trees", action="store_true", help="trees and chains at equal node budgets (see above)")
+  ap.add_argument("--budgets", default="4,8,16", help="--trees: draft nodes per target call")
+  ap.add_argument("--temperatures", default="1,0.6", help="--trees: temperatures")
+  ap.add_argument("--verify-draws", type=int, default=16, help="--trees: verifier keys per draft for tree rules")
   args = ap.parse_args(argv)
+  if args.json is None:
+    args.json = "results/paired_trees.json" if args.trees else "results/paired.json"
   if args.positions < 1 or args.sample_tokens < 1:
     ap.error("--positions and --sample-tokens must be >= 1")
   with jobs.cli_errors(ap.prog):
@@ -142,20 +229,19 @@ def main(argv=None) -> int:
                         dtype=args.dtype, models=(args.target, args.drafter))
     prompts_lib.load_prompts(args.prompts, limit=args.num_prompts)
 
+  if args.trees:
+    with jobs.cli_errors(ap.prog):
+      args.budget_list = [jobs.check_gamma(int(b), "every budget") for b in args.budgets.split(",") if b]
+      args.temperature_list = [float(t) for t in args.temperatures.split(",") if t]
+      jobs.check_settings(temperatures=args.temperature_list)
   start = time.perf_counter()
   target = hub.load_model(args.target, args.dtype)
   drafter = hub.load_model(args.drafter, args.dtype)
   jobs.check_pair(target, drafter)
   prompt_ids = jobs.encode_prompts(target, prompts_lib.load_prompts(args.prompts, limit=args.num_prompts), chat=True)
-  tokens_BxP, prompt_len_B = spec.prepare_prompts(prompt_ids)
-  keys_B = jax.random.split(jax.random.key(args.seed + 1), len(prompt_ids))
-  with jobs.compiling("the target's sampling loop (compiled and run once)"):
-    out = spec.generate_autoregressive(target.params["params"], keys_B, tokens_BxP, prompt_len_B,
-                                       target=target.config, max_new_tokens=args.sample_tokens,
-                                       sampler=sampling.Sampler(temperature=args.temperature),
-                                       stop_ids=target.stop_ids)
-  samples = [np.asarray(out.tokens_BxN[b, :int(out.num_tokens_B[b])]).tolist() for b in range(len(prompt_ids))]
-  contexts = build_contexts(prompt_ids, samples, args.positions)
+  if args.trees:
+    return _trees_main(args, target, drafter, prompt_ids, start)
+  contexts = sampled_contexts(target, prompt_ids, args.temperature, args)
   print(f"paired: {args.drafter} → {args.target}, T = {args.temperature:g}; {len(contexts)} contexts "
         f"({len(prompt_ids)} prompts × {args.positions} positions in a target sample), {args.draws} drafts of "
         f"γ = {args.gamma} each", flush=True)
