@@ -52,7 +52,7 @@ def arms_for_budget(budget: int) -> list[Arm]:
   from blockspec_jax import drafters
   arms = [Arm("chain", "model", (), budget, ("token", "block"))]
   for k in (2, 4):
-    if budget % k == 0 and budget // k >= 1:
+    if budget % k == 0 and budget // k >= 2:  # k = 4 at 4 nodes is depth 1: one node per chain, no tree
       arms.append(Arm(f"spectr k={k}", "k_chains", (("k", k),), budget // k, ("rrs", "spectr")))
   for kind in ("rsd_c", "rsd_s"):
     settings, gamma = drafters.shape_for_budget(kind, budget)
