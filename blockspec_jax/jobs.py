@@ -81,13 +81,22 @@ def parse_method(method: str) -> tuple[str, str | None]:
   return rule, drafter_name
 
 
-def build_drafter(drafter_name: str, target_model, drafter_model, settings: dict | None = None):
+def build_drafter(drafter_name: str, target_model, drafter_model, settings: dict | None = None,
+                  gamma: int | None = None):
   """The drafter object of a method: a registered drafter built on ``drafter_model`` (a ``hub.LoadedModel``; model-
-  free drafters take the target's vocabulary) with ``settings[drafter_name]`` (e.g. ``{"k_chains": {"k": 4}}``)."""
+  free drafters take the target's vocabulary) with ``settings[drafter_name]`` (e.g. ``{"k_chains": {"k": 4}}``).
+  RSD-C without a ``branching`` setting gets ``(2, 1, …, 1)`` of depth ``gamma``. With ``gamma``, the drafter's
+  shape is checked against it (``num_nodes``)."""
   from blockspec_jax import drafters
+  own = dict((settings or {}).get(drafter_name, {}))
+  if drafter_name == "rsd_c" and "branching" not in own and gamma is not None:
+    own["branching"] = drafters.shape_for_budget("rsd_c", 2 * gamma)[0]["branching"]
   try:
-    return drafters.make(drafter_name, config=drafter_model.config, vocab_size=target_model.config.vocab_size,
-                         **dict((settings or {}).get(drafter_name, {})))
+    drafter = drafters.make(drafter_name, config=drafter_model.config, vocab_size=target_model.config.vocab_size,
+                            **own)
+    if gamma is not None:
+      drafter.num_nodes(gamma)
+    return drafter
   except (TypeError, ValueError) as e:
     raise UsageError(f"drafter {drafter_name!r}: {e}") from None
 
@@ -258,7 +267,7 @@ def _phases(method: str, target, drafter, gamma: int, max_new_tokens: int, sampl
             lambda keys, state: spec.decode_autoregressive(tp, keys, state, sampler=sampler, stop_ids=stop_ids,
                                                            **common))
   dp = drafter.params["params"]
-  drafter_obj = build_drafter(drafter_name, target, drafter, drafter_settings)
+  drafter_obj = build_drafter(drafter_name, target, drafter, drafter_settings, gamma)
   common = dict(target=target.config, drafter=drafter_obj, gamma=gamma, max_new_tokens=max_new_tokens)
   return (lambda tokens, lens: spec.prefill_speculative(tp, dp, tokens, lens, **common),
           lambda keys, state: spec.decode_speculative(tp, dp, keys, state, verifier=rule, sampler=sampler,

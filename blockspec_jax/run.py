@@ -7,7 +7,8 @@ T ∈ {0, 1}, methods autoregressive, token, block. ``run_job.methods`` takes ev
 (``verify.VERIFIERS``: block, token, greedy, exact_match, rrs, rrs_wor, spectr, traversal, …), each optionally with
 its drafter, ``"<verifier>@<drafter>"`` (``drafters.DRAFTERS``: model, k_chains, rsd_c, rsd_s, ngram; default: the
 model chain for chain rules, k i.i.d. chains or RSD-C trees for tree rules), and ``run_job.drafter_settings`` binds
-drafter shapes, e.g. ``{"k_chains": {"k": 4}, "rsd_c": {"branching": (2, 2, 1, 1)}}``. For each temperature, every method decodes every prompt at batch 1 (one compiled program per method and
+drafter shapes, e.g. ``{"k_chains": {"k": 4}, "rsd_c": {"branching": (2, 2, 1, 1)}}``. For each temperature, every
+method decodes every prompt at batch 1 (one compiled program per method and
 temperature: prompts are padded to a common width and carry their own lengths, so nothing recompiles per prompt;
 the first prompt is run once untimed to compile). Prints a table and writes a JSON file with, per method and
 temperature: block efficiency (mean acceptance length), draft acceptance rate, per-position acceptance, target calls,
@@ -80,7 +81,7 @@ def run_job(target: str = "qwen2.5-coder-1.5b", drafter: str = "qwen2.5-coder-0.
   prompt_ids = jobs.encode_prompts(target_model, rows, chat)
   width = max(len(p) for p in prompt_ids)
   speculative = [jobs.parse_method(m) for m in methods if m != jobs.AUTOREGRESSIVE]
-  drafter_objs = [jobs.build_drafter(d, target_model, drafter_model, drafter_settings) for _, d in speculative]
+  drafter_objs = [jobs.build_drafter(d, target_model, drafter_model, drafter_settings, gamma) for _, d in speculative]
   draft_nodes = max([d.num_nodes(gamma) for d in drafter_objs], default=0)
   jobs.check_cache_room(width, max_new_tokens, draft_nodes, target_model.config, *drafter_objs)
   stop_ids = target_model.stop_ids

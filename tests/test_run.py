@@ -22,15 +22,18 @@ def test_prompt_file_rows_keep_their_licence():
 
 def test_main_job_on_smollm2(tmp_path, capsys):
   out = tmp_path / "run.json"
+  methods = ("autoregressive", "block", "greedy", "traversal@rsd_c")  # a chain rule, greedy, a tree rule and drafter
   report = run.run_job(target="smollm2-135m", drafter="smollm2-135m", num_prompts=2, gamma=3, temperatures=(0.0,),
-                       max_new_tokens=12, output_json=str(out), show_text=True)
+                       methods=methods, drafter_settings={"rsd_c": {"branching": (2, 1, 1)}}, max_new_tokens=12,
+                       output_json=str(out), show_text=True)
   printed = capsys.readouterr().out
   assert "block efficiency" in printed and "--- block@T=0.0 ---" in printed and "dec tok/s" in printed
   saved = json.loads(out.read_text())
   assert saved["results"] == json.loads(json.dumps(report["results"]))
   by_method = {r["method"]: r for r in report["results"]}
-  assert set(by_method) == {"autoregressive", "token", "block"}
-  for name in ("token", "block"):
+  assert set(by_method) == set(methods)
+  assert by_method["traversal@rsd_c"]["draft_nodes"] == 6 and by_method["block"]["draft_nodes"] == 3
+  for name in methods[1:]:
     r = by_method[name]
     for field in ("block_efficiency", "draft_acceptance_rate", "acceptance_per_position", "target_calls",
                   "tokens_generated", "wall_s", "tokens_per_s", "speedup", "prefill_s", "decode_s",
@@ -41,7 +44,7 @@ def test_main_job_on_smollm2(tmp_path, capsys):
     assert r["invalid_prob_rows"] == 0
   # Greedy: the same text from every method (speculative decoding is lossless; the drafter is the target here).
   texts = report["sample_text"]
-  assert texts["token@T=0.0"] == texts["autoregressive@T=0.0"] == texts["block@T=0.0"]
+  assert len({texts[f"{m}@T=0.0"] for m in methods}) == 1
   assert len(texts["block@T=0.0"].strip()) > 0
 
 
@@ -138,3 +141,28 @@ def test_persistent_compilation_cache_is_hit_by_a_second_process(tmp_path):
   assert outs[0]["hits"] == "0" and int(outs[1]["hits"]) >= 1
   assert outs[0]["value"] == outs[1]["value"]
   assert jobs.enable_compilation_cache("off") is None
+
+
+def test_methods_name_every_registered_rule_and_drafter():
+  import types
+
+  from blockspec_jax import drafters, verify
+  from blockspec_jax.models.decoder import DecoderConfig
+  assert set(jobs.known_methods()) == {"autoregressive"} | set(verify.VERIFIERS)
+  assert jobs.parse_method("greedy") == ("greedy", "model")
+  assert jobs.parse_method("exact_match@ngram") == ("exact_match", "ngram")
+  assert jobs.parse_method("spectr") == ("spectr", "k_chains")
+  assert jobs.parse_method("traversal") == ("traversal", "rsd_c")
+  for method, message in (("blok", "unknown method 'blok'"), ("block@beam", "unknown drafter 'beam'"),
+                          ("block@rsd_s", "verifies chains"), ("rrs@rsd_c", "needs siblings drawn with replacement"),
+                          ("traversal@k_chains", "needs siblings drawn without replacement")):
+    with pytest.raises(jobs.UsageError, match=message):
+      jobs.parse_method(method)
+  model = types.SimpleNamespace(config=DecoderConfig.tiny(vocab_size=64))
+  rsd_c = jobs.build_drafter("rsd_c", model, model, None, gamma=4)
+  assert rsd_c.branching == (2, 1, 1, 1) and rsd_c.num_nodes(4) == 8
+  with pytest.raises(jobs.UsageError, match="gamma is 4"):
+    jobs.build_drafter("rsd_c", model, model, {"rsd_c": {"branching": (2, 2)}}, gamma=4)
+  with pytest.raises(jobs.UsageError, match="no settings"):
+    jobs.build_drafter("k_chains", model, model, {"k_chains": {"width": 2}}, gamma=4)
+  assert isinstance(jobs.build_drafter("ngram", model, model, None, gamma=4), drafters.NGramDrafter)

@@ -34,7 +34,7 @@ __all__ = ["Draft", "Commit", "Scored", "TargetScorer", "Drafter", "chain_draft"
            "ancestors", "node_depths", "tree_positions", "tree_attention_mask", "accepted_path", "path_slots",
            "SAMPLING_CHAIN", "check_drafter"]
 
-#: A chain drafter's declared ``sibling_sampling``: one child per node, which is a draw both with and without replacement.
+#: A chain drafter's declared ``sibling_sampling``: one child per node, a draw both with and without replacement.
 SAMPLING_CHAIN = "chain"
 
 
@@ -43,8 +43,8 @@ class Draft:
   """What a drafter proposes for every row: a tree of ``N`` nodes (a chain is the tree ``parents = [−1, 0, 1, …]``).
 
   ``tokens_BxN``   int32 ``[B, N]``      the drafted token of every node
-  ``parents_BxN``  int32 ``[B, N]``      parent node (−1 = the last committed token), ``parents[b, n] < n``; the children
-                                         of a node are consecutive, in the order they were drawn. Rows may hold
+  ``parents_BxN``  int32 ``[B, N]``      parent node (−1 = the last committed token), ``parents[b, n] < n``; the
+                                         children of a node are consecutive, in the order they were drawn. Rows may hold
                                          different trees (same ``N``).
   ``q_BxNxV``      f32 ``[B, N, V]`` or ``None``   row ``n`` = the drafter's law at node ``n``'s PARENT context, the law
                                          ``n`` and its siblings were drawn from (before any without-replacement

@@ -377,7 +377,8 @@ def draft_and_score(target_params, drafter_params, state: DecodeState, key_B, *,
   n_nodes = drafter.num_nodes(gamma)
   if draft.tokens_BxN.shape != (batch, n_nodes) or draft.parents_BxN.shape != (batch, n_nodes):
     raise ValueError(f"{type(drafter).__name__} declared N = {n_nodes} nodes for gamma = {gamma} but proposed "
-                     f"tokens {draft.tokens_BxN.shape} and parents {draft.parents_BxN.shape}; expected {(batch, n_nodes)}")
+                     f"tokens {draft.tokens_BxN.shape} and parents {draft.parents_BxN.shape}; expected "
+                     f"{(batch, n_nodes)}")
   if draft.q_BxNxV is None and not draft.is_chain:
     raise ValueError(f"{type(drafter).__name__} proposed a tree without rows q: point-mass drafts must be chains "
                      "(siblings drawn from a point mass repeat one token; a tree needs the laws it was drawn from)")

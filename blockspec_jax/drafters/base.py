@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from blockspec_jax import sampling
 from blockspec_jax.decoding.contracts import SAMPLING_CHAIN, Commit, Drafter, chain_draft
 from blockspec_jax.models import decoder as decoder_lib
+from blockspec_jax.models.scorer import ConfigBacked
 
 __all__ = ["Drafter", "ModelDrafter", "feed"]
 
@@ -28,7 +29,7 @@ def feed(module, params, tokens_BxT, positions_BxT, cache, max_len: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelDrafter:
+class ModelDrafter(ConfigBacked):
   """A small decoder-only model drafting one chain of γ tokens (the standard pairing: same tokenizer, fewer layers).
 
   Lossless with every registered lossless rule: ``q`` rows are exactly the laws the tokens were drawn from.
@@ -37,14 +38,6 @@ class ModelDrafter:
   config: decoder_lib.DecoderConfig
   sibling_sampling = SAMPLING_CHAIN
   is_chain = True
-
-  @property
-  def vocab_size(self) -> int:
-    return self.config.vocab_size
-
-  @property
-  def max_len(self) -> int:
-    return self.config.max_len
 
   def num_nodes(self, gamma: int) -> int:
     return gamma

@@ -59,29 +59,18 @@ def _log1mexp(x):
 
 
 @dataclasses.dataclass(frozen=True)
-class _TreeModelDrafter:
-  """Shared machinery: prefill, per-depth growth with tree-masked feeding, path commit. Subclasses define
-  ``widths(gamma)`` and ``_children(key, rows_BxWxV, carry, d) -> (parent_BxW, tokens_BxW, carry)``."""
+class _TreeModelDrafter(ModelDrafter):
+  """Shared machinery (the model, its declared sizes and its prefill come from :class:`ModelDrafter`): per-depth
+  growth with tree-masked feeding, path commit. Subclasses define ``widths(gamma)`` and
+  ``_children(key_B, rows_BxWxV, carry, d) -> (parent_BxW, tokens_BxW, rows_BxWxV, carry)``."""
 
-  config: decoder_lib.DecoderConfig
   is_chain = False
-
-  @property
-  def vocab_size(self) -> int:
-    return self.config.vocab_size
-
-  @property
-  def max_len(self) -> int:
-    return self.config.max_len
 
   def widths(self, gamma: int) -> tuple[int, ...]:
     raise NotImplementedError
 
   def num_nodes(self, gamma: int) -> int:
     return int(sum(self.widths(gamma)))
-
-  def init_state(self, params, tokens_BxP, prompt_len_B, max_len):
-    return ModelDrafter(self.config).init_state(params, tokens_BxP, prompt_len_B, max_len)
 
   def _start(self, root_rows_Bx1xV):
     return None

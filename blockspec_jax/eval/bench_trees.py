@@ -72,8 +72,7 @@ def main(argv=None) -> int:
   rows = prompts_lib.load_prompts(prompts_lib.DEFAULT_PROMPTS, limit=args.num_prompts)
   prompt_ids = jobs.encode_prompts(target, rows)
   width = max(len(p) for p in prompt_ids)
-  nodes = max(jobs.build_drafter(m.partition("@")[2] or "model", target, drafter, s).num_nodes(g)
-              for m, g, s, _ in arms)
+  nodes = max(jobs.build_drafter(jobs.parse_method(m)[1], target, drafter, s, g).num_nodes(g) for m, g, s, _ in arms)
   jobs.check_cache_room(width, args.max_new_tokens, nodes, target.config, drafter.config)
   common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                 stop_ids=target.stop_ids)

@@ -148,7 +148,7 @@ def _trees_main(args, target, drafter_model, prompt_ids, start) -> int:
       for arm in pt.arms_for_budget(budget):
         if (temperature, budget, arm.label) in have:
           continue
-        drafter = jobs.build_drafter(arm.drafter, target, drafter_model, {arm.drafter: dict(arm.settings)})
+        drafter = jobs.build_drafter(arm.drafter, target, drafter_model, {arm.drafter: dict(arm.settings)}, arm.gamma)
         t0 = time.perf_counter()
         with jobs.compiling(f"T = {temperature:g}, {budget} nodes, {arm.label} ({len(contexts)} contexts)"):
           table = pt.run_arm(target.params["params"], drafter_model.params["params"], contexts, arm,

@@ -14,14 +14,11 @@ import jax.numpy as jnp
 from blockspec_jax.decoding.contracts import Scored
 from blockspec_jax.models import decoder as decoder_lib
 
-__all__ = ["DecoderScorer", "as_scorer"]
+__all__ = ["ConfigBacked", "DecoderScorer", "as_scorer"]
 
 
-@dataclasses.dataclass(frozen=True)
-class DecoderScorer:
-  """:class:`~blockspec_jax.models.decoder.Decoder` as the loop's target (also the model drafters' forward)."""
-
-  config: decoder_lib.DecoderConfig
+class ConfigBacked:
+  """``vocab_size`` and ``max_len`` declared by a ``config: DecoderConfig`` field (scorers and model drafters)."""
 
   @property
   def vocab_size(self) -> int:
@@ -30,6 +27,13 @@ class DecoderScorer:
   @property
   def max_len(self) -> int:
     return self.config.max_len
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderScorer(ConfigBacked):
+  """:class:`~blockspec_jax.models.decoder.Decoder` as the loop's target."""
+
+  config: decoder_lib.DecoderConfig
 
   @property
   def module(self) -> decoder_lib.Decoder:
