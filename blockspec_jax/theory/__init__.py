@@ -3,6 +3,8 @@
 * :mod:`~blockspec_jax.theory.tabular`: :class:`TabularLM`, the next-token law as a table.
 * :mod:`~blockspec_jax.theory.exact`: exact laws of one iteration by enumeration, closed forms, the
   full-information bound, i.i.d. formulas, losslessness checks.
+* :mod:`~blockspec_jax.theory.trees`: exact laws of one tree-verification iteration (every rule of
+  ``verify.TREE_RULES``) by enumeration of every tree and the rule's coins; multi-iteration emitted-prefix laws.
 * :mod:`~blockspec_jax.theory.estimators`: Rao–Blackwellised and counting estimates of ``E[τ]`` from sampled drafts.
 * :mod:`~blockspec_jax.theory.stats`: χ² goodness of fit against exact laws.
 """
@@ -16,6 +18,10 @@ from blockspec_jax.theory.exact import (RULES, acceptance_rate, conditional_law,
                                         paper_toy, sequence_law)
 from blockspec_jax.theory.stats import Chi2Result, chi2_gof
 from blockspec_jax.theory.tabular import TabularLM, num_rows_for, row_offsets
+from blockspec_jax.theory.trees import (MAX_ENUMERATED_TREES, TREE_RULE_SAMPLING, TreeDraws, branching_parents,
+                                        check_parents, enumerate_trees, sample_trees, spectr_rho_f64,
+                                        tree_conditional_law, tree_depths, tree_emitted_prefix_law,
+                                        tree_expected_accepted, tree_lossless_error, tree_outcome_law, tree_tau_law)
 
 __all__ = [
     # tabular
@@ -30,4 +36,8 @@ __all__ = [
     "counting_estimate", "sample_drafts",
     # stats
     "Chi2Result", "chi2_gof",
+    # trees
+    "TREE_RULE_SAMPLING", "MAX_ENUMERATED_TREES", "TreeDraws", "branching_parents", "check_parents", "tree_depths",
+    "enumerate_trees", "sample_trees", "tree_conditional_law", "spectr_rho_f64", "tree_outcome_law", "tree_tau_law",
+    "tree_expected_accepted", "tree_emitted_prefix_law", "tree_lossless_error",
 ]

@@ -1,0 +1,607 @@
+"""Exact laws of one tree-verification iteration by enumeration (numpy, float64; V up to ~5, N up to ~6 nodes).
+
+The tree rules of ``blockspec_jax.verify.tree`` / ``verify.traversal`` (docs/ALGORITHMS.md §4) transcribed from
+their definitions, with every coin of the rule summed out exactly (no Monte Carlo). Conventions:
+
+* A tree **shape** is a static ``parents_N`` (int ``[N]``): ``−1 ≤ parents[n] < n`` (topological, −1 = the root, the
+  context) and the children of one node consecutive, in draw order — the layout ``verify.tree_verify`` takes.
+  :func:`branching_parents` builds the level-order layout of constant per-depth branching (``(k, 1, …, 1)`` is
+  ``k`` chains, the layout of the k-chains drafter; ``(2, 2)`` a full binary tree of depth 2).
+* **Drawing a tree** after context ``c``: node ``n`` is drawn from the drafter's row at its parent's context
+  ``q = M_s(·|c ⊕ path to parent(n))``. ``"with_replacement"``: siblings i.i.d. from ``q``; an ordered tree has
+  probability ``Π_n q_{parent(n)}(x_n)``. ``"without_replacement"``: siblings drawn one after another with the
+  earlier siblings' tokens removed (the law of Gumbel-top-k); an ordered sibling sequence ``x_1..x_K`` has
+  probability ``Π_j q(x_j) / Σ_{x ∉ {x_1..x_{j-1}}} q(x)`` (the remaining mass summed, not ``1 − Σ_{i<j} q(x_i)``,
+  so a row that sums to 1 only up to rounding still gives a law of total mass 1).
+  A sibling group must never hold more siblings than its row has tokens of positive probability: where a reachable
+  group would (only possible without replacement), the enumeration raises ``ValueError`` rather than invent a draw.
+  Pass ``epsilon > 0`` to do what the without-replacement drafters do (``drafters/trees.py``): draw from and report
+  ``q_ε = (1 − ε) q + ε/V``, which gives every token positive mass (the rules then see exactly the law used).
+* The rows handed to a rule follow the tree contract: ``draft_probs_NxV[n]`` = the drafter row at n's PARENT context
+  (the same row for all siblings, before any removal), ``target_probs_N1xV[0]`` the target row at the root and
+  ``[n + 1]`` the row after node ``n``.
+* The **outcome** of one iteration: the end node ``e`` (the last accepted node, or the root when nothing is accepted;
+  ``τ = depth(e)``) and the extra token ``Y``. :func:`tree_conditional_law` gives ``P(e, Y | tree)`` as a
+  ``[N+1, V]`` table (row 0: the root, row ``n + 1``: node ``n``); the iteration emits the tokens on the path to
+  ``e``, then ``Y``. Laws over trees are sums over all ``V**N`` token assignments weighted by their draw probability
+  (trees of probability 0 are skipped).
+
+Rules (:data:`TREE_RULE_SAMPLING`, the same names and sampling modes as ``verify.TREE_RULES``):
+
+* ``"rrs"`` / ``"rrs_wor"`` (top down): at the current node with target row ``p`` and ordered children
+  ``x_1..x_K``: ``p_1 = p``, ``q_1 = q``; child ``k`` accepted w.p. ``min(1, p_k(x_k)/q_k(x_k))``, else
+  ``p_{k+1} = norm(max(p_k − q_k, 0))`` and, for ``"rrs_wor"`` only, ``q_{k+1} = norm(q_k`` without ``x_k)``
+  (``"rrs"``: ``q_{k+1} = q``). All rejected: ``Y ~ p_{K+1}``; an accepted leaf: ``Y ~`` its target row.
+* ``"spectr"`` (top down, k-sequential selection): ``ρ`` solves ``1 − (1 − β(ρ))^K = ρ β(ρ)``,
+  ``β(ρ) = Σ min(q, p/ρ)``, by bisection on ``[1, K]`` keeping the upper end (the lossless side), as
+  ``verify.tree.spectr_rho`` does, here in float64 with :data:`SPECTR_BISECTION_STEPS` steps; child ``k`` accepted
+  w.p. ``min(1, p(x_k)/(ρ q(x_k)))``; all rejected: ``Y ~ norm(p − c·min(q, p/ρ))``, ``c = (1 − (1 − β)^K)/β``.
+* ``"traversal"`` (leaf to root, post-order): path weights ``α_n = min(1, α_{parent} P_{parent}(x_n)/Q_{parent}(x_n))``
+  (fixed once a child of ``n`` was rejected), visit ``n``: accept the chain root → n w.p. ``α_n`` with
+  ``Y ~ P_n``; else delete ``n`` and update its parent ``u``: ``P_u ← norm(max(α_u P_u − Q_u, 0))``,
+  ``α_u ← S/(S + 1 − α_u)``, ``Q_u ← norm(Q_u`` without ``x_n)``; all deleted: ``Y ~ P_root``. The visit order and
+  which weights are fixed are static, so the conditional law is one pass over the N visits (the mass that reaches
+  visit ``k`` is ``Π_{j<k}(1 − α_{v_j})``).
+
+Numerical fallbacks as in the jax rules: a residual without positive mass keeps the previous row (Y: the node's
+original target row); the ``clipped_ratio`` zero conventions of :mod:`blockspec_jax.theory.estimators`.
+
+Multi-iteration laws (:func:`tree_emitted_prefix_law`): when an iteration emits fewer than ``m`` tokens, the next
+iteration drafts a fresh tree of the same shape after the emitted tokens, exactly as the decoding loop does; a
+lossless rule gives the target's :func:`~blockspec_jax.theory.exact.sequence_law`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+
+from blockspec_jax.theory.estimators import clipped_ratio
+from blockspec_jax.theory.exact import sequence_law
+from blockspec_jax.theory.tabular import TabularLM
+
+__all__ = ["WITH_REPLACEMENT", "WITHOUT_REPLACEMENT", "TREE_RULE_SAMPLING", "MAX_ENUMERATED_TREES",
+           "SPECTR_BISECTION_STEPS", "TreeDraws", "branching_parents", "check_parents", "tree_depths",
+           "enumerate_trees", "sample_trees", "tree_conditional_law", "spectr_rho_f64", "tree_outcome_law",
+           "tree_tau_law", "tree_expected_accepted", "tree_emitted_prefix_law", "tree_lossless_error"]
+
+WITH_REPLACEMENT = "with_replacement"
+WITHOUT_REPLACEMENT = "without_replacement"
+
+#: name -> how that rule's trees are drawn; the names and modes of ``blockspec_jax.verify.TREE_RULES``.
+TREE_RULE_SAMPLING: dict[str, str] = {
+    "rrs": WITH_REPLACEMENT,
+    "rrs_wor": WITHOUT_REPLACEMENT,
+    "spectr": WITH_REPLACEMENT,
+    "traversal": WITHOUT_REPLACEMENT,
+}
+
+#: Largest ``V**N`` (token assignments of one shape) that :func:`enumerate_trees` accepts.
+MAX_ENUMERATED_TREES = 2**18
+
+#: Bisection steps for SpecTr's ρ in float64: [1, K] halved 64 times is below one ulp of ρ.
+SPECTR_BISECTION_STEPS = 64
+
+
+# --- arguments ---------------------------------------------------------------------------------------------------
+
+def _check_rule(rule: str) -> str:
+  if not isinstance(rule, str) or rule not in TREE_RULE_SAMPLING:
+    raise ValueError(f"unknown tree rule {rule!r}; known tree rules: {', '.join(sorted(TREE_RULE_SAMPLING))}")
+  return rule
+
+
+def _check_sampling(sampling: str) -> str:
+  if sampling not in (WITH_REPLACEMENT, WITHOUT_REPLACEMENT):
+    raise ValueError(f"sampling must be {WITH_REPLACEMENT!r} or {WITHOUT_REPLACEMENT!r}, got {sampling!r}")
+  return sampling
+
+
+def _check_epsilon(epsilon) -> float:
+  epsilon = float(epsilon)
+  if not 0.0 <= epsilon < 1.0:
+    raise ValueError(f"epsilon must be in [0, 1), got {epsilon!r}")
+  return epsilon
+
+
+def check_parents(parents_N) -> tuple[int, ...]:
+  """``parents_N`` (ints ``[N]``, N ≥ 1) as a tuple after checking the tree layout, else ``ValueError``.
+
+  Required: ``−1 ≤ parents[n] < n`` (topological order, −1 = the root) and the children of each node consecutive
+  (stored together, in draw order) — the layout of ``verify.tree.check_tree``.
+  """
+  array = np.asarray(parents_N)
+  if array.ndim != 1 or array.shape[0] < 1:
+    raise ValueError(f"parents must be a non-empty 1-D sequence of ints [N], got shape {array.shape}")
+  if not np.issubdtype(array.dtype, np.integer):
+    raise ValueError(f"parents must be integers, got dtype {array.dtype}")
+  parents = tuple(int(u) for u in array)
+  seen = set()
+  for n, u in enumerate(parents):
+    if not -1 <= u < n:
+      raise ValueError(f"parents must satisfy -1 <= parents[n] < n (topological order, -1 = root); "
+                       f"parents[{n}] = {u}")
+    if n > 0 and u != parents[n - 1] and u in seen:
+      raise ValueError(f"the children of node {u} are not consecutive (node {n} follows another node's children): "
+                       f"siblings must be stored together, in draw order")
+    seen.add(u)
+  return parents
+
+
+def branching_parents(branching: Sequence[int]) -> np.ndarray:
+  """Parents (int32 ``[N]``) of the full tree with ``branching[d]`` children per node at depth ``d``, level order.
+
+  Nodes depth-major, each depth grouped by parent in parent order: the layout of the tree drafters. Examples:
+  ``(1,)*γ`` a chain of γ nodes, ``(k,) + (1,)*(γ−1)`` k chains of depth γ (k-chains /
+  RSD-C shape), ``(2, 2)`` a binary tree of depth 2 (N = 6).
+  """
+  widths = tuple(branching)
+  if not widths or any(isinstance(b, (bool, np.bool_)) or not isinstance(b, (int, np.integer)) or b < 1
+                       for b in widths):
+    raise ValueError(f"branching must be a non-empty sequence of integers >= 1, got {branching!r}")
+  parents, level = [], [-1]
+  for width in widths:
+    next_level = []
+    for u in level:
+      for _ in range(int(width)):
+        parents.append(u)
+        next_level.append(len(parents) - 1)
+    level = next_level
+  return np.asarray(parents, dtype=np.int32)
+
+
+def tree_depths(parents_N) -> np.ndarray:
+  """Depth of every node (a root child has depth 1): int64 ``[N]``."""
+  parents = check_parents(parents_N)
+  depth = []
+  for u in parents:
+    depth.append(1 if u < 0 else depth[u] + 1)
+  return np.asarray(depth, dtype=np.int64)
+
+
+def _children(parents: tuple[int, ...]) -> dict[int, list[int]]:
+  """``{u: [children of u in order]}`` for u = −1 (root) and every node."""
+  children = {u: [] for u in range(-1, len(parents))}
+  for n, u in enumerate(parents):
+    children[u].append(n)
+  return children
+
+
+def _path_nodes(parents: tuple[int, ...], n: int) -> list[int]:
+  """The nodes from the root's child down to ``n`` (``[]`` for the root, n = −1)."""
+  path = []
+  while n != -1:
+    path.append(n)
+    n = parents[n]
+  return path[::-1]
+
+
+def _check_models(drafter: TabularLM, target: TabularLM, context) -> tuple[int, ...]:
+  for name, model in (("drafter", drafter), ("target", target)):
+    if not isinstance(model, TabularLM):
+      raise ValueError(f"{name} must be a TabularLM, got {type(model).__name__}")
+  if drafter.vocab_size != target.vocab_size:
+    raise ValueError(f"drafter and target vocabularies differ: {drafter.vocab_size} vs {target.vocab_size}")
+  return target._checked_prefix(context)  # pylint: disable=protected-access
+
+
+# --- drawing trees -----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TreeDraws:
+  """Every tree of one shape drawn after one context, with its probability (trees of probability 0 left out).
+
+  Attributes:
+    parents: the shape, a tuple ``[N]``.
+    tokens_TxN: int64 ``[T, N]``, the token of every node.
+    weights_T: float64 ``[T]``, the probability of drawing that (ordered) tree; sums to 1.
+    draft_probs_TxNxV: float64 ``[T, N, V]``, row n = the drafter row at n's parent context (smoothed by ``ε``).
+    target_probs_TxN1xV: float64 ``[T, N+1, V]``, row 0 = the target at the root, row n + 1 = after node n.
+  """
+  parents: tuple[int, ...]
+  tokens_TxN: np.ndarray
+  weights_T: np.ndarray
+  draft_probs_TxNxV: np.ndarray
+  target_probs_TxN1xV: np.ndarray
+
+
+def _rows(model: TabularLM, prefix_TxL: np.ndarray) -> np.ndarray:
+  """``model``'s rows after each prefix (all of one length, context included): float64 ``[T, V]``."""
+  vocab, length = model.vocab_size, prefix_TxL.shape[1]
+  m = min(length, model.depth)
+  index_T = np.full(prefix_TxL.shape[0], sum(vocab**l for l in range(m)), dtype=np.int64)
+  for j in range(m):
+    index_T += prefix_TxL[:, length - m + j] * vocab**(m - 1 - j)
+  return model.probs[index_T]
+
+
+def _smoothed(q_xV: np.ndarray, epsilon: float) -> np.ndarray:
+  return q_xV if epsilon == 0.0 else (1.0 - epsilon) * q_xV + epsilon / q_xV.shape[-1]
+
+
+def _tree_rows(drafter, target, context, parents, tokens_TxN, epsilon):
+  """Drafter rows at every node's parent context ``[T, N, V]`` and target rows ``[T, N+1, V]``."""
+  num_trees, num_nodes = tokens_TxN.shape
+  context_TxC = np.broadcast_to(np.asarray(context, np.int64), (num_trees, len(context)))
+  prefix = {-1: context_TxC}
+  for n in range(num_nodes):
+    prefix[n] = np.concatenate([prefix[parents[n]], tokens_TxN[:, n:n + 1]], axis=1)
+  draft_TxNxV = np.stack([_smoothed(_rows(drafter, prefix[u]), epsilon) for u in parents], axis=1)
+  target_TxN1xV = np.stack([_rows(target, prefix[u]) for u in range(-1, num_nodes)], axis=1)
+  return draft_TxNxV, target_TxN1xV
+
+
+def _draw_weights(parents, tokens_TxN, draft_TxNxV, sampling) -> np.ndarray:
+  """Probability of drawing each ordered tree (module docstring): float64 ``[T]``; ``ValueError`` when a reachable
+  sibling group asks for more distinct tokens than its row has tokens of positive probability."""
+  num_trees, num_nodes = tokens_TxN.shape
+  vocab = draft_TxNxV.shape[2]
+  trees_T = np.arange(num_trees)
+  weights_T = np.ones(num_trees, dtype=np.float64)
+  for n in range(num_nodes):
+    q_TxV = draft_TxNxV[:, n]
+    x_T = tokens_TxN[:, n]
+    if sampling == WITH_REPLACEMENT:
+      weights_T = weights_T * q_TxV[trees_T, x_T]
+      continue
+    earlier = [s for s in range(n) if parents[s] == parents[n]]
+    taken_TxV = np.zeros((num_trees, vocab), dtype=bool)
+    for s in earlier:
+      taken_TxV[trees_T, tokens_TxN[:, s]] = True
+    remaining_T = np.where(taken_TxV, 0.0, q_TxV).sum(axis=1)
+    stuck_T = (weights_T > 0) & ~(remaining_T > 0)
+    if np.any(stuck_T):
+      t = int(np.argmax(stuck_T))
+      raise ValueError(
+          f"drawing without replacement: node {n} is sibling number {len(earlier) + 1} of its group but its row has "
+          f"only {int(np.count_nonzero(q_TxV[t] > 0))} tokens of positive drafter probability (e.g. tree "
+          f"{tokens_TxN[t, :n].tolist()}...); use a shape with fewer siblings or smooth the drafter with "
+          f"epsilon > 0 as the without-replacement drafters do")
+    q_x_T = np.where(taken_TxV[trees_T, x_T], 0.0, q_TxV[trees_T, x_T])
+    weights_T = weights_T * np.divide(q_x_T, remaining_T, out=np.zeros(num_trees), where=remaining_T > 0)
+  return weights_T
+
+
+def enumerate_trees(drafter: TabularLM, target: TabularLM, context: Sequence[int], parents_N, sampling: str,
+                    epsilon: float = 0.0) -> TreeDraws:
+  """Every tree of shape ``parents_N`` after ``context`` with its draw probability (module docstring).
+
+  ``sampling``: ``"with_replacement"`` or ``"without_replacement"``; ``epsilon``: the drafter rows are
+  ``(1 − ε) q + ε/V`` (the without-replacement drafters' smoothing; 0: as they are). ``ValueError`` when ``V**N``
+  exceeds :data:`MAX_ENUMERATED_TREES`.
+  """
+  context = _check_models(drafter, target, context)
+  parents = check_parents(parents_N)
+  sampling = _check_sampling(sampling)
+  epsilon = _check_epsilon(epsilon)
+  vocab, num_nodes = target.vocab_size, len(parents)
+  if vocab**num_nodes > MAX_ENUMERATED_TREES:
+    raise ValueError(f"V**N = {vocab}**{num_nodes} = {vocab**num_nodes} trees is too many to enumerate (at most "
+                     f"{MAX_ENUMERATED_TREES}); use a smaller vocabulary or fewer nodes")
+  largest_group = max(len(kids) for kids in _children(parents).values())
+  if sampling == WITHOUT_REPLACEMENT and largest_group > vocab:
+    raise ValueError(f"drawing without replacement: a node has {largest_group} children but there are only V = "
+                     f"{vocab} tokens")
+  tokens_TxN = np.indices((vocab,) * num_nodes).reshape(num_nodes, -1).T.astype(np.int64)
+  if sampling == WITHOUT_REPLACEMENT:  # repeated siblings have probability 0: leave them out early
+    distinct_T = np.ones(tokens_TxN.shape[0], dtype=bool)
+    for n in range(num_nodes):
+      for s in range(n):
+        if parents[s] == parents[n]:
+          distinct_T &= tokens_TxN[:, s] != tokens_TxN[:, n]
+    tokens_TxN = tokens_TxN[distinct_T]
+  draft_TxNxV, target_TxN1xV = _tree_rows(drafter, target, context, parents, tokens_TxN, epsilon)
+  weights_T = _draw_weights(parents, tokens_TxN, draft_TxNxV, sampling)
+  keep_T = weights_T > 0
+  return TreeDraws(parents, tokens_TxN[keep_T], weights_T[keep_T], draft_TxNxV[keep_T], target_TxN1xV[keep_T])
+
+
+def sample_trees(rng, drafter: TabularLM, target: TabularLM, context: Sequence[int], parents_N, num_samples: int,
+                 sampling: str, epsilon: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Draw ``num_samples`` trees of shape ``parents_N`` with numpy (inverse CDF, nodes in order; vectorised).
+
+  Returns ``(tokens_BxN int64, draft_probs_BxNxV, target_probs_BxN1xV)`` (float64) in the tree contract, ready for
+  ``verify.tree_verify`` (cast to int32 / float32). Same law as :func:`enumerate_trees` (the same ``ValueError``
+  where a sibling group runs out of tokens). ``rng``: anything ``np.random.default_rng`` accepts.
+  """
+  context = _check_models(drafter, target, context)
+  parents = check_parents(parents_N)
+  sampling = _check_sampling(sampling)
+  epsilon = _check_epsilon(epsilon)
+  if isinstance(num_samples, bool) or int(num_samples) != num_samples or num_samples < 1:
+    raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}")
+  rng = np.random.default_rng(rng)
+  num, num_nodes, vocab = int(num_samples), len(parents), target.vocab_size
+  rows_B = np.arange(num)
+  prefix = {-1: np.broadcast_to(np.asarray(context, np.int64), (num, len(context)))}
+  tokens_BxN = np.zeros((num, num_nodes), dtype=np.int64)
+  for n, u in enumerate(parents):
+    q_BxV = _smoothed(_rows(drafter, prefix[u]), epsilon)
+    weights_BxV = q_BxV
+    if sampling == WITHOUT_REPLACEMENT:
+      weights_BxV = q_BxV.copy()
+      for s in range(n):
+        if parents[s] == u:
+          weights_BxV[rows_B, tokens_BxN[:, s]] = 0.0
+      if np.any(~(weights_BxV.sum(axis=1) > 0)):
+        raise ValueError(f"drawing without replacement: node {n} has no token of positive drafter probability left; "
+                         f"use a shape with fewer siblings or epsilon > 0")
+    cdf_BxV = np.cumsum(weights_BxV, axis=1)
+    u_B = rng.random(num) * cdf_BxV[:, -1]
+    x_B = np.sum(cdf_BxV <= u_B[:, None], axis=1)
+    last_positive_B = vocab - 1 - np.argmax(weights_BxV[:, ::-1] > 0, axis=1)  # rounding guard
+    tokens_BxN[:, n] = np.minimum(x_B, last_positive_B)
+    prefix[n] = np.concatenate([prefix[u], tokens_BxN[:, n:n + 1]], axis=1)
+  draft_BxNxV, target_BxN1xV = _tree_rows(drafter, target, context, parents, tokens_BxN, epsilon)
+  return tokens_BxN, draft_BxNxV, target_BxN1xV
+
+
+# --- the conditional law of one rule on given trees --------------------------------------------------------------
+
+def _normalised(weights_TxV: np.ndarray, fallback_TxV: np.ndarray) -> np.ndarray:
+  """Rows ``w / Σ w``, or the fallback row where ``w`` has no positive mass."""
+  total_T = weights_TxV.sum(axis=1, keepdims=True)
+  return np.where(total_T > 0, weights_TxV / np.where(total_T > 0, total_T, 1.0), fallback_TxV)
+
+
+def _y_row(weights_TxV: np.ndarray, fallback_TxV: np.ndarray) -> np.ndarray:
+  """The law of Y from weights as ``sampling.sample_from_weights`` reads them (non-finite and negative entries are
+  0), or the normalised fallback row when no positive weight is left."""
+  weights_TxV = np.where(np.isfinite(weights_TxV) & (weights_TxV > 0), weights_TxV, 0.0)
+  return _normalised(weights_TxV, _normalised(fallback_TxV, fallback_TxV))
+
+
+def _at(rows_TxV: np.ndarray, x_T: np.ndarray) -> np.ndarray:
+  return rows_TxV[np.arange(rows_TxV.shape[0]), x_T]
+
+
+def spectr_rho_f64(p_TxV, q_TxV, k: int, num_steps: int = SPECTR_BISECTION_STEPS):
+  """``(ρ, β, c)`` of SpecTr's k-sequential selection, float64 ``[T]`` each (rows ``[T, V]``; one ``k``).
+
+  The algorithm of ``verify.tree.spectr_rho`` in float64: ``f(ρ) = 1 − (1 − β(ρ))^k − ρ β(ρ)``, bisection on
+  ``[1, max(k, 1)]`` keeping the upper end where ``f ≤ 0`` (the lossless side), ``ρ = 1`` when ``f(1) ≤ 0``;
+  ``c = (1 − (1 − β)^k)/β`` (``k`` when ``β = 0``).
+  """
+  p_TxV = np.asarray(p_TxV, dtype=np.float64)
+  q_TxV = np.asarray(q_TxV, dtype=np.float64)
+  k_f = float(max(int(k), 1))
+
+  def beta(rho_T):
+    return np.clip(np.minimum(q_TxV, p_TxV / rho_T[:, None]).sum(axis=1), 0.0, 1.0)
+
+  def acceptance_mass(beta_T):
+    with np.errstate(divide="ignore"):  # log1p(−1) = −inf: mass 1
+      return -np.expm1(k_f * np.log1p(-beta_T))
+
+  def excess(rho_T):
+    beta_T = beta(rho_T)
+    return acceptance_mass(beta_T) - rho_T * beta_T
+
+  low_T = np.ones(p_TxV.shape[0])
+  high_T = np.full(p_TxV.shape[0], k_f)
+  for _ in range(num_steps):
+    middle_T = 0.5 * (low_T + high_T)
+    valid_T = excess(middle_T) <= 0
+    low_T, high_T = np.where(valid_T, low_T, middle_T), np.where(valid_T, middle_T, high_T)
+  ones_T = np.ones_like(low_T)
+  rho_T = np.where(excess(ones_T) <= 0, ones_T, high_T)
+  beta_T = beta(rho_T)
+  scale_T = np.where(beta_T > 0, acceptance_mass(beta_T) / np.where(beta_T > 0, beta_T, 1.0), k_f)
+  return rho_T, beta_T, scale_T
+
+
+def _top_down_law(rule, tokens_TxN, parents, q_TxNxV, p_TxN1xV) -> np.ndarray:
+  """``"rrs"``, ``"rrs_wor"``, ``"spectr"``: the mass reaching each node times its children's decisions."""
+  num_trees, num_nodes = tokens_TxN.shape
+  children = _children(parents)
+  law_TxN1xV = np.zeros(p_TxN1xV.shape, dtype=np.float64)
+  reach = {-1: np.ones(num_trees)}  # P(the walk makes u the current node)
+  for u in range(-1, num_nodes):  # topological: reach[u] is known before u's children are decided
+    p_V = p_TxN1xV[:, u + 1]
+    kids = children[u]
+    if not kids:  # an accepted leaf: the bonus from its target row
+      law_TxN1xV[:, u + 1] = reach[u][:, None] * _y_row(p_V, p_V)
+      continue
+    q_V = q_TxNxV[:, kids[0]]
+    p_k, q_k = p_V, q_V
+    if rule == "spectr":  # one bisection per distinct (p, q) pair of rows (trees share their parents' contexts)
+      pairs_Ux2V, inverse_T = np.unique(np.concatenate([p_V, q_V], axis=1), axis=0, return_inverse=True)
+      rho_U, _, scale_U = spectr_rho_f64(pairs_Ux2V[:, :p_V.shape[1]], pairs_Ux2V[:, p_V.shape[1]:], len(kids))
+      rho_T, scale_T = rho_U[inverse_T.reshape(-1)], scale_U[inverse_T.reshape(-1)]
+    none_T = np.ones(num_trees)  # P(every child so far rejected)
+    for c in kids:
+      x_T = tokens_TxN[:, c]
+      if rule == "spectr":
+        accept_T = clipped_ratio(1.0 / rho_T, _at(p_V, x_T), _at(q_V, x_T))
+      else:
+        accept_T = clipped_ratio(1.0, _at(p_k, x_T), _at(q_k, x_T))
+      reach[c] = reach[u] * none_T * accept_T
+      none_T = none_T * (1.0 - accept_T)
+      if rule in ("rrs", "rrs_wor"):
+        p_next = _normalised(np.maximum(p_k - q_k, 0.0), p_k)
+        if rule == "rrs_wor":
+          q_removed = np.where(np.arange(q_k.shape[1])[None, :] == x_T[:, None], 0.0, q_k)
+          q_k = _normalised(q_removed, q_removed)
+        p_k = p_next
+    if rule == "spectr":
+      residual_V = p_V - np.minimum(q_V, p_V / rho_T[:, None]) * scale_T[:, None]
+    else:
+      residual_V = p_k
+    law_TxN1xV[:, u + 1] = (reach[u] * none_T)[:, None] * _y_row(residual_V, p_V)
+  return law_TxN1xV
+
+
+def _postorder(parents: tuple[int, ...]) -> list[int]:
+  """Children in index order, each subtree before its root."""
+  children = _children(parents)
+  order = []
+
+  def visit(u):
+    for c in children[u]:
+      visit(c)
+    if u >= 0:
+      order.append(u)
+
+  visit(-1)
+  return order
+
+
+def _traversal_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV, without_replacement=True) -> np.ndarray:
+  """``"traversal"``: one pass over the post-order; the state after each deletion is deterministic."""
+  num_trees, num_nodes = tokens_TxN.shape
+  children = _children(parents)
+  rows = {u: p_TxN1xV[:, u + 1].copy() for u in range(-1, num_nodes)}  # current P_u
+  drafts = {u: q_TxNxV[:, kids[0]].copy() for u, kids in children.items() if kids}  # current Q_u
+  fixed = {}  # u -> α_u [T], once a child of u was deleted
+  law_TxN1xV = np.zeros(p_TxN1xV.shape, dtype=np.float64)
+  reach_T = np.ones(num_trees)  # P(every earlier visit rejected)
+
+  def alpha(n):
+    if n == -1:
+      return np.ones(num_trees)
+    if n in fixed:
+      return fixed[n]
+    u, x_T = parents[n], tokens_TxN[:, n]
+    return clipped_ratio(alpha(u), _at(rows[u], x_T), _at(drafts[u], x_T))
+
+  for v in _postorder(parents):
+    alpha_v = alpha(v)
+    law_TxN1xV[:, v + 1] += (reach_T * alpha_v)[:, None] * _y_row(rows[v], p_TxN1xV[:, v + 1])
+    reach_T = reach_T * (1.0 - alpha_v)
+    u = parents[v]
+    alpha_u = alpha(u)  # before the deletion fixes it
+    residual_TxV = np.maximum(alpha_u[:, None] * rows[u] - drafts[u], 0.0)
+    mass_T = residual_TxV.sum(axis=1)
+    rows[u] = _normalised(residual_TxV, rows[u])
+    if u >= 0:
+      denominator_T = mass_T + (1.0 - alpha_u)
+      fixed[u] = np.where(denominator_T > 0, mass_T / np.where(denominator_T > 0, denominator_T, 1.0), 1.0)
+    if without_replacement:
+      removed = np.where(np.arange(drafts[u].shape[1])[None, :] == tokens_TxN[:, v:v + 1], 0.0, drafts[u])
+      drafts[u] = _normalised(removed, removed)
+  law_TxN1xV[:, 0] += reach_T[:, None] * _y_row(rows[-1], p_TxN1xV[:, 0])
+  return law_TxN1xV
+
+
+def tree_conditional_law(rule: str, tokens_N, parents_N, draft_probs_NxV, target_probs_N1xV) -> np.ndarray:
+  """``P(end node, Y | tree)`` for ``rule``: float64 ``[..., N+1, V]`` (row 0: nothing accepted, the root; row
+  ``n + 1``: node ``n`` is the last accepted node; entries sum to 1).
+
+  The arguments of ``verify.tree_verify`` (one tree), or with a common leading batch axis ``[T]`` on ``tokens``,
+  ``draft_probs`` and ``target_probs`` (the shape ``parents_N`` is shared and static). Exact: the rule's coins are
+  summed out (module docstring). ``τ`` is the depth of the end node, the emitted tokens the path to it, then ``Y``.
+  """
+  rule = _check_rule(rule)
+  parents = check_parents(parents_N)
+  tokens = np.asarray(tokens_N)
+  q = np.asarray(draft_probs_NxV, dtype=np.float64)
+  p = np.asarray(target_probs_N1xV, dtype=np.float64)
+  single = tokens.ndim == 1
+  tokens_TxN, q_TxNxV, p_TxN1xV = (tokens[None], q[None], p[None]) if single else (tokens, q, p)
+  num_nodes = len(parents)
+  if tokens_TxN.ndim != 2 or tokens_TxN.shape[1] != num_nodes or not np.issubdtype(tokens_TxN.dtype, np.integer):
+    raise ValueError(f"tokens must be ints of shape [N] or [T, N] with N = {num_nodes}, got {tokens.shape}")
+  num_trees = tokens_TxN.shape[0]
+  if q_TxNxV.ndim != 3 or q_TxNxV.shape[:2] != (num_trees, num_nodes):
+    raise ValueError(f"draft_probs must have shape [N, V] (or [T, N, V]) with N = {num_nodes}, got {q.shape}")
+  vocab = q_TxNxV.shape[2]
+  if p_TxN1xV.shape != (num_trees, num_nodes + 1, vocab):
+    raise ValueError(f"target_probs must have shape [N+1, V] = [{num_nodes + 1}, {vocab}] (or with a leading T), "
+                     f"got {p.shape}")
+  if tokens_TxN.size and (tokens_TxN.min() < 0 or tokens_TxN.max() >= vocab):
+    raise ValueError(f"tokens out of range [0, {vocab})")
+  if rule == "traversal":
+    law = _traversal_law(tokens_TxN.astype(np.int64), parents, q_TxNxV, p_TxN1xV)
+  else:
+    law = _top_down_law(rule, tokens_TxN.astype(np.int64), parents, q_TxNxV, p_TxN1xV)
+  return law[0] if single else law
+
+
+# --- laws of one iteration over all trees ------------------------------------------------------------------------
+
+def _iteration(rule, drafter, target, context, parents_N, epsilon):
+  """``(TreeDraws, P(end, Y | tree) [T, N+1, V])`` of one iteration after ``context``."""
+  rule = _check_rule(rule)
+  draws = enumerate_trees(drafter, target, context, parents_N, TREE_RULE_SAMPLING[rule], epsilon)
+  law_TxN1xV = tree_conditional_law(rule, draws.tokens_TxN, draws.parents, draws.draft_probs_TxNxV,
+                                    draws.target_probs_TxN1xV)
+  return draws, law_TxN1xV
+
+
+def tree_outcome_law(rule: str, drafter: TabularLM, target: TabularLM, context: Sequence[int], parents_N,
+                     epsilon: float = 0.0) -> dict[tuple[int, ...], float]:
+  """Law of the emitted tuple (tokens of the accepted path, then ``Y``; length ``τ + 1``) of one iteration, trees
+  drawn as ``rule`` requires (:data:`TREE_RULE_SAMPLING`). Only outcomes of positive probability; keys sorted.
+
+  Shared by the functions below: ``parents_N`` the static shape (:func:`check_parents`; :func:`branching_parents`
+  for per-depth branching); ``epsilon`` the drafter smoothing of :func:`enumerate_trees` (0: rows as they are).
+  """
+  draws, law_TxN1xV = _iteration(rule, drafter, target, context, parents_N, epsilon)
+  parents = draws.parents
+  law: dict[tuple[int, ...], float] = {}
+  for end in range(-1, len(parents)):
+    path_T = draws.tokens_TxN[:, _path_nodes(parents, end)]
+    mass_TxV = draws.weights_T[:, None] * law_TxN1xV[:, end + 1]
+    paths_U, inverse_T = np.unique(path_T, axis=0, return_inverse=True)
+    inverse_T = inverse_T.reshape(-1)
+    for y in range(mass_TxV.shape[1]):
+      sums_U = np.bincount(inverse_T, weights=mass_TxV[:, y], minlength=paths_U.shape[0])
+      for path, total in zip(paths_U, sums_U):
+        if total > 0:
+          outcome = tuple(int(x) for x in path) + (y,)
+          law[outcome] = law.get(outcome, 0.0) + float(total)
+  return {outcome: law[outcome] for outcome in sorted(law)}
+
+
+def tree_tau_law(rule: str, drafter: TabularLM, target: TabularLM, context: Sequence[int], parents_N,
+                 epsilon: float = 0.0) -> np.ndarray:
+  """``P(τ = t)`` for t = 0..D (D the deepest node's depth): float64 ``[D+1]``."""
+  draws, law_TxN1xV = _iteration(rule, drafter, target, context, parents_N, epsilon)
+  depth_N1 = np.concatenate([[0], tree_depths(draws.parents)])
+  end_mass_N1 = np.einsum("t,tev->e", draws.weights_T, law_TxN1xV)
+  return np.bincount(depth_N1, weights=end_mass_N1, minlength=int(depth_N1.max()) + 1)
+
+
+def tree_expected_accepted(rule: str, drafter: TabularLM, target: TabularLM, context: Sequence[int], parents_N,
+                           epsilon: float = 0.0) -> float:
+  """``E[τ]``: expected accepted nodes per iteration (block efficiency is this + 1)."""
+  tau_law = tree_tau_law(rule, drafter, target, context, parents_N, epsilon)
+  return float(np.dot(np.arange(tau_law.shape[0], dtype=np.float64), tau_law))
+
+
+def tree_emitted_prefix_law(rule: str, drafter: TabularLM, target: TabularLM, context: Sequence[int], parents_N,
+                            m: int, epsilon: float = 0.0) -> dict[tuple[int, ...], float]:
+  """Law of the first ``m`` emitted tokens when iterations of ``rule`` on trees of shape ``parents_N`` repeat from
+  ``context``: an iteration that emits ``o`` with ``len(o) < m`` is followed by a fresh tree of the same shape after
+  ``context ⊕ o`` (the decoding loop). All ``V**m`` tuples (zeros included), lexicographic order; a lossless rule
+  gives :func:`~blockspec_jax.theory.exact.sequence_law` ``(target, context, m)``.
+  """
+  context = _check_models(drafter, target, context)
+  if isinstance(m, (bool, np.bool_)) or not isinstance(m, (int, np.integer)) or m < 1:
+    raise ValueError(f"m must be an integer >= 1, got {m!r}")
+  vocab = target.vocab_size
+
+  @functools.lru_cache(maxsize=None)
+  def prefix_law(ctx: tuple[int, ...], length: int) -> np.ndarray:
+    law = np.zeros((vocab,) * length, dtype=np.float64)
+    for outcome, prob in tree_outcome_law(rule, drafter, target, ctx, parents_N, epsilon).items():
+      if len(outcome) >= length:
+        law[outcome[:length]] += prob
+      else:
+        law[outcome] += prob * prefix_law(ctx + outcome, length - len(outcome))
+    return law
+
+  law = prefix_law(context, int(m))
+  return {tokens: float(law[tokens]) for tokens in np.ndindex(*law.shape)}
+
+
+def tree_lossless_error(rule: str, drafter: TabularLM, target: TabularLM, context: Sequence[int], parents_N,
+                        m: int = 3, epsilon: float = 0.0) -> float:
+  """``max_s |P(first m emitted = s) − M_b(s | context)|`` over all ``V**m`` tuples (0 up to rounding: lossless)."""
+  law = tree_emitted_prefix_law(rule, drafter, target, context, parents_N, m, epsilon)
+  reference = sequence_law(target, context, m)
+  return float(max(abs(law[s] - reference[s]) for s in reference))
+
