@@ -24,9 +24,10 @@ _MODEL_FREE = ("ngram",)
 
 
 def make(name: str, config=None, vocab_size: int | None = None, **settings):
-  """The drafter registered as ``name``: model drafters need ``config`` (the drafter's DecoderConfig), model-free ones
-  ``vocab_size`` (the target's); ``settings`` are the class's fields (``k``, ``branching``, ``width``, ``max_ngram``,
-  …). Unknown names and settings are a ValueError naming what is known."""
+  """The drafter registered as ``name``: model drafters need ``config`` (the drafter's DecoderConfig; a ``vocab_size``
+  given with it must match), model-free ones ``vocab_size`` (the target's; else ``config.vocab_size``); ``settings``
+  are the class's fields (``k``; ``branching``, ``epsilon``; ``width``, ``epsilon``; ``max_ngram``, ``min_ngram``).
+  Unknown names and settings are a ValueError naming what is known; invalid values a ValueError from the class."""
   if name not in DRAFTERS:
     raise ValueError(f"unknown drafter {name!r}; known drafters: {', '.join(DRAFTERS)}")
   cls = DRAFTERS[name]
@@ -42,4 +43,7 @@ def make(name: str, config=None, vocab_size: int | None = None, **settings):
     return cls(vocab_size=int(vocab_size), **settings)
   if config is None:
     raise ValueError(f"drafter {name!r} drafts with a model: pass its DecoderConfig (config=...)")
+  if vocab_size is not None and int(vocab_size) != config.vocab_size:
+    raise ValueError(f"vocabulary mismatch between drafter {name!r} (V = {config.vocab_size}) and target "
+                     f"(V = {vocab_size}); both models must share one tokenizer")
   return cls(config, **settings)

@@ -7,16 +7,23 @@ each depth's nodes grouped by parent and, within a parent, in draw order (so sib
 come first: the layout :func:`blockspec_jax.verify.tree_verify` requires). One drafter forward per depth feeds that
 depth's nodes at once (rotary position ``length − 1 + d``, cache slot ``length + n``, attending to the committed slots
 and to its own root-to-node path: :mod:`blockspec_jax.decoding.contracts`), except the deepest, whose rows nobody
-needs. ``q`` row of node ``n`` = the law of its parent's context (after ``sampler``), the row its siblings were drawn
+needs; where every depth has the same width the depths run in a ``lax.scan`` (one forward compiled). ``q`` row of node ``n`` = the law of its parent's context (after ``sampler``), the row its siblings were drawn
 from. ``commit`` moves the accepted path's entries into contiguous slots (the path commit) so the drafter's cache is
-the one an autoregressive pass over the committed tokens would leave; the next ``propose`` re-feeds the last two
-committed tokens (as :class:`~blockspec_jax.drafters.base.ModelDrafter` does), which covers an accepted leaf that
-was never fed.
+the one an autoregressive pass over the committed tokens would leave, up to the deepest accepted node when it is a
+leaf of depth γ (never fed, like the last token of :class:`~blockspec_jax.drafters.base.ModelDrafter`'s chain); the
+next ``propose`` re-feeds the last two committed tokens, which covers it.
 
-Without-replacement drafters (RSD-C, RSD-S) draw from and report ``q_ε = (1 − ε)·q + ε/V`` (``ε = 1e-6`` by
-default): every token has positive probability, so ``b ≤ V`` distinct children always exist (at T = 0 or under top-k
-a row may have a single token of positive mass). Losslessness needs only that the reported rows are the laws the
-nodes were drawn from, which they are; block efficiency changes by O(ε).
+Zero-probability children. Without-replacement drafters (RSD-C, RSD-S) draw from and report
+``q_ε = (1 − ε)·q + ε/V`` (``ε = 1e-6`` by default). At T = 0, under top-k / top-p, a row may have fewer tokens of
+positive mass than children are asked for; Gumbel-top-k would then fill the remaining children with tokens of
+probability 0, which is outside what the without-replacement rules accept ("never more siblings than the row has
+tokens of positive probability", :mod:`blockspec_jax.verify.tree`): once the positive tokens are exhausted the
+residual drafter row is 0 and :func:`~blockspec_jax.verify.rules.clipped_ratio` accepts a child with ``q = 0`` and
+``p > 0`` with probability 1, so a deterministic filler token would be emitted with the wrong law. Marking such
+children with an out-of-vocabulary id instead would break the ``[0, V)`` token contract and the drafter's own forward.
+With ``q_ε`` every token has positive mass, every child is a legal without-replacement draw, and the rows the verifier
+sees are exactly the laws used: decoding is lossless (the output law is the target's, whatever the drafter's law) and
+acceptance changes by O(ε). (The i.i.d. k-chain drafter needs no smoothing: i.i.d. siblings may repeat.)
 """
 
 from __future__ import annotations
@@ -30,7 +37,6 @@ import numpy as np
 from blockspec_jax import sampling
 from blockspec_jax.decoding.contracts import Commit, Draft, path_slots
 from blockspec_jax.drafters.base import ModelDrafter, feed
-from blockspec_jax.models import decoder as decoder_lib
 
 __all__ = ["KChainDrafter", "RSDConstantDrafter", "RSDStochasticBeamDrafter", "gumbel_top_k", "shape_for_budget"]
 
@@ -47,7 +53,17 @@ def gumbel_top_k(key_B, log_weights_BxWxV: jax.Array, k: int):
   return top_BxWxK.astype(jnp.int32)
 
 
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _check_epsilon(epsilon) -> None:
+  if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float, np.floating)) or not 0.0 < epsilon < 1.0:
+    raise ValueError(f"epsilon must be in (0, 1) (the without-replacement drafters' smoothing), got {epsilon!r}")
+
+
 def _smoothed(q_BxWxV: jax.Array, epsilon: float) -> jax.Array:
+  """``q_ε = (1 − ε)·q + ε/V`` (f32, same shape): every token gets positive mass (see the module docstring)."""
   vocab = q_BxWxV.shape[-1]
   return (1.0 - epsilon) * q_BxWxV + epsilon / vocab
 
@@ -61,8 +77,11 @@ def _log1mexp(x):
 @dataclasses.dataclass(frozen=True)
 class _TreeModelDrafter(ModelDrafter):
   """Shared machinery (the model, its declared sizes and its prefill come from :class:`ModelDrafter`): per-depth
-  growth with tree-masked feeding, path commit. Subclasses define ``widths(gamma)`` and
-  ``_children(key_B, rows_BxWxV, carry, d) -> (parent_BxW, tokens_BxW, rows_BxWxV, carry)``."""
+  growth with tree-masked feeding, path commit. Subclasses define ``widths(gamma)`` (nodes per depth) and
+  ``_children(key_B, rows_BxWxV, carry, depth) -> (parent_BxC, tokens_BxC, rows_BxWxV, carry)``: the ``C`` nodes of
+  depth ``depth`` drawn from the rows of the ``W`` nodes of depth ``depth − 1`` (depth 1: the root, ``W = 1``), their
+  parents as indices in ``[0, W)`` grouped and in draw order, and the rows they were drawn from (after any
+  smoothing). ``depth`` is static; under the scan (constant widths) it is 2 for every depth ≥ 2, which draw alike."""
 
   is_chain = False
 
@@ -76,66 +95,113 @@ class _TreeModelDrafter(ModelDrafter):
     return None
 
   def propose(self, params, state, tokens_BxS, length_B, key_B, gamma, sampler: sampling.Sampler):
+    """``(cache, Draft)``: ``tokens_BxN`` / ``parents_BxN`` int32 ``[B, N]`` (``N = num_nodes(gamma)``), ``q_BxNxV``
+    f32 ``[B, N, V]`` (row n = the law node n and its siblings were drawn from). ``tokens_BxS`` int32 ``[B, S]``
+    (``S`` = the cache's slots, ``≥ length + N``), ``length_B`` int32 ``[B]``, ``key_B`` one key per row.
+
+    One forward of the last two committed tokens (the root's row), then one per depth but the deepest, each feeding
+    all nodes of that depth at once: γ forwards. Where every depth has the same width (k-chains, RSD-S) the depths
+    run in a ``lax.scan`` (one forward compiled, as :class:`ModelDrafter` does); RSD-C's widths differ, its depths
+    are unrolled."""
     widths = self.widths(gamma)
-    module = decoder_lib.Decoder(self.config)
-    cache = state
+    n_nodes = int(sum(widths))
+    module = self.module
     batch, cache_len = tokens_BxS.shape
     rows_B = jnp.arange(batch)
     positions_Bx2 = jnp.maximum(length_B[:, None] + jnp.array([[-2, -1]]), 0)
-    logits_Bx2xV, cache = feed(module, params, tokens_BxS[rows_B[:, None], positions_Bx2], positions_Bx2, cache,
+    logits_Bx2xV, cache = feed(module, params, tokens_BxS[rows_B[:, None], positions_Bx2], positions_Bx2, state,
                                cache_len)
-    rows_BxWxV = sampler.probs(logits_Bx2xV[:, -1:])  # the root: one "parent" row
-    keys_BxD = jax.vmap(lambda k: jax.random.split(k, len(widths)))(key_B)
-    paths_BxWxd = jnp.zeros((batch, 1, 0), jnp.int32)  # root-to-node node indices of the previous depth's nodes
-    carry = self._start(rows_BxWxV)
+    root_rows_Bx1xV = sampler.probs(logits_Bx2xV[:, -1:])
+    keys_DxB = jnp.swapaxes(jax.vmap(lambda k: jax.random.split(k, gamma))(key_B), 0, 1)
+    parent_BxW, tokens_BxW, root_q_Bx1xV, carry = self._children(keys_DxB[0], root_rows_Bx1xV,
+                                                                  self._start(root_rows_Bx1xV), 1)
+    node_N = jnp.arange(n_nodes, dtype=jnp.int32)
+    anc_BxWxN = jnp.broadcast_to(node_N[None, None, :] == jnp.arange(widths[0])[None, :, None],
+                                 (batch, widths[0], n_nodes))  # ancestors-or-self of this depth's nodes
     slots_S = jnp.arange(cache_len, dtype=jnp.int32)
     committed_BxS = slots_S[None, :] < length_B[:, None]
-    tokens, parents, q_rows = [], [], []
-    offset, previous_offset = 0, -1
-    for d, width in enumerate(widths, start=1):
-      parent_BxW, tokens_BxW, rows_BxWxV, carry = self._children(keys_BxD[:, d - 1], rows_BxWxV, carry, d)
-      q_rows.append(jnp.take_along_axis(rows_BxWxV, parent_BxW[:, :, None], axis=1))
-      tokens.append(tokens_BxW)
-      parents.append(jnp.where(d == 1, -1, previous_offset + parent_BxW).astype(jnp.int32))
+    tree_BxS = slots_S[None, :] - length_B[:, None]  # node index of each slot (valid where in [0, N))
+    in_tree_BxS = (tree_BxS >= 0) & (tree_BxS < n_nodes)
+    tree_BxS = jnp.clip(tree_BxS, 0, n_nodes - 1)
+
+    def grow(cache, tokens_BxW, anc_BxWxN, carry, offset, key_B, depth, width, next_width):
+      """Feed depth ``depth − 1``'s ``width`` nodes (indices ``offset ..``), draw depth ``depth``'s ``next_width``."""
       nodes_BxW = jnp.broadcast_to(offset + jnp.arange(width, dtype=jnp.int32), (batch, width))
-      paths_BxWxd = jnp.concatenate([jnp.take_along_axis(paths_BxWxd, parent_BxW[:, :, None], axis=1),
-                                     nodes_BxW[:, :, None]], axis=2)
-      if d < len(widths):  # feed this depth: its rows are the next depth's parents' laws
-        on_path_BxWxS = jnp.any(slots_S[None, None, None, :] == (length_B[:, None, None, None]
-                                                                 + paths_BxWxd[:, :, :, None]), axis=2)
-        mask_BxWxS = committed_BxS[:, None, :] | on_path_BxWxS
-        positions_BxW = jnp.broadcast_to(length_B[:, None] - 1 + d, (batch, width))
-        logits_BxWxV, cache = module.apply({"params": params}, tokens_BxW, positions_BxW, cache, mask_BxWxS,
-                                           slots_BxT=length_B[:, None] + nodes_BxW)
-        rows_BxWxV = sampler.probs(logits_BxWxV.astype(jnp.float32))
-      previous_offset, offset = offset, offset + width
-    draft = Draft(jnp.concatenate(tokens, axis=1).astype(jnp.int32), jnp.concatenate(parents, axis=1),
-                  jnp.concatenate(q_rows, axis=1))
+      sees_BxWxS = jnp.take_along_axis(anc_BxWxN, jnp.broadcast_to(tree_BxS[:, None, :], (batch, width, cache_len)),
+                                       axis=2) & in_tree_BxS[:, None, :]
+      positions_BxW = jnp.broadcast_to(length_B[:, None] + jnp.sum(anc_BxWxN, axis=2, dtype=jnp.int32) - 1,
+                                       (batch, width))
+      mask_BxWxS = committed_BxS[:, None, :] | sees_BxWxS
+      logits_BxWxV, cache = module.apply({"params": params}, tokens_BxW, positions_BxW, cache, mask_BxWxS,
+                                         slots_BxT=length_B[:, None] + nodes_BxW)
+      rows_BxWxV = sampler.probs(logits_BxWxV.astype(jnp.float32))
+      parent_BxC, tokens_BxC, rows_BxWxV, carry = self._children(key_B, rows_BxWxV, carry, depth)
+      q_BxCxV = jnp.take_along_axis(rows_BxWxV, parent_BxC[:, :, None], axis=1)
+      next_nodes_C = offset + width + jnp.arange(next_width, dtype=jnp.int32)
+      anc_BxCxN = (jnp.take_along_axis(anc_BxWxN, parent_BxC[:, :, None], axis=1)
+                   | (node_N[None, None, :] == next_nodes_C[None, :, None]))
+      return cache, tokens_BxC, anc_BxCxN, carry, offset + parent_BxC, q_BxCxV
+
+    tokens = [tokens_BxW]
+    parents = [jnp.full((batch, widths[0]), -1, jnp.int32)]
+    q_rows = [jnp.take_along_axis(root_q_Bx1xV, parent_BxW[:, :, None], axis=1)]
+    if gamma > 1 and len(set(widths)) == 1:  # constant width: scan the depths (one forward compiled)
+      width = widths[0]
+
+      def step(scan_carry, xs):
+        cache, tokens_BxW, anc_BxWxN, carry = scan_carry
+        offset, key_B = xs
+        cache, tokens_BxW, anc_BxWxN, carry, parent_BxW, q_BxWxV = grow(cache, tokens_BxW, anc_BxWxN, carry, offset,
+                                                                       key_B, 2, width, width)
+        return (cache, tokens_BxW, anc_BxWxN, carry), (tokens_BxW, parent_BxW, q_BxWxV)
+
+      offsets_D = width * jnp.arange(gamma - 1, dtype=jnp.int32)
+      (cache, _, _, _), (tokens_DxBxW, parents_DxBxW, q_DxBxWxV) = jax.lax.scan(
+          step, (cache, tokens_BxW, anc_BxWxN, carry), (offsets_D, keys_DxB[1:]))
+      tokens.append(jnp.swapaxes(tokens_DxBxW, 0, 1).reshape(batch, -1))
+      parents.append(jnp.swapaxes(parents_DxBxW, 0, 1).reshape(batch, -1))
+      q_rows.append(jnp.swapaxes(q_DxBxWxV, 0, 1).reshape(batch, n_nodes - width, -1))
+    else:
+      offset = 0
+      for d in range(1, gamma):
+        cache, tokens_BxW, anc_BxWxN, carry, parent_BxW, q_BxWxV = grow(
+            cache, tokens_BxW, anc_BxWxN, carry, offset, keys_DxB[d], d + 1, widths[d - 1], widths[d])
+        tokens.append(tokens_BxW)
+        parents.append(parent_BxW)
+        q_rows.append(q_BxWxV)
+        offset += widths[d - 1]
+    draft = Draft(jnp.concatenate(tokens, axis=1).astype(jnp.int32),
+                  jnp.concatenate(parents, axis=1).astype(jnp.int32), jnp.concatenate(q_rows, axis=1))
     return cache, draft
 
   def commit(self, params, state, commit: Commit):
+    """The path commit: the accepted path's entries move from slots ``old_length + path[i]`` to ``old_length + i``."""
     del params
     return state.move_slots(*path_slots(commit.old_length_B, commit.path_BxG, commit.num_accepted_B))
 
 
 @dataclasses.dataclass(frozen=True)
 class KChainDrafter(_TreeModelDrafter):
-  """SpecTr's draft: ``k`` i.i.d. chains of length γ (``N = kγ``), siblings at the root drawn WITH replacement (the
-  chains may share tokens). Verify with ``"spectr"`` or ``"rrs"``."""
+  """SpecTr's draft (Sun et al. 2023): ``k`` i.i.d. chains of length γ (``N = kγ``). Depth-major layout: nodes
+  ``0 .. k − 1`` are the root's children (drawn i.i.d. WITH replacement from the root row: chains may share tokens),
+  node ``dk + c`` is chain ``c``'s node at depth ``d + 1``, child of node ``(d − 1)k + c``. Verify with ``"spectr"`` or
+  ``"rrs"``. With ``k = 1`` the draft is ModelDrafter's chain (same tokens and rows at T = 0, same law otherwise);
+  ``is_chain`` stays False (the loop then uses the tree mask, which on a chain is the causal one)."""
 
   k: int = 2
   sibling_sampling = WITH_REPLACEMENT
 
   def __post_init__(self):
-    if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
-      raise ValueError(f"k_chains needs k >= 1 chains, got {self.k!r}")
+    if not _is_int(self.k) or self.k < 1:
+      raise ValueError(f"k_chains needs an integer number of chains k >= 1, got {self.k!r}")
+    object.__setattr__(self, "k", int(self.k))
 
   def widths(self, gamma):
     return (self.k,) * gamma
 
-  def _children(self, key_B, rows_BxWxV, carry, d):
+  def _children(self, key_B, rows_BxWxV, carry, depth):
     batch = rows_BxWxV.shape[0]
-    parent_BxK = (jnp.zeros((batch, self.k), jnp.int32) if d == 1
+    parent_BxK = (jnp.zeros((batch, self.k), jnp.int32) if depth == 1
                   else jnp.broadcast_to(jnp.arange(self.k, dtype=jnp.int32), (batch, self.k)))
     chain_rows_BxKxV = jnp.take_along_axis(rows_BxWxV, parent_BxK[:, :, None], axis=1)
     keys_BxK = jax.vmap(lambda k: jax.random.split(k, self.k))(key_B)
@@ -146,22 +212,27 @@ class KChainDrafter(_TreeModelDrafter):
 @dataclasses.dataclass(frozen=True)
 class RSDConstantDrafter(_TreeModelDrafter):
   """RSD-C (Jeon et al., arXiv 2402.14160): every node at depth ``d − 1`` gets ``branching[d − 1]`` children drawn
-  WITHOUT replacement (Gumbel-top-k of its row ``q_ε``, children in draw order); γ must equal ``len(branching)``.
-  Verify with ``"rrs_wor"`` or ``"traversal"``."""
+  WITHOUT replacement from its row ``q_ε`` (Gumbel-top-k: the top-k of ``log q_ε + Gumbel`` is an ordered sequential
+  sample without replacement), stored in draw order. γ must equal ``len(branching)``;
+  ``N = Σ_d Π_{j≤d} b_j``. Verify with ``"rrs_wor"`` or ``"traversal"`` (both lossless for children drawn this way;
+  ``q_ε`` rows keep every child a legal draw, see the module docstring)."""
 
   branching: tuple[int, ...] = (2, 1)
   epsilon: float = 1e-6
   sibling_sampling = WITHOUT_REPLACEMENT
 
   def __post_init__(self):
-    b = tuple(self.branching)
-    if not b or any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 1 for x in b):
-      raise ValueError(f"rsd_c branching must be a non-empty tuple of integers >= 1, got {self.branching!r}")
+    try:
+      b = tuple(self.branching)
+    except TypeError:
+      b = ()
+    if not b or any(not _is_int(x) or x < 1 for x in b):
+      raise ValueError(f"rsd_c branching must be a non-empty tuple of integers >= 1 (children per node at each "
+                       f"depth), got {self.branching!r}")
     if max(b) > self.config.vocab_size:
       raise ValueError(f"rsd_c branching {b} asks for more distinct children than the V = {self.config.vocab_size} "
                        "tokens")
-    if not 0.0 < self.epsilon < 1.0:
-      raise ValueError(f"epsilon must be in (0, 1), got {self.epsilon}")
+    _check_epsilon(self.epsilon)
     object.__setattr__(self, "branching", tuple(int(x) for x in b))
 
   def widths(self, gamma):
@@ -170,9 +241,9 @@ class RSDConstantDrafter(_TreeModelDrafter):
                        "(set gamma = len(branching))")
     return tuple(int(np.prod(self.branching[:d])) for d in range(1, gamma + 1))
 
-  def _children(self, key_B, rows_BxWxV, carry, d):
-    b = self.branching[d - 1]
-    batch, width, vocab = rows_BxWxV.shape
+  def _children(self, key_B, rows_BxWxV, carry, depth):
+    b = self.branching[depth - 1]  # under the scan (branching (b, 1, …, 1)) depth 2 stands for every depth ≥ 2
+    batch, width, _ = rows_BxWxV.shape
     rows_BxWxV = _smoothed(rows_BxWxV, self.epsilon)
     top_BxWxb = gumbel_top_k(key_B, jnp.log(rows_BxWxV), b)
     tokens_BxWb = top_BxWxb.reshape(batch, width * b)
@@ -182,70 +253,94 @@ class RSDConstantDrafter(_TreeModelDrafter):
 
 @dataclasses.dataclass(frozen=True)
 class RSDStochasticBeamDrafter(_TreeModelDrafter):
-  """RSD-S: stochastic beam search (Kool et al. 2019) of width ``W`` over γ depths (``N = Wγ``). Depth 1: the root's
-  Gumbel-top-W children; depth d: the W best of all beams' continuations by conditioned Gumbel scores. A beam's kept
-  children are the top of its own Gumbel perturbation (the conditioning is monotone per beam), i.e. a prefix of a
-  without-replacement sample of its row ``q_ε``, stored in that order. Verify with ``"rrs_wor"`` or
-  ``"traversal"``."""
+  """RSD-S (Jeon et al., arXiv 2402.14160): stochastic beam search (Kool et al., ICML 2019) of width ``W`` over γ
+  depths (``N = Wγ``) on the rows ``q_ε``. Depth 1: the root's Gumbel-top-W children. Depth d: every kept beam ``u``
+  (score ``T_u``, log-probability ``φ_u``) perturbs its continuations, ``g = φ_u + log q_ε(x) + Gumbel``,
+  ``Z_u = max g``, conditions them on their maximum being ``T_u``: ``G̃ = −log(e^{−T_u} − e^{−Z_u} + e^{−g})``
+  (Kool et al.'s stable form), and the W best ``G̃`` over all beams are kept. Nodes at depth d are those W beams,
+  grouped by parent (parents in depth d − 1's order), within a parent in decreasing ``G̃``. By Kool et al., the
+  depth-d beams are a without-replacement sample of W length-d sequences from the drafter's sequence law.
+
+  Why ``rrs_wor`` / ``traversal`` stay lossless although a beam keeps a random number of children. In exponential-
+  race terms ``e^{−G̃} = e^{−T_u} + (e^{−g} − e^{−Z_u})``: beam ``u``'s children arrive at the times of an exponential
+  race with rates ``∝ q_ε(x | u)``, started at ``u``'s own arrival ``e^{−T_u}``, and the kept beams are the W earliest
+  arrivals of all races. Within one race the arrival order is a sequential sample without replacement (the kept
+  children, in stored order, are a prefix of it), and by memorylessness the time of the i-th arrival is independent of
+  which token arrives i-th, given the earlier arrivals. Whether ``u`` keeps an i-th child depends only on arrival
+  times (its own and other beams'), so conditioning on its existence does not bias its token: given the earlier
+  siblings it is distributed as ``q_ε`` without them, which is all the rules' induction over siblings needs (the
+  number of siblings may depend on anything else, including the earlier siblings' tokens). The χ² law tests through
+  the loop (tests/test_engine_trees.py) run these pairings."""
 
   width: int = 2
   epsilon: float = 1e-6
   sibling_sampling = WITHOUT_REPLACEMENT
 
   def __post_init__(self):
-    if isinstance(self.width, bool) or not isinstance(self.width, int) or not 1 <= self.width <= self.config.vocab_size:
+    if not _is_int(self.width) or not 1 <= self.width <= self.config.vocab_size:
       raise ValueError(f"rsd_s width must be an integer in [1, V = {self.config.vocab_size}], got {self.width!r}")
-    if not 0.0 < self.epsilon < 1.0:
-      raise ValueError(f"epsilon must be in (0, 1), got {self.epsilon}")
+    _check_epsilon(self.epsilon)
+    object.__setattr__(self, "width", int(self.width))
 
   def widths(self, gamma):
     return (self.width,) * gamma
 
   def _start(self, root_q_Bx1xV):
     batch = root_q_Bx1xV.shape[0]
-    return (jnp.zeros((batch, 1), jnp.float32), jnp.zeros((batch, 1), jnp.float32))  # log prob, perturbed score
+    return (jnp.zeros((batch, 1), jnp.float32), jnp.zeros((batch, 1), jnp.float32))  # log prob φ, score G̃
 
-  def _children(self, key_B, rows_BxWxV, carry, d):
+  def _children(self, key_B, rows_BxWxV, carry, depth):
     logp_BxW, score_BxW = carry
     batch, beams, vocab = rows_BxWxV.shape
     rows_BxWxV = _smoothed(rows_BxWxV, self.epsilon)
     phi_BxWxV = logp_BxW[:, :, None] + jnp.log(rows_BxWxV)
     g_BxWxV = phi_BxWxV + jax.vmap(lambda k: jax.random.gumbel(k, (beams, vocab), jnp.float32))(key_B)
-    z_BxW = jnp.max(g_BxWxV, axis=-1)
-    # Conditioned scores G̃ = −log(exp(−T) − exp(−Z) + exp(−g)) in Kool et al.'s stable form (T: the beam's score).
-    v_BxWxV = score_BxW[:, :, None] - g_BxWxV + _log1mexp(g_BxWxV - z_BxW[:, :, None])
-    cond_BxWxV = score_BxW[:, :, None] - jax.nn.relu(v_BxWxV) - jnp.log1p(jnp.exp(-jnp.abs(v_BxWxV)))
-    if d == 1:
-      cond_BxWxV = g_BxWxV  # a single root beam: its own Gumbel order
+    if depth == 1:
+      cond_BxWxV = g_BxWxV  # one root beam: its unconditioned Gumbels (the root's score is their maximum)
+    else:
+      z_BxW = jnp.max(g_BxWxV, axis=-1)
+      # G̃ = T − max(v, 0) − log1p(e^{−|v|}), v = T − g + log1mexp(g − Z) (Kool et al., appendix B).
+      v_BxWxV = score_BxW[:, :, None] - g_BxWxV + _log1mexp(g_BxWxV - z_BxW[:, :, None])
+      cond_BxWxV = score_BxW[:, :, None] - jax.nn.relu(v_BxWxV) - jnp.log1p(jnp.exp(-jnp.abs(v_BxWxV)))
     best_BxW, flat_BxW = jax.lax.top_k(cond_BxWxV.reshape(batch, beams * vocab), self.width)
     parent_BxW = (flat_BxW // vocab).astype(jnp.int32)
-    tokens_BxW = (flat_BxW % vocab).astype(jnp.int32)
-    # Group by parent (stable: within a parent the top_k order is its Gumbel order).
+    # Group by parent; the sort is stable, so within a parent the order stays decreasing G̃ (its Gumbel order).
     order_BxW = jnp.argsort(parent_BxW, axis=1, stable=True)
-    parent_BxW = jnp.take_along_axis(parent_BxW, order_BxW, axis=1)
-    tokens_BxW = jnp.take_along_axis(tokens_BxW, order_BxW, axis=1)
     flat_BxW = jnp.take_along_axis(flat_BxW, order_BxW, axis=1)
     best_BxW = jnp.take_along_axis(best_BxW, order_BxW, axis=1)
+    parent_BxW = (flat_BxW // vocab).astype(jnp.int32)
+    tokens_BxW = (flat_BxW % vocab).astype(jnp.int32)
     logp_BxW = jnp.take_along_axis(phi_BxWxV.reshape(batch, beams * vocab), flat_BxW, axis=1)
     return parent_BxW, tokens_BxW, rows_BxWxV, (logp_BxW, best_BxW)
 
 
-def shape_for_budget(kind: str, budget: int) -> tuple[dict, int]:
-  """``(settings, gamma)`` of a ``kind`` drafter with exactly ``budget`` nodes: ``"k_chains"`` k = 2 (depth N/2);
-  ``"rsd_c"`` branching (2, 1, …, 1) (two chains drawn without replacement: the shape of SpecTr k = 2, so the two
-  compare sampling with and without replacement at one shape); ``"rsd_s"`` width 2 (depth N/2); ``"model"`` γ = N."""
-  if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-    raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
-  if kind == "model":
-    return {}, budget
-  if budget % 2:
-    raise ValueError(f"{kind} shapes have two branches: budget must be even, got {budget}")
-  depth = budget // 2
-  if kind == "k_chains":
-    return {"k": 2}, depth
-  if kind == "rsd_c":
-    return {"branching": (2,) + (1,) * (depth - 1)}, depth
-  if kind == "rsd_s":
-    return {"width": 2}, depth
-  raise ValueError(f"no budget shapes for drafter {kind!r}; known: model, k_chains, rsd_c, rsd_s")
+#: Drafters whose shape :func:`shape_for_budget` knows; "model" and "ngram" are chains (γ = N).
+_BUDGET_KINDS = ("model", "ngram", "k_chains", "rsd_c", "rsd_s")
 
+
+def shape_for_budget(kind: str, budget: int, branches: int = 2) -> tuple[dict, int]:
+  """``(settings, gamma)`` of a ``kind`` drafter with exactly ``budget`` draft nodes (what one target pass scores).
+
+  Chains (``"model"``, ``"ngram"``): γ = N. Trees put ``branches`` (2 by default, or 4) branches at the root and keep
+  the depth at ``N / branches``: ``"k_chains"`` k = branches; ``"rsd_c"`` branching ``(branches, 1, …, 1)`` (the shape
+  of SpecTr's k chains drawn without replacement, so the two compare sampling with and without replacement at one
+  shape and depth); ``"rsd_s"`` width = branches (the beams may share prefixes, so its tree is as deep but narrower
+  near the root). Budgets 4, 8, 16 give depths 2, 4, 8 (branches 2) and 1, 2, 4 (branches 4; depth 1 is no tree).
+  Branching spread over depths, e.g. RSD-C ``(2, 2, 1, …)``, reaches only ``N = 2 + 4(γ − 1)`` (6, 10, 14, …), none of
+  the power-of-two budgets; build such drafters directly."""
+  if not _is_int(budget) or budget < 1:
+    raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
+  if kind not in _BUDGET_KINDS:
+    raise ValueError(f"no budget shapes for drafter {kind!r}; known: {', '.join(_BUDGET_KINDS)}")
+  if kind in ("model", "ngram"):
+    return {}, int(budget)
+  if not _is_int(branches) or branches < 1:
+    raise ValueError(f"branches must be an integer >= 1, got {branches!r}")
+  if budget % branches:
+    raise ValueError(f"{kind} shapes with {branches} branches need a budget divisible by {branches}, got {budget}")
+  depth = budget // branches
+  if kind == "k_chains":
+    return {"k": int(branches)}, depth
+  if kind == "rsd_c":
+    return {"branching": (int(branches),) + (1,) * (depth - 1)}, depth
+  return {"width": int(branches)}, depth
