@@ -22,14 +22,18 @@ def test_main_prints_exact_and_measured(capsys):
 def test_gin_file_binds_the_report():
   gin.clear_config()
   gin.parse_config_files_and_bindings([os.path.join(REPO, "gin", "theory_report.gin")], ["theory_report.seed = 3"])
-  assert gin.query_parameter("theory_report.gammas") == (2, 4, 8)
+  assert gin.query_parameter("theory_report.gammas") == (2, 4)
   assert gin.query_parameter("theory_report.seed") == 3
   gin.clear_config()
 
 
-def test_bad_gamma_is_rejected():
+def test_bad_gamma_is_rejected(capsys):
   with pytest.raises(SystemExit):
     cli.main(["--gamma", "0"])
+  gin.clear_config()
+  with pytest.raises(SystemExit):  # V^γ drafts to enumerate (V = 5: 390,625): refused before any work
+    cli.main(["--gamma", "8"])
+  assert "γ = 8 enumerates V^γ = 390,625 drafts" in capsys.readouterr().err
 
 
 def test_measured_matches_exact_within_five_stderr():
