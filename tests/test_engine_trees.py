@@ -80,14 +80,18 @@ def test_tree_pass_scores_root_to_node_paths_and_path_commit_restores_the_cache(
                                 drafter=drafter, gamma=3, sampler=T1)
   np.testing.assert_array_equal(scored.depth_BxN, [[1, 1, 2, 2, 2, 3], [1, 1, 1, 2, 2, 3]])
 
-  # Every node's target row equals the row of an autoregressive pass over prompt + its root-to-node path.
+  # Every node's target row equals the row of an autoregressive pass over prompt + its root-to-node path (all such
+  # rows in one right-padded batch: causal attention keeps the padding out of every real position).
+  rows, where = [], []
   for b, prompt in enumerate(PROMPTS):
+    rows.append(prompt)
+    where.append((b, 0))
     for n in range(TOKENS.shape[1]):
-      row = prompt + [int(TOKENS[b, m]) for m in path_to(PARENTS[b], n)]
-      logits, _ = fresh_pass(config, params, [row], cache_len)
-      np.testing.assert_allclose(scored.p_BxN1xV[b, n + 1], jax.nn.softmax(logits[0, len(row) - 1]), atol=2e-6)
-    logits, _ = fresh_pass(config, params, [prompt], cache_len)
-    np.testing.assert_allclose(scored.p_BxN1xV[b, 0], jax.nn.softmax(logits[0, len(prompt) - 1]), atol=2e-6)
+      rows.append(prompt + [int(TOKENS[b, m]) for m in path_to(PARENTS[b], n)])
+      where.append((b, n + 1))
+  logits, _ = fresh_pass(config, params, rows, cache_len)
+  for i, (row, (b, t)) in enumerate(zip(rows, where)):
+    np.testing.assert_allclose(scored.p_BxN1xV[b, t], jax.nn.softmax(logits[i, len(row) - 1]), atol=2e-6)
 
   # Accept a depth-2 path ending at a non-first sibling in row 0 (0 → 3), a depth-3 path in row 1 (1 → 4 → 5).
   path_BxG = jnp.asarray([[0, 3, -1], [1, 4, 5]], jnp.int32)
@@ -185,7 +189,8 @@ def test_every_lossless_rule_has_the_target_law_through_the_loop(rule, kind):
         f"{spec.summarize_metrics(m)['mean_acceptance_length']:.3f}")
   assert res.p_value > 1e-3
   assert int(m.invalid_prob_rows.sum()) == 0
-  assert 0 < int(m.num_accepted_tokens.sum())
+  rate = float(m.num_accepted_tokens.sum() / m.num_draft_tokens.sum())
+  assert 0 < rate < 0.95  # drafts are neither all rejected nor all accepted: the rule's test actually decides
 
 
 @pytest.mark.parametrize("rule", list(verify.VERIFIERS) + ["block@ngram", "rrs_wor@rsd_s"])
@@ -205,7 +210,7 @@ def test_rows_with_different_trees_stay_independent():
   """RSD-S draws a different tree for every row: a row's output does not depend on its batch neighbours."""
   config, target, drafter = model_pair()
   keys = jax.random.split(jax.random.key(7), 4)
-  full = run_rule(config, target, drafter, RAGGED, keys, 12, "traversal", T1, "rsd_s")
+  full = run_rule(config, target, drafter, RAGGED, keys, 8, "traversal", T1, "rsd_s")
   for b in (0, 3):
-    alone = run_rule(config, target, drafter, [RAGGED[b]], keys[b:b + 1], 12, "traversal", T1, "rsd_s")
+    alone = run_rule(config, target, drafter, [RAGGED[b]], keys[b:b + 1], 8, "traversal", T1, "rsd_s")
     np.testing.assert_array_equal(full.tokens_BxN[b], alone.tokens_BxN[0])

@@ -56,3 +56,27 @@ def test_bad_arguments():
   with pytest.raises(ValueError, match="at least one token"):
     paired.paired_acceptance(target, drafter, [[1], []], target=config, drafter=ModelDrafter(config), gamma=2,
                              temperature=1.0, draws=1)
+
+
+def test_tree_arm_summary_and_paired_differences():
+  from blockspec_jax.eval import paired_trees as pt
+  # 2 draws, 3 contexts; arm A with rules (rrs_wor, traversal), arm B with (rrs, spectr), budget 8.
+  a = np.zeros((2, 3, 2))
+  a[:, :, 0] = [[1.0, 2.0, 3.0], [1.0, 2.0, 1.0]]  # rrs_wor: per-context means 1.0, 2.0, 2.0
+  a[:, :, 1] = [[1.5, 2.0, 3.0], [1.5, 2.5, 2.0]]  # traversal: 1.5, 2.25, 2.5
+  b = np.zeros((2, 3, 2))
+  b[:, :, 0] = [[0.5, 1.0, 1.0], [0.5, 2.0, 2.0]]  # rrs: 0.5, 1.5, 1.5
+  results = [dict(budget=8, arm="rsd_c branching=(2, 1, 1, 1)", gamma=4, rules=["rrs_wor", "traversal"], table=a),
+             dict(budget=8, arm="spectr k=2", gamma=4, rules=["rrs", "spectr"], table=b)]
+  rows = {(r["arm"].split(" ")[0], r["rule"]): r for r in pt.summarize_arms(results)}
+  assert rows[("rsd_c", "traversal")]["be"] == pytest.approx(1 + 6.25 / 3)
+  assert rows[("rsd_c", "rrs_wor")]["be_stderr"] == pytest.approx(np.std([1, 2, 2], ddof=1) / np.sqrt(3))
+  d, se = pt.paired_difference(results, 8, results[0]["arm"], "traversal", "rrs_wor")  # diffs 0.5, 0.25, 0.5
+  assert d == pytest.approx(1.25 / 3) and se == pytest.approx(np.std([0.5, 0.25, 0.5], ddof=1) / np.sqrt(3))
+  d, _ = pt.paired_difference(results, 8, results[0]["arm"], "rrs_wor", "rrs", worse_arm="spectr k=2")
+  assert d == pytest.approx(0.5)  # (1.0 − 0.5 + 2.0 − 1.5 + 2.0 − 1.5) / 3, paired on contexts across arms
+  text = paired.format_trees([dict(r, temperature=1.0) for r in results], [1.0])
+  assert "traversal − rrs_wor on the same trees: +0.417" in text
+  assert "siblings without − with replacement" in text and "+0.500" in text
+  with pytest.raises(KeyError, match="no arm"):
+    pt.paired_difference(results, 16, "spectr k=2", "rrs", "spectr")

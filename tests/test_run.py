@@ -23,8 +23,8 @@ def test_prompt_file_rows_keep_their_licence():
 def test_main_job_on_smollm2(tmp_path, capsys):
   out = tmp_path / "run.json"
   methods = ("autoregressive", "block", "greedy", "traversal@rsd_c")  # a chain rule, greedy, a tree rule and drafter
-  report = run.run_job(target="smollm2-135m", drafter="smollm2-135m", num_prompts=2, gamma=3, temperatures=(0.0,),
-                       methods=methods, drafter_settings={"rsd_c": {"branching": (2, 1, 1)}}, max_new_tokens=12,
+  report = run.run_job(target="smollm2-135m", drafter="smollm2-135m", num_prompts=1, gamma=3, temperatures=(0.0,),
+                       methods=methods, drafter_settings={"rsd_c": {"branching": (2, 1, 1)}}, max_new_tokens=8,
                        output_json=str(out), show_text=True)
   printed = capsys.readouterr().out
   assert "block efficiency" in printed and "--- block@T=0.0 ---" in printed and "dec tok/s" in printed

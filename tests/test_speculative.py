@@ -55,8 +55,8 @@ def run_spec(config, target, drafter_params, prompts, keys, max_new, gamma, veri
                                    max_new_tokens=max_new, verifier=verifier, sampler=sampler, stop_ids=stop_ids)
 
 
-@pytest.mark.parametrize("gamma", [1, 4, 8])
-@pytest.mark.parametrize("verifier", ["token", "block"])
+# γ = 4 for every rule, and the law at T = 1 for every lossless rule: tests/test_engine_trees.py (registry-wide).
+@pytest.mark.parametrize("gamma,verifier", [(1, "token"), (8, "block")])
 def test_greedy_speculative_equals_autoregressive(gamma, verifier):
   config, target, drafter = model_pair()
   keys = jax.random.split(jax.random.key(0), 4)
@@ -97,27 +97,6 @@ def target_sequence_law(config, params, prompt, n):
     total += logp[np.arange(len(conts)), p0 - 1 + j, conts[:, j]]
   probs = np.exp(total)
   return {tuple(c): float(p) for c, p in zip(conts.tolist(), probs / probs.sum())}
-
-
-@pytest.mark.parametrize("verifier", ["token", "block"])
-def test_first_three_tokens_have_the_target_law(verifier):
-  """T = 1, V = 6: the law of the first 3 emitted tokens equals the target's (χ², 30k seeded rows, γ = 2)."""
-  config, target, drafter = model_pair(vocab=6, seed=3, noise=1.0)
-  prompt = [1, 4]
-  law = target_sequence_law(config, target, prompt, 3)
-  n = 30_000
-  keys = jax.random.split(jax.random.key(42), n)
-  out = run_spec(config, target, drafter, [prompt] * n, keys, 3, 2, verifier, sampling.Sampler(1.0))
-  counts = {}
-  for row in map(tuple, np.asarray(out.tokens_BxN).tolist()):
-    counts[row] = counts.get(row, 0) + 1
-  res = theory.chi2_gof(counts, law)
-  m = out.metrics
-  rate = float(m.num_accepted_tokens.sum() / m.num_draft_tokens.sum())
-  print(f"engine {verifier}: χ² p = {res.p_value:.4g} (dof {res.dof}), acceptance rate {rate:.3f}")
-  assert res.p_value > 1e-3
-  assert 0.2 < rate < 0.95
-  assert int(m.invalid_prob_rows.sum()) == 0
 
 
 def test_row_output_does_not_depend_on_the_batch():

@@ -153,9 +153,11 @@ class Drafter(Protocol):
   ``is_chain``     whether every draft is a chain (``parents = [−1, 0, …]``)
   ``num_nodes(gamma)``  ``N``: nodes per draft for maximum depth ``gamma`` (static; sizes the caches)
 
-  Cache convention shared with the target: at the start of an iteration a row's caches hold valid entries for
-  positions ``< length − 1`` at least; the last committed token has not been fed. Tree nodes are written at slots
-  ``length + n`` (see the module docstring) and :meth:`commit` moves the accepted path into place.
+  Cache convention: at the start of an iteration the target's cache holds valid entries for positions
+  ``< length − 1``; the last committed token has not been fed. A drafter's own cache is its business: the model
+  drafters keep positions ``< length − 2`` valid (after a fully accepted block the drafter never fed the last draft
+  token) and re-feed the last two committed tokens first. Tree nodes are written at slots ``length + n`` (see the
+  module docstring) and :meth:`commit` moves the accepted path into place.
 
   ``init_state(params, tokens_BxP, prompt_len_B, max_len)``: prefill on the padded prompts (row ``b``'s prompt is
       ``tokens_BxP[b, :prompt_len_B[b]]``), returning the drafter's loop state for caches of ``max_len`` slots.

@@ -187,6 +187,14 @@ def format_trees(results, temperatures) -> str:
       if "traversal" in r["rules"] and "rrs_wor" in r["rules"]:
         d, se = pt.paired_difference(sub, r["budget"], r["arm"], "traversal", "rrs_wor")
         lines.append(f"    N={r['budget']:>2} {r['arm']}: traversal − rrs_wor on the same trees: {d:+.3f} ± {se:.3f}")
+    for budget in sorted({r["budget"] for r in sub}):
+      labels = {r["arm"] for r in sub if r["budget"] == budget}
+      rsd = next((a for a in labels if a.startswith("rsd_c")), None)
+      k2 = "spectr k=2" if "spectr k=2" in labels else None
+      if rsd and k2:
+        d, se = pt.paired_difference(sub, budget, rsd, "rrs_wor", "rrs", worse_arm=k2)
+        lines.append(f"    N={budget:>2} same shape, siblings without − with replacement: rrs_wor on {rsd} − rrs on "
+                     f"{k2}: {d:+.3f} ± {se:.3f} (same contexts)")
     by = {(r["budget"], r["arm"], r["rule"]): r["be"] for r in rows}
     chain8 = by.get((8, "chain", "block"))
     best16 = max(((be, k) for k, be in by.items() if k[0] == 16 and k[1] != "chain"), default=None)

@@ -120,14 +120,21 @@ def summarize_arms(results: Sequence[dict]) -> list[dict]:
   return rows
 
 
-def paired_difference(results: Sequence[dict], budget: int, arm: str, better: str, worse: str):
-  """``(mean, stderr)`` of E[τ] of rule ``better`` minus ``worse`` on the same drafts of one arm, over contexts."""
+def _per_context(results: Sequence[dict], budget: int, arm: str, rule: str) -> np.ndarray:
+  """float64 ``[contexts]``: E[τ] of ``rule`` on ``arm`` at ``budget``, averaged over the arm's draws."""
   for res in results:
     if res["budget"] == budget and res["arm"] == arm:
-      per_context_BxR = np.asarray(res["table"], np.float64).mean(axis=0)
-      diff_B = per_context_BxR[:, res["rules"].index(better)] - per_context_BxR[:, res["rules"].index(worse)]
-      return float(diff_B.mean()), float(diff_B.std(ddof=1) / np.sqrt(len(diff_B))) if len(diff_B) > 1 else np.nan
+      return np.asarray(res["table"], np.float64).mean(axis=0)[:, res["rules"].index(rule)]
   raise KeyError(f"no arm {arm!r} at budget {budget}")
+
+
+def paired_difference(results: Sequence[dict], budget: int, arm: str, better: str, worse: str,
+                      worse_arm: str | None = None):
+  """``(mean, stderr)`` over contexts of E[τ] of rule ``better`` on ``arm`` minus rule ``worse`` on ``worse_arm``
+  (default: the same arm, i.e. the same drafts). Across arms the contexts are shared but the drafts are each arm's
+  own, so the difference is paired on contexts only."""
+  diff_B = _per_context(results, budget, arm, better) - _per_context(results, budget, worse_arm or arm, worse)
+  return float(diff_B.mean()), float(diff_B.std(ddof=1) / np.sqrt(len(diff_B))) if len(diff_B) > 1 else np.nan
 
 
 def plot_arms(rows: Sequence[dict], temperature: float) -> str:
