@@ -23,14 +23,19 @@ Rules (:data:`RULES`):
 * ``"exact_match"``: ``Y_i ~ p_i`` independently (i = 0..γ), accept while ``Y_{i-1} == x_i``, emit the first
   mismatching sample: ``P(τ=t, Y=y|x) = Π_{j≤t} p_{j-1}(x_j) · p_t(y) · [y ≠ x_{t+1}]`` (t < γ),
   ``Π_{j≤γ} p_{j-1}(x_j) · p_γ(y)`` (t = γ).
+* ``"lenient"`` (DistillSpec, lossy for ε < 1; settings ``epsilon`` ∈ (0, 1], default 0.5, and ``f`` ∈
+  :data:`LENIENT_FUNCTIONS`, default "div"): the token rule with ``a_i = min(1, f(p_{i-1}(x_i), ε)/q_{i-1}(x_i))``,
+  ``f = p/ε`` ("div"), ``p/ε²`` ("div2"), ``p^ε`` ("pow"); same residual and bonus. ε = 1 is "token".
+  :func:`one_step_tv` gives its exact error.
 
-Numerical fallback (token and block): a residual with zero total mass is replaced by the target row ``p_t``. This
-only happens where ``P(τ = t | x) = 0`` in exact arithmetic (or through rounding), so the laws are unaffected; it
-mirrors ``blockspec_jax.verify.rules``.
+Numerical fallback (token, lenient and block): a residual with zero total mass is replaced by the target row ``p_t``.
+This only happens where ``P(τ = t | x) = 0`` in exact arithmetic (or through rounding), so the laws are unaffected;
+it mirrors ``blockspec_jax.verify.rules``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -43,10 +48,13 @@ from blockspec_jax.theory.tabular import TabularLM
 __all__ = ["RULES", "conditional_law", "exact_outcome_law", "exact_tau_law", "expected_accepted",
            "expected_accepted_token_closed_form", "expected_accepted_block_closed_form", "full_information_bound",
            "sequence_law", "emitted_prefix_law", "iid_expected_accepted", "iid_block_efficiency", "acceptance_rate",
-           "paper_toy"]
+           "paper_toy", "one_step_tv", "LENIENT_FUNCTIONS", "LENIENT_DEFAULT_EPSILON"]
 
-RULES = ("token", "block", "greedy", "exact_match")
-_RULES_NEEDING_DRAFT_PROBS = ("token", "block")
+RULES = ("token", "block", "greedy", "exact_match", "lenient")
+_RULES_NEEDING_DRAFT_PROBS = ("token", "block", "lenient")
+# Mirrors blockspec_jax.verify.rules (this package does not import jax); tests/test_lenient.py checks they agree.
+LENIENT_FUNCTIONS = ("div", "div2", "pow")
+LENIENT_DEFAULT_EPSILON = 0.5
 
 
 # --- argument checks ---------------------------------------------------------------------------------------------
@@ -55,6 +63,25 @@ def _check_rule(rule: str) -> str:
   if rule not in RULES:
     raise ValueError(f"unknown rule {rule!r}; known rules: {', '.join(RULES)}")
   return rule
+
+
+def _rule_settings(rule: str, epsilon, f) -> dict:
+  """The settings of ``rule``: ``{"epsilon", "f"}`` for "lenient" (defaults filled in, checked), ``{}`` otherwise
+  (where passing ``epsilon`` or ``f`` is an error)."""
+  if rule != "lenient":
+    if epsilon is not None or f is not None:
+      raise ValueError(f"rule {rule!r} takes no epsilon / f (only 'lenient' does)")
+    return {}
+  epsilon = LENIENT_DEFAULT_EPSILON if epsilon is None else epsilon
+  f = "div" if f is None else f
+  if f not in LENIENT_FUNCTIONS:
+    raise ValueError(f"unknown lenience function f={f!r}; known: {', '.join(LENIENT_FUNCTIONS)} "
+                     f"(div: p/eps, div2: p/eps^2, pow: p^eps)")
+  if isinstance(epsilon, (bool, np.bool_)) or not isinstance(epsilon, (int, float, np.integer, np.floating)):
+    raise ValueError(f"epsilon must be a number in (0, 1], got {epsilon!r}")
+  if not 0.0 < float(epsilon) <= 1.0:
+    raise ValueError(f"epsilon must be in (0, 1], got {epsilon!r}")
+  return {"epsilon": float(epsilon), "f": f}
 
 
 def _check_gamma(gamma, minimum: int = 1) -> int:
@@ -85,12 +112,21 @@ def _normalised_or_fallback(residual_V: np.ndarray, fallback_V: np.ndarray) -> n
   return residual_V / mass if mass > 0 else np.array(fallback_V, dtype=np.float64)
 
 
-def _token_law(p_rows_Gp1xV, q_rows_GxV, draft_G) -> np.ndarray:
+def _lenient_numerator(p: float, epsilon: float, f: str) -> float:
+  """``f(p, ε)``: ``p/ε`` ("div"), ``p/ε²`` ("div2"), ``p^ε`` ("pow"); ``p`` itself at ε = 1."""
+  if epsilon == 1.0:
+    return p
+  return {"div": p / epsilon, "div2": p / epsilon**2, "pow": p**epsilon}[f]
+
+
+def _token_law(p_rows_Gp1xV, q_rows_GxV, draft_G, epsilon: float = 1.0, f: str = "div") -> np.ndarray:
+  """The token rule's law; with ``ε < 1`` the lenient rule's (acceptance numerator ``f(p, ε)``)."""
   gamma = len(draft_G)
   law = np.zeros(p_rows_Gp1xV.shape, dtype=np.float64)
   reach = 1.0  # Π_{j≤t} a_j
   for t in range(gamma):
-    a_next = float(clipped_ratio(1.0, p_rows_Gp1xV[t, draft_G[t]], q_rows_GxV[t, draft_G[t]]))
+    numerator = _lenient_numerator(float(p_rows_Gp1xV[t, draft_G[t]]), epsilon, f)
+    a_next = float(clipped_ratio(1.0, numerator, q_rows_GxV[t, draft_G[t]]))
     residual_V = np.maximum(p_rows_Gp1xV[t] - q_rows_GxV[t], 0.0)
     law[t] = reach * (1.0 - a_next) * _normalised_or_fallback(residual_V, p_rows_Gp1xV[t])
     reach *= a_next
@@ -153,7 +189,8 @@ def _exact_match_law(p_rows_Gp1xV, draft_G) -> np.ndarray:
   return law
 
 
-def conditional_law(rule: str, p_rows_Gp1xV, q_rows_GxV, draft_G) -> np.ndarray:
+def conditional_law(rule: str, p_rows_Gp1xV, q_rows_GxV, draft_G, *, epsilon: float | None = None,
+                    f: str | None = None) -> np.ndarray:
   """``P(τ = t, Y = y | X^γ = draft)`` for one draft: float64 ``[γ+1, V]`` (entries sum to 1).
 
   Args:
@@ -162,8 +199,10 @@ def conditional_law(rule: str, p_rows_Gp1xV, q_rows_GxV, draft_G) -> np.ndarray:
     q_rows_GxV: drafter rows ``q_i = M_s(·|c ⊕ x^i)``, i = 0..γ-1, float ``[γ, V]``; may be None for "greedy" and
       "exact_match" (they do not read it).
     draft_G: the draft tokens ``x_1..x_γ``, ints ``[γ]``.
+    epsilon, f: the settings of "lenient" (None: its defaults, ε = 0.5, f = "div"); an error for other rules.
   """
   _check_rule(rule)
+  settings = _rule_settings(rule, epsilon, f)
   p_rows = np.asarray(p_rows_Gp1xV, dtype=np.float64)
   draft = tuple(int(x) for x in np.asarray(draft_G).reshape(-1))
   gamma = _check_gamma(len(draft))
@@ -178,7 +217,9 @@ def conditional_law(rule: str, p_rows_Gp1xV, q_rows_GxV, draft_G) -> np.ndarray:
     q_rows = np.asarray(q_rows_GxV, dtype=np.float64)
     if q_rows.shape != (gamma, vocab_size):
       raise ValueError(f"drafter rows must have shape [gamma, V] = [{gamma}, {vocab_size}], got {q_rows.shape}")
-    return _token_law(p_rows, q_rows, draft) if rule == "token" else _block_law(p_rows, q_rows, draft)
+    if rule == "block":
+      return _block_law(p_rows, q_rows, draft)
+    return _token_law(p_rows, q_rows, draft, **settings)  # token, lenient
   return _greedy_law(p_rows, draft) if rule == "greedy" else _exact_match_law(p_rows, draft)
 
 
@@ -193,7 +234,7 @@ def _drafts(vocab_size: int, length: int):
   return itertools.product(range(vocab_size), repeat=length)
 
 
-def _conditional_laws(rule, drafter, target, context, gamma):
+def _conditional_laws(rule, drafter, target, context, gamma, settings):
   """Yields ``(draft, M_s(draft | c), conditional_law)`` for every draft of positive drafter probability."""
   for draft in _drafts(target.vocab_size, gamma):
     draft_prob = drafter.sequence_prob(context, draft)
@@ -201,37 +242,43 @@ def _conditional_laws(rule, drafter, target, context, gamma):
       continue
     p_rows = _model_rows(target, context, draft, gamma + 1)
     q_rows = _model_rows(drafter, context, draft, gamma) if rule in _RULES_NEEDING_DRAFT_PROBS else None
-    yield draft, draft_prob, conditional_law(rule, p_rows, q_rows, draft)
+    yield draft, draft_prob, conditional_law(rule, p_rows, q_rows, draft, **settings)
 
 
 def exact_outcome_law(rule: str, drafter: TabularLM, target: TabularLM, context: Sequence[int],
-                      gamma: int) -> dict[tuple[int, ...], float]:
+                      gamma: int, *, epsilon: float | None = None,
+                      f: str | None = None) -> dict[tuple[int, ...], float]:
   """Law of the emitted tuple ``(X_1..X_τ, Y)`` (length ``τ + 1``) of one iteration.
 
   ``P(o) = Σ_{x^γ} q(x^γ) P(τ = t, Y = y | x^γ)`` over drafts with ``x^t = o[:t]``. Only outcomes of positive
   probability are keys (every term is non-negative, so a missing key has probability exactly 0); keys are sorted.
+  ``epsilon`` and ``f``: settings of "lenient" (:func:`conditional_law`).
   """
   rule, context, gamma = _check_args(rule, drafter, target, context, gamma)
+  settings = _rule_settings(rule, epsilon, f)
   law: dict[tuple[int, ...], float] = {}
-  for draft, draft_prob, law_Gp1xV in _conditional_laws(rule, drafter, target, context, gamma):
+  for draft, draft_prob, law_Gp1xV in _conditional_laws(rule, drafter, target, context, gamma, settings):
     for t, y in zip(*np.nonzero(law_Gp1xV)):
       outcome = draft[:t] + (int(y),)
       law[outcome] = law.get(outcome, 0.0) + draft_prob * float(law_Gp1xV[t, y])
   return {outcome: law[outcome] for outcome in sorted(law)}
 
 
-def exact_tau_law(rule: str, drafter: TabularLM, target: TabularLM, context: Sequence[int], gamma: int) -> np.ndarray:
-  """``P(τ = t)`` for t = 0..γ: float64 ``[γ+1]``."""
+def exact_tau_law(rule: str, drafter: TabularLM, target: TabularLM, context: Sequence[int], gamma: int, *,
+                  epsilon: float | None = None, f: str | None = None) -> np.ndarray:
+  """``P(τ = t)`` for t = 0..γ: float64 ``[γ+1]`` (``epsilon``, ``f``: settings of "lenient")."""
   rule, context, gamma = _check_args(rule, drafter, target, context, gamma)
+  settings = _rule_settings(rule, epsilon, f)
   tau_law = np.zeros(gamma + 1, dtype=np.float64)
-  for _, draft_prob, law_Gp1xV in _conditional_laws(rule, drafter, target, context, gamma):
+  for _, draft_prob, law_Gp1xV in _conditional_laws(rule, drafter, target, context, gamma, settings):
     tau_law += draft_prob * law_Gp1xV.sum(axis=1)
   return tau_law
 
 
-def expected_accepted(rule: str, drafter: TabularLM, target: TabularLM, context: Sequence[int], gamma: int) -> float:
+def expected_accepted(rule: str, drafter: TabularLM, target: TabularLM, context: Sequence[int], gamma: int, *,
+                      epsilon: float | None = None, f: str | None = None) -> float:
   """``E[τ] = Σ_t t P(τ = t)`` from :func:`exact_tau_law` (block efficiency is this + 1)."""
-  tau_law = exact_tau_law(rule, drafter, target, context, gamma)
+  tau_law = exact_tau_law(rule, drafter, target, context, gamma, epsilon=epsilon, f=f)
   return float(np.dot(np.arange(tau_law.shape[0], dtype=np.float64), tau_law))
 
 
@@ -327,6 +374,33 @@ def emitted_prefix_law(outcome_law: Mapping[tuple[int, ...], float], target: Tab
     for rest in _drafts(target.vocab_size, n - len(outcome)):
       law[outcome + rest] += prob * target.sequence_prob(context + outcome, rest)
   return law
+
+
+def one_step_tv(rule, drafter: TabularLM, target: TabularLM, context: Sequence[int], gamma: int = 1, *, n: int = 1,
+                epsilon: float | None = None, f: str | None = None) -> float:
+  """Exact total variation between the law of the first ``n`` emitted tokens and the target's, after ``context``.
+
+  One iteration of ``rule`` with ``gamma`` draft tokens, continued by the target itself when it emits fewer than
+  ``n`` tokens (:func:`emitted_prefix_law`), against :func:`sequence_law` ``(target, context, n)``:
+  ``½ Σ_s |P_emitted(s) − M_b(s | c)|``. 0 (up to rounding) for a lossless rule; for "lenient" with ε < 1 it is
+  the rule's error. With ``n = 1`` (default) it does not depend on ``gamma``: it compares the law of the first
+  emitted token, ``min(q, f(p)) + (Σ max(q − f(p), 0)) · norm(max(p − q, 0))`` for the lenient rule, with ``p``.
+
+  ``rule`` is a name of :data:`RULES` or a verifier object (anything with ``name`` whose dataclass fields are its
+  settings, e.g. ``verify.LenientVerifier(epsilon=0.3, f="pow")``); ``epsilon`` and ``f`` as in
+  :func:`exact_outcome_law`, taken from the verifier when one is passed and they are None.
+  """
+  if not isinstance(rule, str):
+    own = ({field.name: getattr(rule, field.name) for field in dataclasses.fields(rule)}
+           if dataclasses.is_dataclass(rule) else {})
+    epsilon = own.get("epsilon") if epsilon is None else epsilon
+    f = own.get("f") if f is None else f
+    rule = getattr(rule, "name", rule)
+  n = _check_gamma(n)
+  outcome_law = exact_outcome_law(rule, drafter, target, context, gamma, epsilon=epsilon, f=f)
+  emitted = emitted_prefix_law(outcome_law, target, context, n)
+  expected = sequence_law(target, context, n)
+  return 0.5 * float(sum(abs(emitted[s] - expected[s]) for s in expected))
 
 
 # --- i.i.d. formulas ---------------------------------------------------------------------------------------------

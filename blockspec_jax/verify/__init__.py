@@ -1,12 +1,13 @@
 """Verification rules for speculative decoding (see rules.py for the single-block contract)."""
 
-from blockspec_jax.verify.rules import (VerifyResult, block_acceptance_thresholds, block_verify, block_verify_eager,
-                                        block_weights,
-                                        clipped_ratio, exact_match_verify, greedy_verify, token_verify)
+from blockspec_jax.verify.rules import (LENIENT_FUNCTIONS, VerifyResult, block_acceptance_thresholds, block_verify,
+                                        block_verify_eager, block_weights, clipped_ratio, exact_match_verify,
+                                        greedy_verify, lenient_verify, token_verify)
 from blockspec_jax.verify.validation import (BAD_SUM, NEGATIVE, NOT_FINITE, check_block_shapes, describe_errors,
                                              distribution_errors, validate_block, validate_distributions)
 from blockspec_jax.verify.verifiers import (CHAIN, DEFAULT_VERIFIER, TREE, VERIFIERS, BlockVerifier,
-                                            ExactMatchVerifier, GreedyVerifier, TokenVerifier, TreeVerifier, Verdict,
+                                            ExactMatchVerifier, GreedyVerifier, LenientVerifier, TokenVerifier,
+                                            TreeVerifier, Verdict,
                                             Verifier, get_verifier, register_tree_rule, row_keys, warn_if_inexact)
 
 from blockspec_jax.verify.tree import (TREE_RULES, TreeVerifyResult, chain_parents, check_tree, tree_sampling,

@@ -29,8 +29,13 @@ from flax import struct
 from blockspec_jax import sampling
 from blockspec_jax.verify.validation import check_block_shapes
 
-__all__ = ["VerifyResult", "token_verify", "block_verify", "block_verify_eager", "greedy_verify", "exact_match_verify",
-           "clipped_ratio", "block_weights", "block_acceptance_thresholds"]
+__all__ = ["VerifyResult", "token_verify", "lenient_verify", "block_verify", "block_verify_eager", "greedy_verify",
+           "exact_match_verify", "clipped_ratio", "block_weights", "block_acceptance_thresholds", "LENIENT_FUNCTIONS",
+           "LENIENT_DEFAULT_EPSILON", "check_lenient_settings"]
+
+#: DistillSpec's lenience functions ``f(p, ε)`` (:func:`lenient_verify`): ``p/ε``, ``p/ε²``, ``p^ε``.
+LENIENT_FUNCTIONS = ("div", "div2", "pow")
+LENIENT_DEFAULT_EPSILON = 0.5
 
 
 @struct.dataclass
@@ -99,6 +104,51 @@ def _coins(key, gamma, coins):
   return coins
 
 
+def check_lenient_settings(epsilon, f) -> tuple[float, str]:
+  """``(ε, f)`` of :func:`lenient_verify` checked (a ValueError naming the problem otherwise); ``ε`` as a float.
+
+  ``ε`` must be a concrete (static) number in ``(0, 1]``, ``f`` one of :data:`LENIENT_FUNCTIONS`.
+  """
+  if f not in LENIENT_FUNCTIONS:
+    raise ValueError(f"unknown lenience function f={f!r}; known: {', '.join(LENIENT_FUNCTIONS)} "
+                     f"(div: p/eps, div2: p/eps^2, pow: p^eps)")
+  if isinstance(epsilon, bool):
+    raise ValueError(f"epsilon must be a number in (0, 1], got {epsilon!r}")
+  try:
+    epsilon = float(epsilon)
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    raise ValueError(f"epsilon must be a concrete (static) number in (0, 1], got {epsilon!r}") from None
+  if not 0.0 < epsilon <= 1.0:  # also refuses NaN
+    raise ValueError(f"epsilon must be in (0, 1], got {epsilon!r}")
+  return epsilon, f
+
+
+def _lenient_numerator(p_tok_G, epsilon: float, f: str):
+  """``f(p, ε)`` elementwise: ``p/ε`` ("div"), ``p/ε²`` ("div2") or ``p^ε`` ("pow"); ``p`` itself at ``ε = 1``.
+
+  ``ε = 1`` returns ``p_tok_G`` untouched (not ``p/1`` or ``p^1``), so that case is token verification bit for bit.
+  """
+  if epsilon == 1.0:
+    return p_tok_G
+  if f == "div":
+    return p_tok_G / jnp.float32(epsilon)
+  if f == "div2":
+    return p_tok_G / jnp.float32(epsilon * epsilon)
+  return jnp.power(p_tok_G, jnp.float32(epsilon))  # "pow": 0^ε = 0 for ε > 0
+
+
+def _chain_verify(key, draft_tokens, draft_probs, target_probs, coins, epsilon: float, f: str) -> VerifyResult:
+  """Token verification with the acceptance numerator ``f(p, ε)`` (:func:`_lenient_numerator`): the one code path
+  of :func:`token_verify` (``ε = 1``) and :func:`lenient_verify`."""
+  gamma, _, q_GxV, p_G1xV, q_tok_G, p_tok_G = _prepare(draft_tokens, draft_probs, target_probs)
+  key_coins, key_next = jax.random.split(key)
+  eta_G = _coins(key_coins, gamma, coins)
+  accept_prob_G = clipped_ratio(1.0, _lenient_numerator(p_tok_G, epsilon, f), q_tok_G)
+  tau = _leading_true_count(eta_G < accept_prob_G)
+  next_token = _correction(key_next, tau, jnp.float32(1.0), q_GxV, p_G1xV)
+  return _result(tau, next_token, jnp.cumprod(accept_prob_G))
+
+
 def token_verify(key, draft_tokens, draft_probs, target_probs, coins=None) -> VerifyResult:
   """Token-level verification (Leviathan et al. 2023; Chen et al. 2023). Lossless.
 
@@ -106,13 +156,29 @@ def token_verify(key, draft_tokens, draft_probs, target_probs, coins=None) -> Ve
   comes from ``norm(max(p_τ − q_τ, 0))`` (standard rejection sampling at the rejected position), the bonus from
   ``p_γ``. ``coins`` optionally supplies ``η`` (``[γ]``); by default they come from ``key``.
   """
-  gamma, _, q_GxV, p_G1xV, q_tok_G, p_tok_G = _prepare(draft_tokens, draft_probs, target_probs)
-  key_coins, key_next = jax.random.split(key)
-  eta_G = _coins(key_coins, gamma, coins)
-  accept_prob_G = clipped_ratio(1.0, p_tok_G, q_tok_G)
-  tau = _leading_true_count(eta_G < accept_prob_G)
-  next_token = _correction(key_next, tau, jnp.float32(1.0), q_GxV, p_G1xV)
-  return _result(tau, next_token, jnp.cumprod(accept_prob_G))
+  return _chain_verify(key, draft_tokens, draft_probs, target_probs, coins, 1.0, "div")
+
+
+def lenient_verify(key, draft_tokens, draft_probs, target_probs, *, epsilon: float, f: str = "div",
+                   coins=None) -> VerifyResult:
+  """DistillSpec's lenient verification (Zhou et al., ICLR 2024). LOSSY for ``ε < 1``.
+
+  Shapes as :func:`token_verify`: ``draft_tokens`` int ``[γ]``, ``draft_probs`` ``[γ, V]``, ``target_probs``
+  ``[γ+1, V]``; ``coins`` optionally ``[γ]``. Accept ``X_i`` with probability
+  ``min(1, f(p_{i-1}(X_i), ε) / q_{i-1}(X_i))`` until the first rejection, with ``f`` one of
+  :data:`LENIENT_FUNCTIONS`: ``"div"`` ``p/ε``, ``"div2"`` ``p/ε²``, ``"pow"`` ``p^ε``; the correction comes from
+  ``norm(max(p_τ − q_τ, 0))`` (``p_τ`` if that has no mass), the bonus from ``p_γ`` — exactly as in token
+  verification, which this is at ``ε = 1`` (same key → same result).
+
+  Why lossy: ``f(p, ε) ≥ p`` on ``[0, 1]``, so a drafted token is accepted with probability ``min(q, f(p))`` instead of
+  ``min(q, p)`` — more often where ``q > p`` — while the correction still only refills ``max(p − q, 0)``. The first
+  emitted token then has law ``min(q, f(p)) + (Σ_x max(q(x) − f(p(x)), 0)) · norm(max(p − q, 0))``, which leans towards
+  ``q``: it exceeds ``p(x)`` at any ``x`` with ``q(x) > p(x) > 0`` when ``ε < 1``. In exchange more drafts are
+  accepted (``P(τ ≥ i | X^i)`` never decreases as ``ε`` decreases).
+  ``epsilon`` and ``f`` are static (checked at trace time); jittable and vmappable over the array arguments.
+  """
+  epsilon, f = check_lenient_settings(epsilon, f)
+  return _chain_verify(key, draft_tokens, draft_probs, target_probs, coins, epsilon, f)
 
 
 def block_weights(p_tok_G: jax.Array, q_tok_G: jax.Array) -> jax.Array:

@@ -30,9 +30,9 @@ from blockspec_jax.verify import rules
 from blockspec_jax.verify import traversal as _traversal  # noqa: F401  (registers "traversal" in TREE_RULES)
 from blockspec_jax.verify.tree import TREE_RULES, tree_verify
 
-__all__ = ["Verifier", "TokenVerifier", "BlockVerifier", "GreedyVerifier", "ExactMatchVerifier", "TreeVerifier",
-           "Verdict", "VERIFIERS", "DEFAULT_VERIFIER", "CHAIN", "TREE", "get_verifier", "register_tree_rule",
-           "row_keys", "warn_if_inexact"]
+__all__ = ["Verifier", "TokenVerifier", "BlockVerifier", "GreedyVerifier", "ExactMatchVerifier", "LenientVerifier",
+           "TreeVerifier", "Verdict", "VERIFIERS", "DEFAULT_VERIFIER", "CHAIN", "TREE", "get_verifier",
+           "register_tree_rule", "row_keys", "warn_if_inexact"]
 
 CHAIN = "chain"
 TREE = "tree"
@@ -150,6 +150,36 @@ class ExactMatchVerifier(Verifier):
 
 
 @dataclasses.dataclass(frozen=True)
+class LenientVerifier(Verifier):
+  """DistillSpec's lenient verification (:func:`~blockspec_jax.verify.rules.lenient_verify`): LOSSY for ``ε < 1``.
+
+  Accepts ``X_i`` with probability ``min(1, f(p, ε)/q)``, ``f`` ∈ ``"div"`` (``p/ε``), ``"div2"`` (``p/ε²``),
+  ``"pow"`` (``p^ε``); ``ε = 1`` is token verification. Registered as ``"lenient"`` (ε = 0.5, f = "div"); other
+  settings by ``get_verifier("lenient", epsilon=0.2, f="pow")`` or ``LenientVerifier(epsilon=0.2, f="pow")``,
+  either accepted wherever a verifier is (``verifier=`` of the decoding loops). Its exact error on tabular models:
+  :func:`blockspec_jax.theory.exact.one_step_tv`. Lossless only at ``ε = 1`` and for a greedy (T = 0) target: a
+  one-hot ``p`` gives ``f(1) ≥ 1`` and ``f(0) = 0``, so the verdicts are the greedy rule's.
+  """
+  name: ClassVar[str] = "lenient"
+  lossless: ClassVar[bool] = False
+  rule = staticmethod(rules.lenient_verify)
+  epsilon: float = rules.LENIENT_DEFAULT_EPSILON
+  f: str = "div"
+
+  def __post_init__(self):
+    epsilon, f = rules.check_lenient_settings(self.epsilon, self.f)
+    object.__setattr__(self, "epsilon", epsilon)
+    object.__setattr__(self, "f", f)
+
+  def lossless_under(self, sampler) -> bool:
+    """True only at ``ε = 1`` (token verification) or for a greedy (T = 0) target."""
+    return self.epsilon == 1.0 or sampler.temperature == 0.0
+
+  def __call__(self, key, draft_tokens, draft_probs, target_probs) -> rules.VerifyResult:
+    return rules.lenient_verify(key, draft_tokens, draft_probs, target_probs, epsilon=self.epsilon, f=self.f)
+
+
+@dataclasses.dataclass(frozen=True)
 class TreeVerifier(Verifier):
   """A tree rule of :data:`~blockspec_jax.verify.tree.TREE_RULES` (one subclass per registered name). Lossless when
   siblings are drawn as ``sibling_sampling`` says; any tree of ``N`` nodes (a chain is one)."""
@@ -169,7 +199,7 @@ class TreeVerifier(Verifier):
 
 
 VERIFIERS: dict[str, type[Verifier]] = {
-    cls.name: cls for cls in (BlockVerifier, TokenVerifier, GreedyVerifier, ExactMatchVerifier)}
+    cls.name: cls for cls in (BlockVerifier, TokenVerifier, GreedyVerifier, ExactMatchVerifier, LenientVerifier)}
 DEFAULT_VERIFIER = "block"
 
 
@@ -212,7 +242,8 @@ def warn_if_inexact(verifier: Verifier, sampler) -> bool:
 
 
 def get_verifier(name: str = DEFAULT_VERIFIER, **settings) -> Verifier:
-  """The verifier registered under ``name`` ("block" by default); unknown names list the known ones."""
+  """The verifier registered under ``name`` ("block" by default) built with ``settings`` (e.g. ``epsilon`` and ``f``
+  of "lenient"); a Verifier instance is returned as is; unknown names list the known ones."""
   if isinstance(name, Verifier):
     return name
   try:
