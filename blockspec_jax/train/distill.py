@@ -1,0 +1,269 @@
+"""DistillSpec (Zhou et al., ICLR 2024): distil a drafter toward a frozen target with token-level divergences.
+
+The loss of a batch of sequences ``tokens_BxT`` (prompt + continuation, right-padded) is the mean over the
+positions that predict a generated token (``mask_BxT``) of ``D(p_target‖q_drafter)``; teacher logits come from the
+target on the fly (one causal forward per step, no cache on disk)::
+
+    loss_fn = DistillLoss(target_config, drafter_config, divergence="fkl", temperature=1.0)
+    loss, aux = loss_fn(trainable, {"target": target_params, "drafter": frozen_drafter_part}, batch, key)
+
+Data (:class:`DistillData`, built by :func:`make_distill_data`):
+
+* prompts are split into train / held-out by a fixed-seed numpy permutation (never Python's ``hash()``); held-out
+  prompts are never used in training;
+* ``"fixed"``: continuations sampled once from the target (``generate_autoregressive`` at the decoding temperature,
+  row ``i``'s key ``fold_in(key, i)``), kept in memory;
+* ``"on_policy"``: continuations sampled from the current drafter at each step;
+* ``"mixed"``: each batch is on-policy with probability ``on_policy_fraction`` (λ), drawn from
+  ``numpy.random.default_rng([seed, step])``, so a step's source is a pure function of the step.
+
+The batch of step ``s`` is a pure function of ``s`` and the current drafter (epochs are fixed-seed permutations of
+the training prompts), which makes :func:`blockspec_jax.train.trainer.fit`'s resume exact.
+
+Sequence layout: row ``b`` holds ``prompt[:len_b] + generated[:n_b]`` then ``pad_id``; position ``t`` predicts
+token ``t + 1``, so the mask is set on ``t ∈ [len_b − 1, len_b − 1 + n_b)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from blockspec_jax import sampling
+from blockspec_jax.decoding import speculative as spec
+from blockspec_jax.models import decoder as decoder_lib
+from blockspec_jax.train import divergences, params as params_lib
+
+__all__ = ["SOURCES", "check_pair", "sequence_logits", "DistillLoss", "split_prompts", "random_prompts",
+           "build_sequences", "sample_sequences", "DistillData", "make_distill_data", "make_batch_fn",
+           "heldout_tv"]
+
+SOURCES = ("fixed", "on_policy", "mixed")
+Assemble = Callable[[Any, Any], Any]  # (trainable, frozen drafter part) -> drafter params
+
+
+def check_pair(target: decoder_lib.DecoderConfig, drafter: decoder_lib.DecoderConfig) -> None:
+  """Distillation compares next-token laws row by row: the vocabularies must be the same."""
+  if target.vocab_size != drafter.vocab_size:
+    raise ValueError(f"target and drafter vocabularies differ: target vocab_size = {target.vocab_size}, drafter "
+                     f"vocab_size = {drafter.vocab_size} (token-level distillation needs one vocabulary)")
+
+
+def sequence_logits(config: decoder_lib.DecoderConfig, params, tokens_BxT: jax.Array) -> jax.Array:
+  """f32 [B, T, V]: a causal forward over whole sequences (positions 0..T−1, a fresh cache of T slots)."""
+  batch, length = tokens_BxT.shape
+  positions_BxT = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None, :], (batch, length))
+  cache = decoder_lib.init_cache(config, batch, length)
+  mask_BxTxS = decoder_lib.causal_mask(positions_BxT, length)
+  logits_BxTxV, _ = decoder_lib.Decoder(config).apply({"params": params}, tokens_BxT, positions_BxT, cache,
+                                                      mask_BxTxS)
+  return logits_BxTxV
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillLoss:
+  """``(trainable, frozen, batch, key) -> (loss, aux)`` for :mod:`blockspec_jax.train.trainer`.
+
+  ``frozen = {"target": target_params, "drafter": the drafter's frozen part}`` and the drafter's parameters are
+  ``assemble(trainable, frozen["drafter"])`` (default :func:`params.merge`; LoRA: ``lambda lora, base:
+  apply_lora(base, lora)``). ``batch = {"tokens_BxT": int32 [B, T], "mask_BxT": f32 [B, T], "on_policy_B": f32
+  [B]}``. aux: ``tv`` (mean total variation at the loss temperature, no gradient), ``on_policy`` (batch share).
+  """
+  target: decoder_lib.DecoderConfig
+  drafter: decoder_lib.DecoderConfig
+  divergence: str = "fkl"
+  temperature: float = 1.0
+  beta: float = 0.5
+  assemble: Assemble = params_lib.merge
+
+  def __post_init__(self):
+    check_pair(self.target, self.drafter)
+    divergences.check_divergence(self.divergence, self.beta)
+    divergences.check_temperature(self.temperature)
+
+  def __call__(self, trainable, frozen, batch, key):
+    del key  # the loss is deterministic given the batch
+    tokens_BxT, mask_BxT = batch["tokens_BxT"], batch["mask_BxT"]
+    target_logits_BxTxV = jax.lax.stop_gradient(sequence_logits(self.target, frozen["target"], tokens_BxT))
+    drafter_params = self.assemble(trainable, frozen["drafter"])
+    drafter_logits_BxTxV = sequence_logits(self.drafter, drafter_params, tokens_BxT)
+    loss = divergences.token_divergence(self.divergence, target_logits_BxTxV, drafter_logits_BxTxV, mask_BxT,
+                                        temperature=self.temperature, beta=self.beta)
+    tv = divergences.token_divergence("tvd", target_logits_BxTxV, jax.lax.stop_gradient(drafter_logits_BxTxV),
+                                      mask_BxT, temperature=self.temperature)
+    aux = {"tv": tv}
+    if "on_policy_B" in batch:
+      aux["on_policy"] = jnp.mean(batch["on_policy_B"].astype(jnp.float32))
+    return loss, aux
+
+
+def split_prompts(num_prompts: int, heldout_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+  """``(train_idx, heldout_idx)``: a fixed-seed numpy permutation of ``range(num_prompts)``, its first
+  ``round(fraction · N)`` entries (at least 1 when the fraction is > 0) held out; both sorted, disjoint."""
+  if not 0.0 <= heldout_fraction < 1.0:
+    raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
+  perm = np.random.default_rng(seed).permutation(num_prompts)
+  num_heldout = max(1, int(round(heldout_fraction * num_prompts))) if heldout_fraction > 0 else 0
+  if num_heldout >= num_prompts:
+    raise ValueError(f"{num_prompts} prompts leave none for training with heldout_fraction = {heldout_fraction}")
+  return np.sort(perm[num_heldout:]), np.sort(perm[:num_heldout])
+
+
+def random_prompts(num_prompts: int, length: int, vocab_size: int, seed: int,
+                   low: int = 1) -> tuple[np.ndarray, np.ndarray]:
+  """``(tokens_NxP int32, prompt_len_N int32)``: uniform ids in ``[low, V)`` (smoke jobs on random models)."""
+  rng = np.random.default_rng(seed)
+  tokens_NxP = rng.integers(low, vocab_size, size=(num_prompts, length), dtype=np.int64).astype(np.int32)
+  return tokens_NxP, np.full((num_prompts,), length, np.int32)
+
+
+def build_sequences(tokens_BxP, prompt_len_B, generated_BxN, num_generated_B,
+                    pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+  """Host-side: ``(tokens_BxT int32, mask_BxT f32)`` with T = P + N (see the module docstring for the layout)."""
+  tokens_BxP, prompt_len_B = np.asarray(tokens_BxP), np.asarray(prompt_len_B)
+  generated_BxN, num_generated_B = np.asarray(generated_BxN), np.asarray(num_generated_B)
+  batch, width = tokens_BxP.shape
+  length = width + generated_BxN.shape[1]
+  tokens_BxT = np.full((batch, length), pad_id, np.int32)
+  mask_BxT = np.zeros((batch, length), np.float32)
+  for b in range(batch):
+    p, n = int(prompt_len_B[b]), int(num_generated_B[b])
+    tokens_BxT[b, :p] = tokens_BxP[b, :p]
+    tokens_BxT[b, p:p + n] = generated_BxN[b, :n]
+    mask_BxT[b, p - 1:p - 1 + n] = 1.0
+  return tokens_BxT, mask_BxT
+
+
+def sample_sequences(config: decoder_lib.DecoderConfig, params, tokens_BxP, prompt_len_B, keys_B, *,
+                     max_new_tokens: int, temperature: float, stop_ids: tuple[int, ...] = (),
+                     pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+  """Continuations sampled from ``config``/``params`` (``generate_autoregressive``; row ``b`` uses ``keys_B[b]``),
+  returned as :func:`build_sequences` arrays."""
+  out = spec.generate_autoregressive(params, keys_B, jnp.asarray(tokens_BxP), jnp.asarray(prompt_len_B),
+                                     target=config, max_new_tokens=max_new_tokens,
+                                     sampler=sampling.Sampler(temperature), stop_ids=tuple(stop_ids), pad_id=pad_id)
+  return build_sequences(tokens_BxP, prompt_len_B, out.tokens_BxN, out.num_tokens_B, pad_id)
+
+
+def _row_keys(key: jax.Array, rows: np.ndarray) -> jax.Array:
+  return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.asarray(rows, jnp.uint32))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DistillData:
+  """Prompts, their split and the target's fixed continuations (host numpy arrays; see the module docstring)."""
+  target: decoder_lib.DecoderConfig
+  drafter: decoder_lib.DecoderConfig
+  prompts_NxP: np.ndarray
+  prompt_len_N: np.ndarray
+  train_idx: np.ndarray
+  heldout_idx: np.ndarray
+  fixed_tokens_NxT: np.ndarray  # target continuations of every prompt (train and held-out)
+  fixed_mask_NxT: np.ndarray
+  batch_size: int
+  max_new_tokens: int
+  sample_temperature: float
+  source: str = "fixed"
+  on_policy_fraction: float = 0.0
+  seed: int = 0
+  stop_ids: tuple[int, ...] = ()
+
+
+def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter: decoder_lib.DecoderConfig,
+                      prompts_NxP, prompt_len_N, *, batch_size: int, max_new_tokens: int,
+                      sample_temperature: float = 1.0, source: str = "fixed", on_policy_fraction: float = 0.5,
+                      heldout_fraction: float = 0.125, seed: int = 0, stop_ids: tuple[int, ...] = ()) -> DistillData:
+  """Split the prompts and sample the target's continuations of all of them (in batches of ``batch_size``, one
+  compiled program), row ``i`` with key ``fold_in(key(seed), i)``."""
+  check_pair(target, drafter)
+  if source not in SOURCES:
+    raise ValueError(f"unknown data source {source!r}; known: {', '.join(SOURCES)}")
+  if not 0.0 <= on_policy_fraction <= 1.0:
+    raise ValueError(f"on_policy_fraction must be in [0, 1], got {on_policy_fraction}")
+  if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+  prompts_NxP, prompt_len_N = np.asarray(prompts_NxP, np.int32), np.asarray(prompt_len_N, np.int32)
+  spec.check_prompt_values(prompts_NxP, prompt_len_N, target.vocab_size)
+  sampling.Sampler(sample_temperature)  # validates it (T = 0: greedy continuations are allowed)
+  num = prompts_NxP.shape[0]
+  train_idx, heldout_idx = split_prompts(num, heldout_fraction, seed)
+  key = jax.random.fold_in(jax.random.key(seed), 0)
+  chunks = []
+  for start in range(0, num, batch_size):
+    rows = np.arange(start, start + batch_size) % num  # the last chunk wraps around: same shapes, no recompile
+    chunks.append(sample_sequences(target, target_params, prompts_NxP[rows], prompt_len_N[rows],
+                                   _row_keys(key, rows), max_new_tokens=max_new_tokens,
+                                   temperature=sample_temperature, stop_ids=stop_ids))
+  fixed_tokens_NxT = np.concatenate([c[0] for c in chunks])[:num]
+  fixed_mask_NxT = np.concatenate([c[1] for c in chunks])[:num]
+  return DistillData(target, drafter, prompts_NxP, prompt_len_N, train_idx, heldout_idx, fixed_tokens_NxT,
+                     fixed_mask_NxT, batch_size, max_new_tokens, float(sample_temperature), source,
+                     float(on_policy_fraction), seed, tuple(stop_ids))
+
+
+def _train_rows(data: DistillData, step: int) -> np.ndarray:
+  """Prompt indices of step ``step``'s batch: epoch ``e`` visits the training prompts in the order of
+  ``default_rng([seed, 1, e]).permutation``."""
+  n = len(data.train_idx)
+  flat = step * data.batch_size + np.arange(data.batch_size)
+  epochs, offsets = flat // n, flat % n
+  rows = np.empty_like(flat)
+  for e in np.unique(epochs):
+    perm = np.random.default_rng([data.seed, 1, int(e)]).permutation(n)
+    rows[epochs == e] = data.train_idx[perm[offsets[epochs == e]]]
+  return rows
+
+
+def _is_on_policy(data: DistillData, step: int) -> bool:
+  if data.source == "on_policy":
+    return True
+  if data.source == "fixed":
+    return False
+  return bool(np.random.default_rng([data.seed, 2, step]).random() < data.on_policy_fraction)
+
+
+def make_batch_fn(data: DistillData, frozen_drafter, assemble: Assemble = params_lib.merge):
+  """``batch_fn(step, trainable) -> batch`` for :func:`blockspec_jax.train.trainer.fit` (pure in its arguments)."""
+  sample_key = jax.random.fold_in(jax.random.key(data.seed), 1)
+
+  def batch_fn(step: int, trainable):
+    rows = _train_rows(data, step)
+    if _is_on_policy(data, step):
+      drafter_params = assemble(trainable, frozen_drafter)
+      tokens_BxT, mask_BxT = sample_sequences(
+          data.drafter, drafter_params, data.prompts_NxP[rows], data.prompt_len_N[rows],
+          _row_keys(jax.random.fold_in(sample_key, step), rows), max_new_tokens=data.max_new_tokens,
+          temperature=data.sample_temperature, stop_ids=data.stop_ids)
+      on_policy_B = np.ones((len(rows),), np.float32)
+    else:
+      tokens_BxT, mask_BxT = data.fixed_tokens_NxT[rows], data.fixed_mask_NxT[rows]
+      on_policy_B = np.zeros((len(rows),), np.float32)
+    return {"tokens_BxT": jnp.asarray(tokens_BxT), "mask_BxT": jnp.asarray(mask_BxT),
+            "on_policy_B": jnp.asarray(on_policy_B)}
+
+  return batch_fn
+
+
+@functools.partial(jax.jit, static_argnames=("target", "drafter", "temperature"))
+def _tv(target_params, drafter_params, tokens_BxT, mask_BxT, *, target, drafter, temperature):
+  target_logits_BxTxV = sequence_logits(target, target_params, tokens_BxT)
+  drafter_logits_BxTxV = sequence_logits(drafter, drafter_params, tokens_BxT)
+  return divergences.mean_total_variation(target_logits_BxTxV, drafter_logits_BxTxV, mask_BxT,
+                                          temperature=temperature)
+
+
+def heldout_tv(drafter_params, target_params, data: DistillData, temperature: float | None = None) -> float:
+  """Mean total variation between the drafter's and the target's next-token laws (at the decoding temperature by
+  default) over the held-out prompts' generated positions (the target's fixed continuations)."""
+  if len(data.heldout_idx) == 0:
+    raise ValueError("no held-out prompts (heldout_fraction = 0)")
+  temperature = data.sample_temperature if temperature is None else temperature
+  rows = data.heldout_idx
+  return float(_tv(target_params, drafter_params, jnp.asarray(data.fixed_tokens_NxT[rows]),
+                   jnp.asarray(data.fixed_mask_NxT[rows]), target=data.target, drafter=data.drafter,
+                   temperature=float(temperature)))

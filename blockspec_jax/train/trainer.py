@@ -1,0 +1,333 @@
+"""A generic trainer: any pytree of trainable parameters, any loss, one device or a data-parallel mesh.
+
+    loss_fn(trainable, frozen, batch, key) -> (loss f32 [], aux {name: f32 []})
+
+    optimizer = make_optimizer("adamw", learning_rate=1e-3, schedule="cosine", warmup_steps=10, total_steps=200)
+    state = init_state(trainable, optimizer)                     # TrainState(step, trainable, opt_state)
+    step = make_train_step(loss_fn, optimizer, mesh=None)        # jitted (state, frozen, batch, key) -> (state, m)
+    result = fit(loss_fn=..., optimizer=..., trainable=..., frozen=..., batch_fn=..., num_steps=200, key=key,
+                 workdir="results/train/job")
+
+``frozen`` (the target, a drafter's frozen layers, a base model under LoRA) is an argument of the step, never part
+of the optimizer state, so optimizer moments exist only for trainable leaves.
+
+Determinism and exact resume: step ``s`` uses ``batch_fn(s, trainable)`` (a pure function of the step number and
+the current trainable parameters, which on-policy data needs) and ``jax.random.fold_in(key, s)``; checkpoints hold
+the whole :class:`TrainState` (exact float32 arrays), so a run stopped after ``k`` steps and resumed by a new
+:func:`fit` call on the same workdir reaches bit-identical parameters to an uninterrupted run.
+
+Data parallelism: with a ``mesh`` (``blockspec_jax.parallel.make_mesh``) the step is the same jitted function with
+``in_shardings``: every batch leaf split over the mesh's ``data`` axis by its leading dimension, parameters,
+optimizer state and key replicated. The loss is a mean over the *global* batch (jit's semantics are global), so the
+gradient and the update equal one device's up to the order of floating-point reductions.
+
+Outputs of :func:`fit` in ``workdir``: ``metrics.jsonl`` (one JSON object per step, flushed at every write, so a
+killed run keeps its curve; lines past the restored step are dropped on resume), ``checkpoints/`` (orbax
+``CheckpointManager``: every ``checkpoint_every`` steps, ``max_to_keep`` kept, and a final one), and ``loss.png``
+(when matplotlib is installed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+__all__ = ["TrainState", "OPTIMIZERS", "SCHEDULES", "make_schedule", "make_optimizer", "init_state", "train_step",
+           "make_train_step", "FitResult", "fit", "read_metrics", "plot_losses", "restore_latest"]
+
+LossFn = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, dict]]
+OPTIMIZERS = ("adamw", "adam", "sgd")
+SCHEDULES = ("cosine", "constant")
+DATA_AXIS = "data"
+
+
+@struct.dataclass
+class TrainState:
+  """What a step changes: the step count (int32 []), the trainable pytree and the optimizer state over it."""
+  step: jax.Array
+  trainable: Any
+  opt_state: Any
+
+
+def make_schedule(learning_rate: float, schedule: str = "cosine", warmup_steps: int = 0,
+                  total_steps: int = 1000) -> optax.Schedule:
+  """Linear warmup from 0 over ``warmup_steps``, then ``"constant"`` or ``"cosine"`` decay to 0 at ``total_steps``."""
+  if schedule not in SCHEDULES:
+    raise ValueError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+  if not learning_rate > 0:
+    raise ValueError(f"learning_rate must be > 0, got {learning_rate}")
+  if warmup_steps < 0 or total_steps < 1 or warmup_steps > total_steps:
+    raise ValueError(f"need 0 <= warmup_steps <= total_steps and total_steps >= 1, got warmup_steps = "
+                     f"{warmup_steps}, total_steps = {total_steps}")
+  if schedule == "cosine":
+    if warmup_steps == 0:
+      return optax.cosine_decay_schedule(learning_rate, total_steps)
+    return optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup_steps, total_steps)
+  if warmup_steps == 0:
+    return optax.constant_schedule(learning_rate)
+  return optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warmup_steps),
+                               optax.constant_schedule(learning_rate)], [warmup_steps])
+
+
+def make_optimizer(name: str = "adamw", learning_rate: float = 1e-3, schedule: str = "cosine",
+                   warmup_steps: int = 0, total_steps: int = 1000, weight_decay: float = 0.0,
+                   clip_norm: float | None = 1.0, b1: float = 0.9, b2: float = 0.999,
+                   eps: float = 1e-8) -> optax.GradientTransformation:
+  """``clip_by_global_norm(clip_norm)`` (left out when None or 0) then the optimizer with the learning-rate schedule.
+
+  ``name``: "adamw" (decoupled ``weight_decay``), "adam" or "sgd" (plain, no momentum); ValueError otherwise.
+  """
+  if name not in OPTIMIZERS:
+    raise ValueError(f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZERS)}")
+  if weight_decay < 0:
+    raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+  lr = make_schedule(learning_rate, schedule, warmup_steps, total_steps)
+  if name == "adamw":
+    opt = optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+  elif name == "adam":
+    opt = optax.adam(lr, b1=b1, b2=b2, eps=eps)
+  else:
+    opt = optax.sgd(lr)
+  if clip_norm:
+    if clip_norm < 0:
+      raise ValueError(f"clip_norm must be > 0 (or None / 0 for no clipping), got {clip_norm}")
+    return optax.chain(optax.clip_by_global_norm(clip_norm), opt)
+  return opt
+
+
+def init_state(trainable, optimizer: optax.GradientTransformation) -> TrainState:
+  """Step 0: the optimizer state is built over ``trainable`` only."""
+  if not jax.tree.leaves(trainable):
+    raise ValueError("no trainable parameters (the trainable tree has no leaves)")
+  return TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable, opt_state=optimizer.init(trainable))
+
+
+def train_step(state: TrainState, frozen, batch, key: jax.Array, *, loss_fn: LossFn,
+               optimizer: optax.GradientTransformation) -> tuple[TrainState, dict]:
+  """One pure update: gradients of ``loss_fn`` in the trainable tree, the optimizer's update, ``step + 1``.
+
+  Returns ``(new_state, metrics)``; metrics are ``loss``, ``grad_norm`` (before clipping) and the loss's aux values.
+  """
+  (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.trainable, frozen, batch, key)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.trainable)
+  trainable = optax.apply_updates(state.trainable, updates)
+  metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **dict(aux)}
+  return TrainState(step=state.step + 1, trainable=trainable, opt_state=opt_state), metrics
+
+
+def _mesh_context(mesh: Mesh | None):
+  if mesh is None:
+    return contextlib.nullcontext()
+  return jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else mesh
+
+
+def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, mesh: Mesh | None = None):
+  """The jitted step ``(state, frozen, batch, key) -> (state, metrics)``.
+
+  With ``mesh``: inputs are put on the mesh first (batch leaves split over ``data`` by their leading dimension,
+  which must be a multiple of the axis size; everything else replicated), outputs come back replicated, and the
+  call runs under the mesh (so mesh-aware layers, e.g. the decoder's linear kernels, take their sharded path).
+  Each call builds (and on first use compiles) a new step: hold on to it rather than calling this per step.
+  """
+  return _make_train_step(loss_fn, optimizer, mesh)
+
+
+def _make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, mesh: Mesh | None):
+  step = jax.jit(lambda state, frozen, batch, key: train_step(state, frozen, batch, key, loss_fn=loss_fn,
+                                                              optimizer=optimizer))
+  if mesh is None:
+    return step
+  replicated = NamedSharding(mesh, P())
+  rows = NamedSharding(mesh, P(DATA_AXIS))
+  data_size = mesh.shape[DATA_AXIS]
+  sharded = jax.jit(lambda state, frozen, batch, key: train_step(state, frozen, batch, key, loss_fn=loss_fn,
+                                                                 optimizer=optimizer),
+                    in_shardings=(replicated, replicated, rows, replicated), out_shardings=replicated)
+
+  def call(state, frozen, batch, key):
+    for leaf in jax.tree.leaves(batch):
+      if np.ndim(leaf) == 0 or np.shape(leaf)[0] % data_size:
+        raise ValueError(f"every batch leaf needs a leading batch dimension divisible by the data axis size "
+                         f"{data_size}; got shape {np.shape(leaf)}")
+    state, frozen, key = jax.device_put((state, frozen, key), replicated)
+    batch = jax.device_put(batch, rows)
+    with _mesh_context(mesh):
+      return sharded(state, frozen, batch, key)
+
+  call.jitted = sharded
+  return call
+
+
+@dataclasses.dataclass(frozen=True)
+class FitResult:
+  state: TrainState
+  history: list          # the metrics dicts of this call's steps (metrics.jsonl holds all of them)
+  resumed_from: int | None  # the checkpoint step this call restored, None for a fresh start
+  seconds: float
+
+
+def _to_python(metrics: dict) -> dict:
+  return {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
+
+
+def read_metrics(path) -> list[dict]:
+  """The JSON lines of a ``metrics.jsonl`` (a truncated last line, from a killed writer, is skipped)."""
+  path = pathlib.Path(path)
+  if not path.exists():
+    return []
+  rows = []
+  for line in path.read_text().splitlines():
+    try:
+      rows.append(json.loads(line))
+    except json.JSONDecodeError:
+      continue
+  return rows
+
+
+def plot_losses(rows: list[dict], path) -> bool:
+  """The loss (and any ``eval_*`` metric) against the step as a PNG; False (nothing written) without matplotlib."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return False
+  steps = [r["step"] for r in rows if "loss" in r]
+  fig, ax = plt.subplots(figsize=(6, 4))
+  ax.plot(steps, [r["loss"] for r in rows if "loss" in r], label="train loss")
+  for name in sorted({k for r in rows for k in r if k.startswith("eval_")}):
+    pts = [(r["step"], r[name]) for r in rows if name in r]
+    ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o", label=name)
+  ax.set_xlabel("step")
+  ax.set_ylabel("loss")
+  ax.set_yscale("log" if all(r["loss"] > 0 for r in rows if "loss" in r) and steps else "linear")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return True
+
+
+def _checkpoint_manager(directory: pathlib.Path, max_to_keep: int, every: int):
+  import orbax.checkpoint as ocp
+  options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, save_interval_steps=every, create=True,
+                                         enable_async_checkpointing=False)
+  return ocp.CheckpointManager(directory.absolute(), options=options)
+
+
+def restore_latest(directory, template: TrainState) -> TrainState | None:
+  """The newest checkpoint in ``directory`` restored into ``template``'s structure, or None when there is none."""
+  import orbax.checkpoint as ocp
+  directory = pathlib.Path(directory)
+  if not directory.exists():
+    return None
+  manager = ocp.CheckpointManager(directory.absolute(), options=ocp.CheckpointManagerOptions(create=False))
+  try:
+    latest = manager.latest_step()
+    if latest is None:
+      return None
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+    return manager.restore(latest, args=ocp.args.StandardRestore(abstract))
+  finally:
+    manager.close()
+
+
+def fit(*, loss_fn: LossFn, optimizer: optax.GradientTransformation, trainable, frozen,
+        batch_fn: Callable[[int, Any], Any], num_steps: int, key: jax.Array, workdir, mesh: Mesh | None = None,
+        checkpoint_every: int = 100, max_to_keep: int = 3, eval_fn: Callable[[int, Any], dict] | None = None,
+        eval_every: int = 0, progress: bool = True, plot: bool = True, label: str = "train step",
+        stop_after: int | None = None) -> FitResult:
+  """Train ``trainable`` for ``num_steps`` steps, resuming from ``<workdir>/checkpoints`` when it holds one.
+
+  Args:
+    loss_fn: ``(trainable, frozen, batch, key) -> (loss, aux)``.
+    trainable: the initial trainable pytree (ignored when a checkpoint is restored, but it gives the structure).
+    frozen: the pytree of non-trained inputs of the loss.
+    batch_fn: ``(step, trainable) -> batch``, a pure function of its arguments (exact resume depends on it).
+    key: the run's key; step ``s`` gets ``fold_in(key, s)``.
+    checkpoint_every: save every this many steps (and always after the last step); ``max_to_keep`` newest kept.
+    eval_fn, eval_every: ``eval_fn(step, trainable) -> {name: float}`` after every ``eval_every``-th step and the
+      last one, logged as ``eval_<name>`` in that step's metrics line.
+    stop_after: stop (with a checkpoint) once this many steps are done, as if killed: for resume tests.
+  """
+  from blockspec_jax import jobs  # the "compiling …" announcement
+
+  if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+    raise ValueError(f"num_steps must be an integer >= 1, got {num_steps!r}")
+  if checkpoint_every < 1 or max_to_keep < 1:
+    raise ValueError(f"checkpoint_every and max_to_keep must be >= 1, got {checkpoint_every}, {max_to_keep}")
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  metrics_path = workdir / "metrics.jsonl"
+  state = init_state(trainable, optimizer)
+  restored = restore_latest(workdir / "checkpoints", state)
+  resumed_from = None
+  if restored is not None:
+    state, resumed_from = restored, int(restored.step)
+    kept = [r for r in read_metrics(metrics_path) if r.get("step", 0) <= resumed_from]
+    metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+  elif metrics_path.exists():
+    metrics_path.unlink()  # a fresh run: no stale curve from an earlier run without checkpoints
+  start = int(state.step)
+  end = num_steps if stop_after is None else min(num_steps, stop_after)
+  step_fn = make_train_step(loss_fn, optimizer, mesh)
+  manager = _checkpoint_manager(workdir / "checkpoints", max_to_keep, checkpoint_every)
+  history: list[dict] = []
+  t0 = time.perf_counter()
+  bar = None
+  try:
+    with open(metrics_path, "a") as log:
+      for step in range(start, end):
+        batch = batch_fn(step, state.trainable)
+        step_key = jax.random.fold_in(key, step)
+        if step == start:
+          with jobs.compiling(label):
+            state, metrics = step_fn(state, frozen, batch, step_key)
+            jax.block_until_ready(state)
+        else:
+          state, metrics = step_fn(state, frozen, batch, step_key)
+        row = {"step": step + 1, **_to_python(metrics)}
+        if not math.isfinite(row["loss"]):
+          raise FloatingPointError(f"loss is {row['loss']} at step {step + 1}")
+        done = step + 1
+        if eval_fn is not None and eval_every and (done % eval_every == 0 or done == num_steps):
+          row.update({f"eval_{k}": float(v) for k, v in eval_fn(done, state.trainable).items()})
+        row["seconds"] = time.perf_counter() - t0
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+        history.append(row)
+        manager.save(done, args=_standard_save(state), force=(done == end))
+        if progress and bar is None:  # opened after the compiling step, so the two do not share a line
+          from tqdm import tqdm
+          bar = tqdm(total=num_steps, initial=step, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+        if bar is not None:
+          bar.update(1)
+          bar.set_postfix(loss=f"{row['loss']:.4g}")
+    if start == end and manager.latest_step() != end:
+      manager.save(end, args=_standard_save(state), force=True)
+    manager.wait_until_finished()
+  finally:
+    manager.close()
+    if bar is not None:
+      bar.close()
+  if plot:
+    plot_losses(read_metrics(metrics_path), workdir / "loss.png")
+  return FitResult(state=state, history=history, resumed_from=resumed_from, seconds=time.perf_counter() - t0)
+
+
+def _standard_save(state: TrainState):
+  import orbax.checkpoint as ocp
+  return ocp.args.StandardSave(state)

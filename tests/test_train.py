@@ -1,0 +1,442 @@
+"""The training stack (blockspec_jax.train): divergences, trainable/frozen splits and LoRA, the trainer (frozen
+parameters, exact resume, 8 fake devices = 1), DistillSpec data and loss, and the smoke job through its entry point."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from blockspec_jax.models import decoder as dec
+from blockspec_jax.train import distill, divergences, params as params_lib, trainer
+from blockspec_jax.train import __main__ as train_main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def init_params(config, seed):
+  cache = dec.init_cache(config, 1, 4)
+  pos = jnp.zeros((1, 1), jnp.int32)
+  return dec.Decoder(config).init(jax.random.key(seed), jnp.zeros((1, 1), jnp.int32), pos, cache,
+                                  dec.causal_mask(pos, 4))["params"]
+
+
+def logits_of(*rows):
+  """Logits [1, R, V] whose softmax is each given probability row."""
+  return jnp.log(jnp.asarray(rows, jnp.float32))[None]
+
+
+# --- divergences ----------------------------------------------------------------------------------------------------
+
+P_ROWS = ([0.5, 0.3, 0.2], [0.25, 0.25, 0.5])
+Q_ROWS = ([0.2, 0.3, 0.5], [0.25, 0.5, 0.25])
+
+
+def test_tvd_is_half_l1_on_hand_rows():
+  p, q = logits_of(*P_ROWS), logits_of(*Q_ROWS)
+  # row 0: ½(0.3 + 0 + 0.3) = 0.3; row 1: ½(0 + 0.25 + 0.25) = 0.25
+  assert float(divergences.token_divergence("tvd", p, q)) == pytest.approx(0.275, abs=1e-6)
+  mask = jnp.asarray([[1.0, 0.0]])
+  assert float(divergences.token_divergence("tvd", p, q, mask)) == pytest.approx(0.3, abs=1e-6)
+  assert float(divergences.mean_total_variation(p, q, mask)) == pytest.approx(0.3, abs=1e-6)
+  # T = 0 (evaluation only): one-hot argmaxes, row 0 differs (0 vs 2), row 1 differs (2 vs 1)
+  assert float(divergences.mean_total_variation(p, q, temperature=0.0)) == pytest.approx(1.0)
+  assert float(divergences.token_divergence("tvd", p, q, jnp.zeros((1, 2)))) == 0.0  # no position: 0, not NaN
+
+
+def test_fkl_rkl_hand_values_and_asymmetry():
+  p, q = logits_of([0.5, 0.5]), logits_of([0.9, 0.1])
+  fkl = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
+  rkl = 0.9 * math.log(0.9 / 0.5) + 0.1 * math.log(0.1 / 0.5)
+  assert float(divergences.token_divergence("fkl", p, q)) == pytest.approx(fkl, abs=1e-6)  # 0.5108
+  assert float(divergences.token_divergence("rkl", p, q)) == pytest.approx(rkl, abs=1e-6)  # 0.3681
+  assert fkl != pytest.approx(rkl, abs=0.1)
+  assert float(divergences.token_divergence("rkl", q, p)) == pytest.approx(fkl, abs=1e-6)  # swap = the other
+  # temperature divides the logits before the softmax
+  lp, lq = jax.random.normal(jax.random.key(0), (2, 2, 3, 11)) * 3
+  assert float(divergences.token_divergence("fkl", lp, lq, temperature=2.0)) == pytest.approx(
+      float(divergences.token_divergence("fkl", lp / 2, lq / 2)), rel=1e-5)
+
+
+def test_jsd_hand_value_and_bounds():
+  p, q = logits_of([0.5, 0.5]), logits_of([0.9, 0.1])
+  m = [0.7, 0.3]
+  kl = lambda a, b: sum(x * math.log(x / y) for x, y in zip(a, b))
+  hand = 0.5 * kl([0.5, 0.5], m) + 0.5 * kl([0.9, 0.1], m)
+  assert float(divergences.token_divergence("jsd", p, q, beta=0.5)) == pytest.approx(hand, abs=1e-6)
+  lp, lq = jax.random.normal(jax.random.key(1), (2, 4, 5, 16)) * 4
+  for beta in (0.1, 0.5, 0.9):
+    bound = -beta * math.log(beta) - (1 - beta) * math.log(1 - beta)
+    d = divergences.per_token_divergence("jsd", lp, lq, beta=beta)
+    assert float(d.min()) >= -1e-6 and float(d.max()) <= bound + 1e-6
+    # (nearly) disjoint supports reach the bound H(β)
+    far = divergences.token_divergence("jsd", logits_of([1 - 1e-7, 1e-7]), logits_of([1e-7, 1 - 1e-7]), beta=beta)
+    assert float(far) == pytest.approx(bound, abs=1e-4)
+
+
+def test_every_divergence_is_zero_when_p_equals_q_and_has_finite_gradients():
+  logits = jax.random.normal(jax.random.key(2), (3, 5, 32)) * 5
+  for name in divergences.DIVERGENCES:
+    assert abs(float(divergences.token_divergence(name, logits, logits))) < 1e-6, name
+  extreme = jnp.asarray([[[1e4, -1e4, 0.0, 50.0]]])
+  for name in ("fkl", "rkl", "jsd"):
+    grad = jax.grad(lambda d: divergences.token_divergence(name, extreme[..., ::-1], d))(extreme)
+    assert bool(jnp.all(jnp.isfinite(grad))), name
+
+
+def test_divergence_errors():
+  x = jnp.zeros((1, 2, 4))
+  with pytest.raises(ValueError, match="unknown divergence 'kl'; known: fkl, rkl, jsd, tvd"):
+    divergences.token_divergence("kl", x, x)
+  for t in (0.0, -1.0, float("nan"), float("inf")):
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+      divergences.token_divergence("fkl", x, x, temperature=t)
+  for beta in (0.0, 1.0):
+    with pytest.raises(ValueError, match="beta in"):
+      divergences.token_divergence("jsd", x, x, beta=beta)
+  with pytest.raises(ValueError, match="differ in shape"):
+    divergences.token_divergence("fkl", x, jnp.zeros((1, 2, 5)))
+  with pytest.raises(ValueError, match="mask shape"):
+    divergences.token_divergence("fkl", x, x, jnp.ones((2, 2)))
+
+
+# --- trainable / frozen, LoRA ---------------------------------------------------------------------------------------
+
+CONFIG = dec.DecoderConfig.tiny(matmul="xla")
+
+
+def test_partition_merge_and_layer_predicate():
+  params = init_params(CONFIG, 0)
+  trainable, frozen = params_lib.partition(params, params_lib.layers_trainable([1], extra=("lm_head",)))
+  assert set(trainable) == {"layers_1", "lm_head"}
+  assert "layers_1" not in frozen and "lm_head" not in frozen and "layers_0" in frozen
+  merged = params_lib.merge(trainable, frozen)
+  assert jax.tree.structure(merged) == jax.tree.structure(params)
+  assert all(a is b for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(params)))
+  mlp, rest = params_lib.partition(params, params_lib.names_trainable("mlp"))
+  assert all("mlp" in p for p in params_lib.leaf_paths(mlp)) and not any("mlp" in p for p in params_lib.leaf_paths(rest))
+  with pytest.raises(ValueError, match="in both"):
+    params_lib.merge(trainable, params)
+
+
+def test_lora_zero_init_is_the_base_model_exactly():
+  params = init_params(CONFIG, 0)
+  lora = params_lib.init_lora(params, rank=2, key=jax.random.key(3), targets=("q", "v", "down"), alpha=4.0)
+  assert lora.scale == 2.0
+  assert lora.adapters["layers_0"]["attn"]["q"]["a"].shape == (2, CONFIG.d_model)
+  assert lora.adapters["layers_0"]["attn"]["q"]["b"].shape == (CONFIG.num_heads * CONFIG.head_dim, 2)
+  adapted = params_lib.apply_lora(params, lora)
+  for a, b in zip(jax.tree.leaves(adapted), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  tokens = jnp.asarray([[1, 2, 3, 4, 5]])
+  np.testing.assert_array_equal(np.asarray(distill.sequence_logits(CONFIG, adapted, tokens)),
+                                np.asarray(distill.sequence_logits(CONFIG, params, tokens)))
+  # a nonzero B changes exactly the targeted weights, by scale · B @ A
+  bumped = lora.replace(adapters=jax.tree.map(lambda x: x + 0.1, lora.adapters))
+  changed = params_lib.apply_lora(params, bumped)
+  w = params["layers_1"]["mlp"]["down"]["weight"]
+  ad = bumped.adapters["layers_1"]["mlp"]["down"]
+  np.testing.assert_allclose(changed["layers_1"]["mlp"]["down"]["weight"], w + 2.0 * ad["b"] @ ad["a"], rtol=1e-6)
+  np.testing.assert_array_equal(changed["layers_1"]["attn"]["k"]["weight"], params["layers_1"]["attn"]["k"]["weight"])
+  with pytest.raises(ValueError, match="no linear module"):
+    params_lib.init_lora(params, 2, jax.random.key(0), targets=("wq",))
+  with pytest.raises(ValueError, match="rank"):
+    params_lib.init_lora(params, 0, jax.random.key(0))
+
+
+def _logit_loss(target_params):
+  """A loss over any drafter-shaped trainable/frozen split: MSE to a fixed model's logits."""
+  def loss_fn(trainable, frozen, batch, key):
+    del key
+    params = params_lib.merge(trainable, frozen)
+    out = distill.sequence_logits(CONFIG, params, batch["tokens_BxT"])
+    ref = distill.sequence_logits(CONFIG, target_params, batch["tokens_BxT"])
+    return jnp.mean((out - ref) ** 2), {}
+  return loss_fn
+
+
+def _opt_shapes(opt_state):
+  return sorted(tuple(x.shape) for x in jax.tree.leaves(opt_state) if np.ndim(x) > 0)
+
+
+def test_frozen_params_unchanged_and_absent_from_optimizer_state():
+  params, ref = init_params(CONFIG, 0), init_params(CONFIG, 1)
+  trainable, frozen = params_lib.partition(params, params_lib.layers_trainable([1]))
+  optimizer = trainer.make_optimizer("adamw", 1e-2, "constant", weight_decay=0.01)
+  state = trainer.init_state(trainable, optimizer)
+  # adam's mu and nu, each exactly the trainable shapes; nothing shaped like a frozen-only leaf
+  assert _opt_shapes(state.opt_state) == sorted(2 * [tuple(x.shape) for x in jax.tree.leaves(trainable)])
+  assert params_lib.count_params(state.opt_state) <= 2 * params_lib.count_params(trainable) + 8
+  step = trainer.make_train_step(_logit_loss(ref), optimizer)
+  batch = {"tokens_BxT": jnp.arange(12, dtype=jnp.int32).reshape(2, 6)}
+  new_state, metrics = step(state, frozen, batch, jax.random.key(0))
+  assert int(new_state.step) == 1 and math.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0
+  for a, b in zip(jax.tree.leaves(new_state.trainable), jax.tree.leaves(trainable)):
+    assert not np.array_equal(np.asarray(a), np.asarray(b))
+  merged = params_lib.merge(new_state.trainable, frozen)
+  for name in ("layers_0", "embed", "final_norm", "lm_head"):
+    for a, b in zip(jax.tree.leaves(merged[name]), jax.tree.leaves(params[name])):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # LoRA: the whole base model is frozen; the optimizer holds adapter shapes only
+  lora = params_lib.init_lora(params, 2, jax.random.key(1), targets=("q", "v"))
+  lora_loss = lambda lo, base, batch, key: _logit_loss(ref)(params_lib.apply_lora(base, lo), {}, batch, key)
+  lstate = trainer.init_state(lora, optimizer)
+  assert _opt_shapes(lstate.opt_state) == sorted(2 * [tuple(x.shape) for x in jax.tree.leaves(lora)])
+  lstate, _ = trainer.make_train_step(lora_loss, optimizer)(lstate, params, batch, jax.random.key(0))
+  assert lstate.trainable.scale == lora.scale
+  assert float(jnp.abs(lstate.trainable.adapters["layers_0"]["attn"]["q"]["b"]).max()) > 0
+
+
+def test_optimizer_settings_errors():
+  with pytest.raises(ValueError, match="unknown optimizer 'lion'; known: adamw, adam, sgd"):
+    trainer.make_optimizer("lion")
+  with pytest.raises(ValueError, match="unknown schedule"):
+    trainer.make_optimizer(schedule="linear")
+  with pytest.raises(ValueError, match="warmup_steps"):
+    trainer.make_optimizer(warmup_steps=20, total_steps=10)
+  sched = trainer.make_schedule(1.0, "cosine", warmup_steps=2, total_steps=10)
+  assert float(sched(0)) == 0.0 and float(sched(2)) == pytest.approx(1.0) and float(sched(10)) == pytest.approx(0.0)
+  with pytest.raises(ValueError, match="no trainable"):
+    trainer.init_state({}, optax.sgd(1.0))
+
+
+def _quadratic_fit(workdir, num_steps, stop_after=None):
+  """A cheap generic job: fit w to a step-dependent target (batch = a pure function of the step) with noise keys."""
+  def loss_fn(trainable, frozen, batch, key):
+    noise = 0.01 * jax.random.normal(key, trainable["w"].shape)
+    return jnp.mean((trainable["w"] * frozen["scale"] - batch["y_B"] + noise) ** 2), {"w0": trainable["w"][0]}
+  batch_fn = lambda step, trainable: {"y_B": jnp.arange(4, dtype=jnp.float32) + 0.1 * step}
+  eval_fn = lambda step, trainable: {"norm": float(jnp.linalg.norm(trainable["w"]))}
+  return trainer.fit(loss_fn=loss_fn, optimizer=QUAD_OPTIMIZER, trainable={"w": jnp.zeros(4)},
+                     frozen={"scale": jnp.float32(2.0)}, batch_fn=batch_fn, num_steps=num_steps,
+                     key=jax.random.key(0), workdir=workdir, checkpoint_every=3, max_to_keep=5, eval_fn=eval_fn,
+                     eval_every=2, progress=False, stop_after=stop_after)
+
+
+QUAD_OPTIMIZER = trainer.make_optimizer("adam", 0.1, "constant")
+
+
+def test_fit_drops_metrics_past_the_checkpoint_it_resumes_from(tmp_path):
+  straight = _quadratic_fit(tmp_path / "a", 8)
+  _quadratic_fit(tmp_path / "b", 8, stop_after=4)  # checkpoints 3 and 4 (the stop's own save)
+  # as if killed after logging step 4 but before its checkpoint: the resume restarts from 3 and re-logs step 4
+  import shutil
+  shutil.rmtree(tmp_path / "b" / "checkpoints" / "4")
+  resumed = _quadratic_fit(tmp_path / "b", 8)
+  assert resumed.resumed_from == 3 and [r["step"] for r in resumed.history] == [4, 5, 6, 7, 8]
+  np.testing.assert_array_equal(np.asarray(straight.state.trainable["w"]), np.asarray(resumed.state.trainable["w"]))
+  rows_a = trainer.read_metrics(tmp_path / "a" / "metrics.jsonl")
+  rows_b = trainer.read_metrics(tmp_path / "b" / "metrics.jsonl")
+  assert [r["step"] for r in rows_b] == list(range(1, 9))
+  strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+  assert strip(rows_a) == strip(rows_b)
+  assert [r["step"] for r in rows_a if "eval_norm" in r] == [2, 4, 6, 8]
+  assert rows_a[-1]["loss"] < rows_a[0]["loss"]
+  # a finished run called again does nothing
+  again = _quadratic_fit(tmp_path / "a", 8)
+  assert again.resumed_from == 8 and again.history == []
+
+
+# --- DistillSpec ----------------------------------------------------------------------------------------------------
+
+TARGET = dec.DecoderConfig.tiny(vocab_size=64, matmul="xla")
+DRAFTER = dec.DecoderConfig.tiny(vocab_size=64, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                                 ffn_dim=32, matmul="xla")
+
+
+def test_vocab_mismatch_and_bad_settings():
+  with pytest.raises(ValueError, match="target vocab_size = 64, drafter vocab_size = 32"):
+    distill.DistillLoss(TARGET, dec.DecoderConfig.tiny(vocab_size=32))
+  with pytest.raises(ValueError, match="temperature must be > 0"):
+    distill.DistillLoss(TARGET, DRAFTER, temperature=0.0)
+  with pytest.raises(ValueError, match="unknown divergence"):
+    distill.DistillLoss(TARGET, DRAFTER, divergence="kld")
+  prompts, lens = distill.random_prompts(8, 4, 64, 0)
+  with pytest.raises(ValueError, match="unknown data source"):
+    distill.make_distill_data(TARGET, None, DRAFTER, prompts, lens, batch_size=4, max_new_tokens=4,
+                              source="replay")
+
+
+def test_split_and_batches_never_touch_heldout():
+  train, held = distill.split_prompts(40, 0.25, seed=3)
+  assert len(held) == 10 and len(train) == 30 and not set(train) & set(held)
+  again = distill.split_prompts(40, 0.25, seed=3)
+  np.testing.assert_array_equal(train, again[0]) and np.testing.assert_array_equal(held, again[1])
+  data = distill.DistillData(TARGET, DRAFTER, np.zeros((40, 2), np.int32), np.full(40, 2, np.int32), train, held,
+                             np.zeros((40, 4), np.int32), np.zeros((40, 4), np.float32), batch_size=7,
+                             max_new_tokens=2, sample_temperature=1.0, source="mixed", on_policy_fraction=0.5)
+  seen = np.concatenate([distill._train_rows(data, s) for s in range(30)])
+  assert not set(seen.tolist()) & set(held.tolist())
+  assert set(seen.tolist()) == set(train.tolist())  # 210 draws cycle through every training prompt
+  np.testing.assert_array_equal(distill._train_rows(data, 5), distill._train_rows(data, 5))
+  sources = [distill._is_on_policy(data, s) for s in range(200)]
+  assert 60 < sum(sources) < 140 and sources == [distill._is_on_policy(data, s) for s in range(200)]
+
+
+def test_build_sequences_mask_marks_positions_predicting_generated_tokens():
+  tokens, mask = distill.build_sequences(np.asarray([[5, 6, 7], [8, 0, 0]]), np.asarray([3, 1]),
+                                         np.asarray([[1, 2], [3, 4]]), np.asarray([2, 1]))
+  np.testing.assert_array_equal(tokens, [[5, 6, 7, 1, 2], [8, 3, 0, 0, 0]])
+  np.testing.assert_array_equal(mask, [[0, 0, 1, 1, 0], [1, 0, 0, 0, 0]])
+
+
+def _distill_setup(source="mixed"):
+  target, drafter = init_params(TARGET, 0), init_params(DRAFTER, 1)
+  prompts, lens = distill.random_prompts(24, 4, TARGET.vocab_size, 0)
+  data = distill.make_distill_data(TARGET, target, DRAFTER, prompts, lens, batch_size=4, max_new_tokens=6,
+                                   source=source, on_policy_fraction=0.5, heldout_fraction=0.25, seed=0)
+  return target, drafter, data
+
+
+RESUME_OPTIMIZER = trainer.make_optimizer("adamw", 1e-2, "cosine", 1, 6, 0.01, 1.0)  # one object: one compile
+
+
+def _fit(workdir, target, drafter, data, num_steps, stop_after=None):
+  return trainer.fit(loss_fn=distill.DistillLoss(TARGET, DRAFTER, "jsd", 1.0, 0.5), optimizer=RESUME_OPTIMIZER,
+                     trainable=drafter, frozen={"target": target, "drafter": {}},
+                     batch_fn=distill.make_batch_fn(data, {}), num_steps=num_steps, key=jax.random.key(7),
+                     workdir=workdir, checkpoint_every=2, max_to_keep=2, progress=False, stop_after=stop_after)
+
+
+def test_resume_reaches_bit_identical_params(tmp_path):
+  target, drafter, data = _distill_setup("mixed")
+  sources = [distill._is_on_policy(data, s) for s in range(6)]
+  assert any(sources) and not all(sources)  # both data paths run
+  straight = _fit(tmp_path / "a", target, drafter, data, 6)
+  first = _fit(tmp_path / "b", target, drafter, data, 6, stop_after=3)
+  assert int(first.state.step) == 3 and first.resumed_from is None
+  resumed = _fit(tmp_path / "b", target, drafter, data, 6)
+  assert resumed.resumed_from == 3 and int(resumed.state.step) == 6
+  for a, b in zip(jax.tree.leaves(straight.state), jax.tree.leaves(resumed.state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  rows_a = trainer.read_metrics(tmp_path / "a" / "metrics.jsonl")
+  rows_b = trainer.read_metrics(tmp_path / "b" / "metrics.jsonl")
+  assert [r["step"] for r in rows_b] == list(range(1, 7))
+  assert [r["loss"] for r in rows_a] == [r["loss"] for r in rows_b]
+  assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir() if p.name.isdigit()) == ["4", "6"]
+  before = distill.heldout_tv(drafter, target, data)
+  assert 0.0 < before < 1.0
+
+
+SHARDED_SCRIPT = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from blockspec_jax import parallel
+    from blockspec_jax.models import decoder as dec
+    from blockspec_jax.train import distill, trainer
+    assert len(jax.devices()) == 8, jax.devices()
+    T = dec.DecoderConfig.tiny(vocab_size=64, matmul="xla")
+    D = dec.DecoderConfig.tiny(vocab_size=64, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, ffn_dim=32,
+                               matmul="xla")
+    def init(c, seed):
+      pos = jnp.zeros((1, 1), jnp.int32)
+      return dec.Decoder(c).init(jax.random.key(seed), pos, pos, dec.init_cache(c, 1, 4), dec.causal_mask(pos, 4))["params"]
+    target, drafter = init(T, 0), init(D, 1)
+    loss_fn = distill.DistillLoss(T, D, "fkl", 1.0)
+    opt = trainer.make_optimizer("adamw", 1e-3, "cosine", 1, 3, 0.01, 1.0)
+    rng = np.random.default_rng(0)
+    batches = [{"tokens_BxT": jnp.asarray(rng.integers(0, 64, (16, 12)), jnp.int32),
+                "mask_BxT": jnp.asarray(rng.random((16, 12)) < 0.7, jnp.float32)} for _ in range(3)]
+    frozen = {"target": target, "drafter": {}}
+    results = []
+    for mesh in (None, parallel.make_mesh(data=8, model=1)):
+      step = trainer.make_train_step(loss_fn, opt, mesh)
+      state = trainer.init_state(drafter, opt)
+      for s in range(3):
+        state, m = step(state, frozen, batches[s], jax.random.key(s))
+      results.append(jax.device_get(state))
+      print("loss", float(m["loss"]))
+    diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+               for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])))
+    moved = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                for a, b in zip(jax.tree.leaves(results[0].trainable), jax.tree.leaves(drafter)))
+    print("max diff", diff, "moved", moved)
+    assert moved > 1e-4 and diff <= 1e-6, (diff, moved)
+    # fit() on the mesh (checkpoints of replicated arrays included) reaches the same parameters
+    import tempfile
+    with tempfile.TemporaryDirectory() as workdir:
+      fitted = trainer.fit(loss_fn=loss_fn, optimizer=opt, trainable=drafter, frozen=frozen,
+                           batch_fn=lambda s, t: batches[s], num_steps=3, key=jax.random.key(0), workdir=workdir,
+                           mesh=parallel.make_mesh(data=8, model=1), checkpoint_every=2, progress=False, plot=False)
+    fit_diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                   for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(jax.device_get(fitted.state))))
+    print("fit diff", fit_diff)
+    assert fit_diff <= 1e-6, fit_diff
+    print("SHARDED EQUAL")
+""")
+
+
+def test_eight_devices_equal_one_device():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], env=env, capture_output=True, text=True,
+                        timeout=600, cwd=REPO)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "SHARDED EQUAL" in proc.stdout
+
+
+# --- the entry point --------------------------------------------------------------------------------------------------
+
+def _run_main(argv):
+  gin.clear_config()
+  try:
+    return train_main.main(argv)
+  finally:
+    gin.clear_config()
+
+
+def test_smoke_job_end_to_end(tmp_path, capsys):
+  workdir = tmp_path / "smoke"
+  rc = _run_main(["--gin_file", os.path.join(REPO, "gin/train/distill_smoke.gin"), "--workdir", str(workdir),
+                  "--gin_param", "distill_job.num_steps = 40", "--gin_param", "distill_job.num_prompts = 64",
+                  "--gin_param", "distill_job.progress = False", "--gin_param", "make_optimizer.learning_rate = 1e-2"])
+  assert rc == 0
+  err = capsys.readouterr().err
+  assert "compiling distill train step" in err
+  summary = json.loads((workdir / "metrics.json").read_text())
+  assert summary["steps"] == 40 and summary["final_loss"] > 0 and summary["seconds"] > 0
+  assert summary["heldout_tv_after"] < summary["heldout_tv_before"]
+  assert len(trainer.read_metrics(workdir / "metrics.jsonl")) == 40
+  try:
+    import matplotlib  # noqa: F401  (pinned in requirements.txt; the plot is skipped without it)
+    assert (workdir / "loss.png").read_bytes()[:4] == b"\x89PNG"
+  except ImportError:
+    pass
+  config = (workdir / "config.gin").read_text()
+  assert "distill_job.num_steps = 40" in config and "make_optimizer.learning_rate" in config
+
+
+def test_entry_point_usage_errors(tmp_path, capsys):
+  base = ["--gin_file", os.path.join(REPO, "gin/train/distill_smoke.gin"), "--workdir", str(tmp_path)]
+  for binding, message in (("distill_job.divergence = 'kl'", "unknown divergence 'kl'"),
+                           ("distill_job.temperature = 0.0", "temperature must be > 0"),
+                           ("drafter/tiny_decoder.vocab_size = 64", "target vocab_size = 128, drafter vocab_size = 64"),
+                           ("distill_job.source = 'replay'", "unknown data source")):
+    with pytest.raises(SystemExit) as e:
+      _run_main(base + ["--gin_param", binding])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_lora_state_checkpoints_and_resumes(tmp_path):
+  """A LoRA ``Lora`` dataclass as the trainable tree goes through orbax and comes back with its static scale."""
+  params = {"layers_0": {"attn": {"q": {"weight": jnp.ones((4, 3))}}}}
+  lora = params_lib.init_lora(params, 2, jax.random.key(0), targets=("q",), alpha=4.0)
+  loss = lambda lo, base, batch, key: (jnp.sum(params_lib.apply_lora(base, lo)["layers_0"]["attn"]["q"]["weight"]
+                                               ** 2), {})
+  run = lambda workdir, stop=None: trainer.fit(
+      loss_fn=loss, optimizer=QUAD_OPTIMIZER, trainable=lora, frozen=params, batch_fn=lambda s, t: {}, num_steps=4,
+      key=jax.random.key(0), workdir=workdir, checkpoint_every=1, progress=False, plot=False, stop_after=stop)
+  straight = run(tmp_path / "a")
+  run(tmp_path / "b", stop=2)
+  resumed = run(tmp_path / "b")
+  assert resumed.resumed_from == 2 and isinstance(resumed.state.trainable, params_lib.Lora)
+  assert resumed.state.trainable.scale == 2.0
+  for a, b in zip(jax.tree.leaves(straight.state), jax.tree.leaves(resumed.state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
