@@ -60,7 +60,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from blockspec_jax.theory.estimators import clipped_ratio
-from blockspec_jax.theory.exact import sequence_law
+from blockspec_jax.theory.exact import _check_models, sequence_law  # one check of a tabular pair
 from blockspec_jax.theory.tabular import TabularLM
 
 __all__ = ["WITH_REPLACEMENT", "WITHOUT_REPLACEMENT", "TREE_RULE_SAMPLING", "MAX_ENUMERATED_TREES",
@@ -177,15 +177,6 @@ def _path_nodes(parents: tuple[int, ...], n: int) -> list[int]:
     path.append(n)
     n = parents[n]
   return path[::-1]
-
-
-def _check_models(drafter: TabularLM, target: TabularLM, context) -> tuple[int, ...]:
-  for name, model in (("drafter", drafter), ("target", target)):
-    if not isinstance(model, TabularLM):
-      raise ValueError(f"{name} must be a TabularLM, got {type(model).__name__}")
-  if drafter.vocab_size != target.vocab_size:
-    raise ValueError(f"drafter and target vocabularies differ: {drafter.vocab_size} vs {target.vocab_size}")
-  return target._checked_prefix(context)  # pylint: disable=protected-access
 
 
 # --- drawing trees -----------------------------------------------------------------------------------------------
