@@ -142,7 +142,7 @@ def test_a_chain_rule_refuses_a_tree_drafter_and_tree_rules_check_sampling():
 
 from blockspec_jax import drafters, theory, verify  # noqa: E402
 
-from test_speculative import PROMPTS as RAGGED, model_pair, perturbed, run_ar, target_sequence_law  # noqa: E402
+from test_speculative import PROMPTS as RAGGED, model_pair, run_ar, target_sequence_law  # noqa: E402
 
 GREEDY = sampling.Sampler(temperature=0.0)
 

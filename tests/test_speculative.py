@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from blockspec_jax import sampling, theory
+from blockspec_jax import sampling
 from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.drafters import ModelDrafter
 from blockspec_jax.models import decoder as dec

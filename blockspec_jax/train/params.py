@@ -18,7 +18,7 @@ LoRA (Hu et al. 2022) on the decoder's (out, in) linear weights::
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
