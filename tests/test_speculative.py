@@ -16,11 +16,7 @@ from blockspec_jax.models import decoder as dec
 GREEDY = sampling.Sampler(temperature=0.0)
 
 
-def init_params(config, seed):
-  cache = dec.init_cache(config, 1, 4)
-  pos = jnp.zeros((1, 1), jnp.int32)
-  return dec.Decoder(config).init(jax.random.key(seed), jnp.zeros((1, 1), jnp.int32), pos, cache,
-                                  dec.causal_mask(pos, 4))["params"]
+init_params = dec.init_params  # the tests' random models (other test files import it from here)
 
 
 def perturbed(params, seed, scale):

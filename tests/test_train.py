@@ -22,11 +22,7 @@ from blockspec_jax.train import __main__ as train_main
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def init_params(config, seed):
-  cache = dec.init_cache(config, 1, 4)
-  pos = jnp.zeros((1, 1), jnp.int32)
-  return dec.Decoder(config).init(jax.random.key(seed), jnp.zeros((1, 1), jnp.int32), pos, cache,
-                                  dec.causal_mask(pos, 4))["params"]
+init_params = dec.init_params
 
 
 def logits_of(*rows):
@@ -335,10 +331,7 @@ SHARDED_SCRIPT = textwrap.dedent("""
     T = dec.DecoderConfig.tiny(vocab_size=64, matmul="xla")
     D = dec.DecoderConfig.tiny(vocab_size=64, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, ffn_dim=32,
                                matmul="xla")
-    def init(c, seed):
-      pos = jnp.zeros((1, 1), jnp.int32)
-      return dec.Decoder(c).init(jax.random.key(seed), pos, pos, dec.init_cache(c, 1, 4), dec.causal_mask(pos, 4))["params"]
-    target, drafter = init(T, 0), init(D, 1)
+    target, drafter = dec.init_params(T, 0), dec.init_params(D, 1)
     loss_fn = distill.DistillLoss(T, D, "fkl", 1.0)
     opt = trainer.make_optimizer("adamw", 1e-3, "cosine", 1, 3, 0.01, 1.0)
     rng = np.random.default_rng(0)

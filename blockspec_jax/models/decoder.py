@@ -63,7 +63,7 @@ from flax import struct
 
 from blockspec_jax import kernels
 
-__all__ = ["DecoderConfig", "KVCache", "init_cache", "causal_mask", "apply_rotary", "Decoder"]
+__all__ = ["DecoderConfig", "KVCache", "init_cache", "causal_mask", "apply_rotary", "Decoder", "init_params"]
 
 ROPE_STYLES = ("interleaved", "half")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
@@ -391,3 +391,11 @@ class Decoder(nn.Module):
     if return_hidden:
       return logits_BxTxV, new_cache, hidden_BxTxD
     return logits_BxTxV, new_cache
+
+
+def init_params(config: DecoderConfig, seed: int):
+  """Random parameters of ``Decoder(config)`` (Flax's own initialisers, ``key(seed)``): the ``params`` collection.
+  Tiny random models for tests and smoke jobs; real weights come from :mod:`blockspec_jax.models.hub`."""
+  tokens_1x1 = jnp.zeros((1, 1), jnp.int32)
+  return Decoder(config).init(jax.random.key(seed), tokens_1x1, tokens_1x1, init_cache(config, 1, 4),
+                              causal_mask(tokens_1x1, 4))["params"]

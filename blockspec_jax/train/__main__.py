@@ -23,7 +23,6 @@ import time
 
 import gin
 import jax
-import numpy as np
 
 from blockspec_jax import jobs, parallel
 from blockspec_jax.models import decoder as decoder_lib
@@ -40,14 +39,6 @@ def tiny_decoder(vocab_size: int = 64, d_model: int = 32, num_layers: int = 2, n
   return decoder_lib.DecoderConfig.tiny(vocab_size=vocab_size, d_model=d_model, num_layers=num_layers,
                                         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                         ffn_dim=ffn_dim, max_len=max_len, matmul=matmul)
-
-
-def init_decoder(config: decoder_lib.DecoderConfig, seed: int):
-  """Random parameters of ``config`` (Flax init from ``key(seed)``)."""
-  pos = np.zeros((1, 1), np.int32)
-  cache = decoder_lib.init_cache(config, 1, 4)
-  return decoder_lib.Decoder(config).init(jax.random.key(seed), pos, pos, cache,
-                                          decoder_lib.causal_mask(pos, 4))["params"]
 
 
 def _check_int(value, name: str, low: int = 1) -> int:
@@ -88,8 +79,8 @@ def distill_job(workdir, *, target_config=gin.REQUIRED, drafter_config=gin.REQUI
     if batch_size % mesh.shape[parallel.DATA]:
       raise jobs.UsageError(f"distill_job.batch_size = {batch_size} must be a multiple of the "
                             f"{mesh.shape[parallel.DATA]} devices with data_parallel = True")
-  target_params = init_decoder(target_config, target_seed)
-  drafter_params = init_decoder(drafter_config, drafter_seed)
+  target_params = decoder_lib.init_params(target_config, target_seed)
+  drafter_params = decoder_lib.init_params(drafter_config, drafter_seed)
   if trainable_layers is None:
     trainable, frozen_drafter = drafter_params, {}
   else:
