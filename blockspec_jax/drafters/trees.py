@@ -37,12 +37,9 @@ import numpy as np
 from blockspec_jax import sampling
 from blockspec_jax.decoding.contracts import Commit, Draft, path_slots
 from blockspec_jax.drafters.base import ModelDrafter, feed
+from blockspec_jax.verify.tree import WITH_REPLACEMENT, WITHOUT_REPLACEMENT  # the modes tree rules declare
 
 __all__ = ["KChainDrafter", "RSDConstantDrafter", "RSDStochasticBeamDrafter", "gumbel_top_k", "shape_for_budget"]
-
-WITH_REPLACEMENT = "with_replacement"
-WITHOUT_REPLACEMENT = "without_replacement"
-
 
 def gumbel_top_k(key_B, log_weights_BxWxV: jax.Array, k: int):
   """Indices ``[B, W, k]`` of ``k`` draws without replacement from each row ``∝ exp(log_weights)``, in draw order

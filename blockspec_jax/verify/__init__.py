@@ -10,8 +10,8 @@ from blockspec_jax.verify.verifiers import (CHAIN, DEFAULT_VERIFIER, TREE, VERIF
                                             TreeVerifier, Verdict,
                                             Verifier, get_verifier, register_tree_rule, row_keys, warn_if_inexact)
 
-from blockspec_jax.verify.tree import (TREE_RULES, TreeVerifyResult, chain_parents, check_tree, tree_sampling,
-                                       tree_verify)
+from blockspec_jax.verify.tree import (TREE_RULES, WITH_REPLACEMENT, WITHOUT_REPLACEMENT, TreeVerifyResult,
+                                       chain_parents, check_tree, tree_sampling, tree_verify)
 from blockspec_jax.verify import traversal  # registers "traversal" in TREE_RULES
 from blockspec_jax.verify.traversal import traversal_verify
 
