@@ -63,7 +63,8 @@ from flax import struct
 
 from blockspec_jax import kernels
 
-__all__ = ["DecoderConfig", "KVCache", "init_cache", "causal_mask", "apply_rotary", "Decoder", "init_params"]
+__all__ = ["DecoderConfig", "KVCache", "init_cache", "causal_mask", "apply_rotary", "Decoder", "head_logits",
+           "init_params"]
 
 ROPE_STYLES = ("interleaved", "half")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
@@ -391,6 +392,13 @@ class Decoder(nn.Module):
     if return_hidden:
       return logits_BxTxV, new_cache, hidden_BxTxD
     return logits_BxTxV, new_cache
+
+
+def head_logits(config: DecoderConfig, params, hidden_BxTxD: jax.Array) -> jax.Array:
+  """f32 [B, T, V]: the LM head alone on final-norm outputs (``return_hidden``), exactly as :class:`Decoder` applies
+  it; for callers that need logits at a few positions only (training losses gather the positions first)."""
+  weight_VxD = params["embed"]["embedding"] if config.tie_embeddings else params["lm_head"]["weight"]
+  return kernels.linear(hidden_BxTxD, weight_VxD, impl=config.matmul, dtype=config.dtype).astype(jnp.float32)
 
 
 def init_params(config: DecoderConfig, seed: int):

@@ -39,7 +39,7 @@ from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.train import divergences, params as params_lib
 
-__all__ = ["SOURCES", "check_pair", "sequence_logits", "DistillLoss", "split_prompts", "random_prompts",
+__all__ = ["SOURCES", "check_pair", "sequence_logits", "loss_window", "DistillLoss", "split_prompts", "random_prompts",
            "build_sequences", "sample_sequences", "DistillData", "make_distill_data", "make_batch_fn",
            "heldout_tv"]
 
@@ -54,15 +54,34 @@ def check_pair(target: decoder_lib.DecoderConfig, drafter: decoder_lib.DecoderCo
                      f"vocab_size = {drafter.vocab_size} (token-level distillation needs one vocabulary)")
 
 
-def sequence_logits(config: decoder_lib.DecoderConfig, params, tokens_BxT: jax.Array) -> jax.Array:
-  """f32 [B, T, V]: a causal forward over whole sequences (positions 0..T−1, a fresh cache of T slots)."""
+def sequence_logits(config: decoder_lib.DecoderConfig, params, tokens_BxT: jax.Array,
+                    positions_BxN: jax.Array | None = None) -> jax.Array:
+  """f32 [B, T, V]: a causal forward over whole sequences (positions 0..T−1, a fresh cache of T slots); with
+  ``positions_BxN`` (int32 [B, N]), the logits at those positions only, f32 [B, N, V]: the LM head runs on the
+  gathered final-norm outputs, so a [B, T, V] tensor is never formed (under jit the full head is dead code)."""
   batch, length = tokens_BxT.shape
   positions_BxT = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None, :], (batch, length))
   cache = decoder_lib.init_cache(config, batch, length)
   mask_BxTxS = decoder_lib.causal_mask(positions_BxT, length)
-  logits_BxTxV, _ = decoder_lib.Decoder(config).apply({"params": params}, tokens_BxT, positions_BxT, cache,
-                                                      mask_BxTxS)
-  return logits_BxTxV
+  if positions_BxN is None:
+    logits_BxTxV, _ = decoder_lib.Decoder(config).apply({"params": params}, tokens_BxT, positions_BxT, cache,
+                                                        mask_BxTxS)
+    return logits_BxTxV
+  _, _, hidden_BxTxD = decoder_lib.Decoder(config).apply({"params": params}, tokens_BxT, positions_BxT, cache,
+                                                         mask_BxTxS, return_hidden=True)
+  hidden_BxNxD = jnp.take_along_axis(hidden_BxTxD, positions_BxN[:, :, None].astype(jnp.int32), axis=1)
+  return decoder_lib.head_logits(config, params, hidden_BxNxD)
+
+
+def loss_window(mask_BxT: np.ndarray, prompt_len_B: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+  """Host-side: ``(positions_BxN int32, mask_BxN f32)``, the ``width`` positions from ``len_b − 1`` on (those that
+  predict generated tokens, clipped to the sequence) and the mask there: the only rows a distillation loss reads."""
+  mask_BxT, prompt_len_B = np.asarray(mask_BxT), np.asarray(prompt_len_B)
+  length = mask_BxT.shape[1]
+  positions_BxN = np.clip(prompt_len_B[:, None] - 1 + np.arange(width)[None, :], 0, length - 1).astype(np.int32)
+  mask_BxN = np.take_along_axis(mask_BxT, positions_BxN, axis=1).astype(np.float32)
+  inside = (prompt_len_B[:, None] - 1 + np.arange(width)[None, :]) < length
+  return positions_BxN, mask_BxN * inside
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,9 +108,13 @@ class DistillLoss:
   def __call__(self, trainable, frozen, batch, key):
     del key  # the loss is deterministic given the batch
     tokens_BxT, mask_BxT = batch["tokens_BxT"], batch["mask_BxT"]
-    target_logits_BxTxV = jax.lax.stop_gradient(sequence_logits(self.target, frozen["target"], tokens_BxT))
+    positions_BxN = batch.get("positions_BxN")
+    if positions_BxN is not None:  # logits only where the mask can be set (see loss_window)
+      mask_BxT = batch["mask_BxN"]
+    target_logits_BxTxV = jax.lax.stop_gradient(sequence_logits(self.target, frozen["target"], tokens_BxT,
+                                                                positions_BxN))
     drafter_params = self.assemble(trainable, frozen["drafter"])
-    drafter_logits_BxTxV = sequence_logits(self.drafter, drafter_params, tokens_BxT)
+    drafter_logits_BxTxV = sequence_logits(self.drafter, drafter_params, tokens_BxT, positions_BxN)
     loss = divergences.token_divergence(self.divergence, target_logits_BxTxV, drafter_logits_BxTxV, mask_BxT,
                                         temperature=self.temperature, beta=self.beta)
     tv = divergences.token_divergence("tvd", target_logits_BxTxV, jax.lax.stop_gradient(drafter_logits_BxTxV),
@@ -177,9 +200,16 @@ class DistillData:
 def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter: decoder_lib.DecoderConfig,
                       prompts_NxP, prompt_len_N, *, batch_size: int, max_new_tokens: int,
                       sample_temperature: float = 1.0, source: str = "fixed", on_policy_fraction: float = 0.5,
-                      heldout_fraction: float = 0.125, seed: int = 0, stop_ids: tuple[int, ...] = ()) -> DistillData:
-  """Split the prompts and sample the target's continuations of all of them (in batches of ``batch_size``, one
-  compiled program), row ``i`` with key ``fold_in(key(seed), i)``."""
+                      heldout_fraction: float = 0.125, seed: int = 0, stop_ids: tuple[int, ...] = (),
+                      split: tuple[np.ndarray, np.ndarray] | None = None, progress: bool = False) -> DistillData:
+  """Split the prompts and sample the target's continuations (in batches of ``batch_size``, one compiled program),
+  row ``i`` with key ``fold_in(key(seed), i)``.
+
+  ``split``: explicit ``(train_idx, heldout_idx)`` (disjoint indices into the prompts), e.g. a held-out file and a
+  training pool concatenated; default :func:`split_prompts` with ``heldout_fraction``. The target samples the
+  held-out prompts (the held-out TV is measured on them) and, unless ``source = "on_policy"`` (which never reads
+  them), the training prompts; rows not sampled keep an empty mask.
+  """
   check_pair(target, drafter)
   if source not in SOURCES:
     raise ValueError(f"unknown data source {source!r}; known: {', '.join(SOURCES)}")
@@ -191,16 +221,32 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
   spec.check_prompt_values(prompts_NxP, prompt_len_N, target.vocab_size)
   sampling.Sampler(sample_temperature)  # validates it (T = 0: greedy continuations are allowed)
   num = prompts_NxP.shape[0]
-  train_idx, heldout_idx = split_prompts(num, heldout_fraction, seed)
+  if split is None:
+    train_idx, heldout_idx = split_prompts(num, heldout_fraction, seed)
+  else:
+    train_idx, heldout_idx = (np.sort(np.asarray(i, np.int64).reshape(-1)) for i in split)
+    if np.intersect1d(train_idx, heldout_idx).size or len(np.unique(train_idx)) != len(train_idx):
+      raise ValueError("split: training and held-out indices must be distinct and disjoint")
+    both = np.concatenate([train_idx, heldout_idx])
+    if both.size and (both.min() < 0 or both.max() >= num):
+      raise ValueError(f"split indices must lie in [0, {num})")
+    if train_idx.size == 0:
+      raise ValueError("split: no training prompts")
+  need = heldout_idx if source == "on_policy" else np.arange(num)
   key = jax.random.fold_in(jax.random.key(seed), 0)
-  chunks = []
-  for start in range(0, num, batch_size):
-    rows = np.arange(start, start + batch_size) % num  # the last chunk wraps around: same shapes, no recompile
-    chunks.append(sample_sequences(target, target_params, prompts_NxP[rows], prompt_len_N[rows],
-                                   _row_keys(key, rows), max_new_tokens=max_new_tokens,
-                                   temperature=sample_temperature, stop_ids=stop_ids))
-  fixed_tokens_NxT = np.concatenate([c[0] for c in chunks])[:num]
-  fixed_mask_NxT = np.concatenate([c[1] for c in chunks])[:num]
+  width = prompts_NxP.shape[1] + max_new_tokens
+  fixed_tokens_NxT = np.zeros((num, width), np.int32)
+  fixed_mask_NxT = np.zeros((num, width), np.float32)
+  starts = range(0, len(need), batch_size)
+  if progress and len(need):
+    from tqdm import tqdm
+    starts = tqdm(starts, desc="target samples", unit="batch", dynamic_ncols=True)
+  for start in starts:
+    rows = need[np.arange(start, start + batch_size) % len(need)]  # the last chunk wraps: same shapes, no recompile
+    tokens_BxT, mask_BxT = sample_sequences(target, target_params, prompts_NxP[rows], prompt_len_N[rows],
+                                            _row_keys(key, rows), max_new_tokens=max_new_tokens,
+                                            temperature=sample_temperature, stop_ids=stop_ids)
+    fixed_tokens_NxT[rows], fixed_mask_NxT[rows] = tokens_BxT, mask_BxT
   return DistillData(target, drafter, prompts_NxP, prompt_len_N, train_idx, heldout_idx, fixed_tokens_NxT,
                      fixed_mask_NxT, batch_size, max_new_tokens, float(sample_temperature), source,
                      float(on_policy_fraction), seed, tuple(stop_ids))
@@ -243,27 +289,39 @@ def make_batch_fn(data: DistillData, frozen_drafter, assemble: Assemble = params
     else:
       tokens_BxT, mask_BxT = data.fixed_tokens_NxT[rows], data.fixed_mask_NxT[rows]
       on_policy_B = np.zeros((len(rows),), np.float32)
+    positions_BxN, mask_BxN = loss_window(mask_BxT, data.prompt_len_N[rows], data.max_new_tokens)
     return {"tokens_BxT": jnp.asarray(tokens_BxT), "mask_BxT": jnp.asarray(mask_BxT),
+            "positions_BxN": jnp.asarray(positions_BxN), "mask_BxN": jnp.asarray(mask_BxN),
             "on_policy_B": jnp.asarray(on_policy_B)}
 
   return batch_fn
 
 
 @functools.partial(jax.jit, static_argnames=("target", "drafter", "temperature"))
-def _tv(target_params, drafter_params, tokens_BxT, mask_BxT, *, target, drafter, temperature):
-  target_logits_BxTxV = sequence_logits(target, target_params, tokens_BxT)
-  drafter_logits_BxTxV = sequence_logits(drafter, drafter_params, tokens_BxT)
-  return divergences.mean_total_variation(target_logits_BxTxV, drafter_logits_BxTxV, mask_BxT,
+def _tv_sum(target_params, drafter_params, tokens_BxT, positions_BxN, mask_BxN, *, target, drafter, temperature):
+  target_logits_BxNxV = sequence_logits(target, target_params, tokens_BxT, positions_BxN)
+  drafter_logits_BxNxV = sequence_logits(drafter, drafter_params, tokens_BxT, positions_BxN)
+  mean = divergences.mean_total_variation(target_logits_BxNxV, drafter_logits_BxNxV, mask_BxN,
                                           temperature=temperature)
+  return mean * jnp.sum(mask_BxN), jnp.sum(mask_BxN)
 
 
 def heldout_tv(drafter_params, target_params, data: DistillData, temperature: float | None = None) -> float:
   """Mean total variation between the drafter's and the target's next-token laws (at the decoding temperature by
-  default) over the held-out prompts' generated positions (the target's fixed continuations)."""
+  default) over the held-out prompts' generated positions (the target's fixed continuations), in batches of
+  ``data.batch_size`` rows (the last one wrapped around with its repeated rows masked out)."""
   if len(data.heldout_idx) == 0:
     raise ValueError("no held-out prompts (heldout_fraction = 0)")
   temperature = data.sample_temperature if temperature is None else temperature
-  rows = data.heldout_idx
-  return float(_tv(target_params, drafter_params, jnp.asarray(data.fixed_tokens_NxT[rows]),
-                   jnp.asarray(data.fixed_mask_NxT[rows]), target=data.target, drafter=data.drafter,
-                   temperature=float(temperature)))
+  total, count = 0.0, 0.0
+  n = len(data.heldout_idx)
+  for start in range(0, n, data.batch_size):
+    flat = np.arange(start, start + data.batch_size)
+    rows = data.heldout_idx[flat % n]
+    mask_BxT = data.fixed_mask_NxT[rows] * (flat < n)[:, None]
+    positions_BxN, mask_BxN = loss_window(mask_BxT, data.prompt_len_N[rows], data.max_new_tokens)
+    s, c = _tv_sum(target_params, drafter_params, jnp.asarray(data.fixed_tokens_NxT[rows]),
+                   jnp.asarray(positions_BxN), jnp.asarray(mask_BxN), target=data.target, drafter=data.drafter,
+                   temperature=float(temperature))
+    total, count = total + float(s), count + float(c)
+  return total / max(count, 1.0)

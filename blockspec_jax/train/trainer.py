@@ -275,10 +275,13 @@ def fit(*, loss_fn: LossFn, optimizer: optax.GradientTransformation, trainable, 
   state = init_state(trainable, optimizer)
   restored = restore_latest(workdir / "checkpoints", state)
   resumed_from = None
+  seconds_before = 0.0  # training seconds of earlier calls (a resumed run's total goes on from there)
   if restored is not None:
     state, resumed_from = restored, int(restored.step)
     kept = [r for r in read_metrics(metrics_path) if r.get("step", 0) <= resumed_from]
     metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    if kept:
+      seconds_before = float(kept[-1].get("seconds_total", kept[-1].get("seconds", 0.0)))
   elif metrics_path.exists():
     metrics_path.unlink()  # a fresh run: no stale curve from an earlier run without checkpoints
   start = int(state.step)
@@ -306,6 +309,8 @@ def fit(*, loss_fn: LossFn, optimizer: optax.GradientTransformation, trainable, 
         if eval_fn is not None and eval_every and (done % eval_every == 0 or done == num_steps):
           row.update({f"eval_{k}": float(v) for k, v in eval_fn(done, state.trainable).items()})
         row["seconds"] = time.perf_counter() - t0
+        row["seconds_total"] = seconds_before + row["seconds"]
+        row["peak_rss_gb"] = jobs.peak_rss_gb()
         log.write(json.dumps(row) + "\n")
         log.flush()
         history.append(row)
