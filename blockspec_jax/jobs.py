@@ -26,8 +26,9 @@ import numpy as np
 
 from blockspec_jax.paths import default_cache_dir
 
-__all__ = ["METHODS", "AUTOREGRESSIVE", "known_methods", "parse_method", "build_drafter", "UsageError",
-           "check_gamma", "check_settings", "check_cache_room", "check_pair",
+__all__ = ["METHODS", "AUTOREGRESSIVE", "known_methods", "parse_method", "build_drafter", "UsageError", "load_model",
+           "check_model_name",
+           "check_gamma", "check_settings", "check_verifier_settings", "check_cache_room", "check_pair",
            "encode_prompts", "run_method", "compiling", "enable_compilation_cache", "COMPILE_CACHE_ENV_VAR",
            "peak_rss_gb", "cli_errors"]
 
@@ -101,6 +102,50 @@ def build_drafter(drafter_name: str, target_model, drafter_model, settings: dict
     raise UsageError(f"drafter {drafter_name!r}: {e}") from None
 
 
+def _trained_spec(name) -> tuple[str, int | str | None] | None:
+  """``(workdir, step)`` when ``name`` is a drafter training run's work directory, optionally with ``@<step>`` or
+  ``@init`` appended (``results/train/distill_qwen_tvd@init``); None otherwise."""
+  from blockspec_jax.train import recipe
+  if not isinstance(name, (str, os.PathLike)):
+    return None
+  text = os.fspath(name)
+  base, sep, tail = text.rpartition("@")
+  if sep and recipe.is_trained_dir(base):
+    if tail == "init":
+      return base, "init"
+    if tail.isdigit():
+      return base, int(tail)
+    raise UsageError(f"{text!r}: after '@' a trained drafter takes a checkpoint step or 'init', got {tail!r}")
+  if recipe.is_trained_dir(text):
+    return text, None
+  return None
+
+
+def load_model(name, dtype: str = "float32", cache_dir=None, progress: bool = True):
+  """A model for a job: a registry name or checkpoint path (:func:`blockspec_jax.models.hub.load_model`), or the work
+  directory of a drafter training run (``python -m blockspec_jax.train``; it holds ``drafter.json``): its newest
+  checkpoint, ``<dir>@<step>`` for another kept step, ``<dir>@init`` for the drafter before training
+  (:func:`blockspec_jax.train.recipe.load_trained`)."""
+  trained = _trained_spec(name)
+  if trained is not None:
+    from blockspec_jax.train import recipe
+    return recipe.load_trained(trained[0], trained[1], dtype, cache_dir, progress=progress)
+  from blockspec_jax.models import hub
+  return hub.load_model(name, dtype, cache_dir, progress=progress)
+
+
+def check_model_name(name) -> None:
+  """What :func:`load_model` would refuse at once (unknown names, missing paths, a bad ``@step``), without loading;
+  a :class:`UsageError`."""
+  if _trained_spec(name) is not None:
+    return
+  from blockspec_jax.models import hub
+  try:
+    hub.check_model_name(name)
+  except ValueError as e:
+    raise UsageError(str(e)) from None
+
+
 def check_gamma(gamma, name: str = "gamma") -> int:
   """γ must be an integer >= 1 (``2.5``, ``True`` and ``-1`` are refused); returns it."""
   if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)):
@@ -144,13 +189,8 @@ def check_settings(*, gamma=None, gammas: Iterable | None = None, methods: Itera
     _check_positive_int(num_prompts, "num_prompts")
   if dtype is not None and dtype not in ("float32", "bfloat16"):
     raise UsageError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
-  if models:
-    from blockspec_jax.models import hub
-    for name in models:
-      try:
-        hub.check_model_name(name)
-      except ValueError as e:
-        raise UsageError(str(e)) from None
+  for name in models:
+    check_model_name(name)
 
 
 def check_cache_room(prompt_width: int, max_new_tokens: int, draft_nodes: int, *configs) -> int:
@@ -254,8 +294,27 @@ def enable_compilation_cache(directory: str | os.PathLike | None = None, min_com
   return path
 
 
+def check_verifier_settings(settings: dict | None) -> None:
+  """``{"<rule>": {setting: value}}`` (e.g. ``{"lenient": {"epsilon": 0.5, "f": "div"}}``): every rule registered,
+  every rule buildable with its settings; a :class:`UsageError` naming the problem otherwise."""
+  from blockspec_jax import verify
+  if settings is None:
+    return
+  if not isinstance(settings, dict):
+    raise UsageError(f"verifier_settings must map rule names to settings dicts, got {settings!r}")
+  for rule, own in settings.items():
+    if rule not in verify.VERIFIERS:
+      raise UsageError(f"verifier_settings: unknown verifier {rule!r}; known: {', '.join(verify.VERIFIERS)}")
+    if not isinstance(own, dict):
+      raise UsageError(f"verifier_settings[{rule!r}] must be a dict of settings, got {own!r}")
+    try:
+      verify.get_verifier(rule, **own)
+    except (TypeError, ValueError) as e:
+      raise UsageError(f"verifier_settings[{rule!r}]: {e}") from None
+
+
 def _phases(method: str, target, drafter, gamma: int, max_new_tokens: int, sampler, stop_ids,
-            drafter_settings=None):
+            drafter_settings=None, verifier_settings=None):
   """The method's two compiled phases: ``prefill(tokens, lens) -> state`` and ``decode(keys, state) ->
   DecodeOutput`` (together exactly ``generate_autoregressive`` / ``generate_speculative``)."""
   from blockspec_jax.decoding import speculative as spec
@@ -268,6 +327,8 @@ def _phases(method: str, target, drafter, gamma: int, max_new_tokens: int, sampl
                                                            **common))
   dp = drafter.params["params"]
   drafter_obj = build_drafter(drafter_name, target, drafter, drafter_settings, gamma)
+  from blockspec_jax import verify
+  rule = verify.get_verifier(rule, **dict((verifier_settings or {}).get(rule, {})))
   common = dict(target=target.config, drafter=drafter_obj, gamma=gamma, max_new_tokens=max_new_tokens)
   return (lambda tokens, lens: spec.prefill_speculative(tp, dp, tokens, lens, **common),
           lambda keys, state: spec.decode_speculative(tp, dp, keys, state, verifier=rule, sampler=sampler,
@@ -275,7 +336,7 @@ def _phases(method: str, target, drafter, gamma: int, max_new_tokens: int, sampl
 
 
 def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tokens, temperature, seed, stop_ids,
-               drafter_settings=None):
+               drafter_settings=None, verifier_settings=None):
   """Decode every prompt at batch 1 with ``method`` ("autoregressive", a verifier name, or
   ``"<verifier>@<drafter>"``, see :func:`parse_method`; ``drafter_settings`` as in :func:`build_drafter`); returns
   the summary row and the generated token lists.
@@ -288,7 +349,8 @@ def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tok
   from blockspec_jax import sampling
   from blockspec_jax.decoding import speculative as spec
   sampler = sampling.Sampler(temperature=temperature)
-  prefill, decode = _phases(method, target, drafter, gamma, max_new_tokens, sampler, stop_ids, drafter_settings)
+  prefill, decode = _phases(method, target, drafter, gamma, max_new_tokens, sampler, stop_ids, drafter_settings,
+                            verifier_settings)
   padded = [(ids + [0] * (width - len(ids))) for ids in prompt_ids]
   key = jax.random.key(seed)
 

@@ -46,7 +46,6 @@ def _arms(paired_path, temperature: float):
 def main(argv=None) -> int:
   from blockspec_jax import jobs
   from blockspec_jax.eval import prompts as prompts_lib
-  from blockspec_jax.models import hub
 
   ap = argparse.ArgumentParser(prog="python -m blockspec_jax.eval.bench_trees", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,8 +65,8 @@ def main(argv=None) -> int:
     for method, _, _, _ in arms:
       jobs.parse_method(method)
   start = time.perf_counter()
-  target = hub.load_model(args.target)
-  drafter = hub.load_model(args.drafter)
+  target = jobs.load_model(args.target)
+  drafter = jobs.load_model(args.drafter)
   jobs.check_pair(target, drafter)
   rows = prompts_lib.load_prompts(prompts_lib.DEFAULT_PROMPTS, limit=args.num_prompts)
   prompt_ids = jobs.encode_prompts(target, rows)

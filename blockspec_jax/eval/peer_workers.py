@@ -28,12 +28,11 @@ def worker_ours(args) -> dict:
   import jax
   from blockspec_jax import jobs
   from blockspec_jax.eval import bench_decode, bench_verify
-  from blockspec_jax.models import hub
 
   rows = _rows(args)
   start = time.perf_counter()
-  target = hub.load_model(args.target, args.dtype)
-  drafter = hub.load_model(args.drafter, args.dtype)
+  target = jobs.load_model(args.target, args.dtype)
+  drafter = jobs.load_model(args.drafter, args.dtype)
   jobs.check_pair(target, drafter)
   load_s = time.perf_counter() - start
   print(f"[ours {args.dtype}] loaded {args.drafter} → {args.target} in {load_s:.1f} s (jax {jax.__version__}, "

@@ -1,0 +1,240 @@
+"""How a trained drafter is made from a pretrained model, and how it loads back into the decoding loop.
+
+A :class:`DrafterRecipe` names a base model (a registry name or a checkpoint path, anything
+:func:`blockspec_jax.models.hub.load_model` takes), which of its layers the drafter keeps, and what trains:
+
+* LoRA (``lora_rank > 0``): adapters on the named linear modules of every kept layer, the base frozen; or
+* a trainable subset: the kept layers listed in ``train_layers`` (all kept layers when None) plus the top-level
+  modules in ``train_modules`` (e.g. ``("final_norm",)``); everything else frozen (not in the optimizer state).
+
+Two drafters of our jobs, as recipes::
+
+    DrafterRecipe("qwen2.5-coder-0.5b", lora_rank=16)                      # LoRA on the Qwen 0.5B drafter
+    DrafterRecipe("smollm2-135m", layers=(0, 1, 29), train_modules=("final_norm",))
+        # a 3-layer drafter sharing SmolLM2-135M's (frozen, tied) embeddings, its layers initialised from the base
+
+A training run writes the recipe to ``<workdir>/drafter.json`` beside its orbax ``checkpoints/``;
+:func:`load_trained` rebuilds the drafter from both (``step="init"``: the untrained drafter, i.e. the recipe applied
+to the base model alone) and returns a :class:`~blockspec_jax.models.hub.LoadedModel` whose parameters have the
+adapters merged into the weights, so a trained drafter decodes at exactly the base model's cost. The job helper
+``blockspec_jax.jobs.load_model`` sends a workdir there, so ``run_job.drafter``, ``eval.paired --drafters`` and gin
+take a trained drafter by its path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from blockspec_jax.models import decoder as decoder_lib
+from blockspec_jax.train import params as params_lib
+
+__all__ = ["DrafterRecipe", "RECIPE_FILE", "is_trained_dir", "select_layers", "DrafterParts", "save_recipe",
+           "read_recipe", "restore_trainable", "load_trained"]
+
+RECIPE_FILE = "drafter.json"
+_INIT = "init"
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterRecipe:
+  """A drafter derived from ``base`` (see the module docstring). ``seed`` keys the LoRA ``A`` initialisation."""
+  base: str
+  layers: tuple[int, ...] | None = None
+  lora_rank: int = 0
+  lora_targets: tuple[str, ...] = params_lib.LORA_TARGETS
+  lora_alpha: float | None = None
+  train_layers: tuple[int, ...] | None = None
+  train_modules: tuple[str, ...] = ()
+  seed: int = 0
+
+  def __post_init__(self):
+    if not isinstance(self.base, str) or not self.base:
+      raise ValueError(f"DrafterRecipe.base must be a model name or path, got {self.base!r}")
+    for name in ("layers", "train_layers"):
+      value = getattr(self, name)
+      if value is not None:
+        value = tuple(int(i) for i in value)
+        if not value or min(value) < 0 or len(set(value)) != len(value):
+          raise ValueError(f"DrafterRecipe.{name} must be distinct layer indices >= 0, got {getattr(self, name)!r}")
+        object.__setattr__(self, name, value)
+    object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+    object.__setattr__(self, "train_modules", tuple(self.train_modules))
+    if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+      raise ValueError(f"DrafterRecipe.lora_rank must be an integer >= 0, got {self.lora_rank!r}")
+    if self.lora_rank and (self.train_layers is not None or self.train_modules):
+      raise ValueError("DrafterRecipe: LoRA (lora_rank > 0) trains adapters only; train_layers / train_modules are "
+                       "for full training of a subset, leave them unset with LoRA")
+    unknown = set(self.lora_targets) - set(params_lib.LORA_TARGETS)
+    if unknown:
+      raise ValueError(f"unknown LoRA targets {sorted(unknown)}; the decoder's linear modules are "
+                       f"{', '.join(params_lib.LORA_TARGETS)}")
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, fields: dict) -> "DrafterRecipe":
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(fields) - known
+    if unknown:
+      raise ValueError(f"{RECIPE_FILE} has unknown fields {sorted(unknown)}")
+    return cls(**fields)
+
+  def derive(self, base_config: decoder_lib.DecoderConfig, base_params: dict
+             ) -> tuple[decoder_lib.DecoderConfig, dict]:
+    """The drafter's config and full parameter tree (the kept layers of the base, renumbered)."""
+    if self.layers is None:
+      return base_config, base_params
+    return select_layers(base_config, base_params, self.layers)
+
+  def split(self, config: decoder_lib.DecoderConfig, params: dict) -> "DrafterParts":
+    """The trainable tree, the frozen tree and how to put them together (see :class:`DrafterParts`)."""
+    if self.lora_rank:
+      lora = params_lib.init_lora(params, self.lora_rank, jax.random.key(self.seed), self.lora_targets,
+                                  self.lora_alpha)
+      return DrafterParts(trainable=lora, frozen=params, assemble=_apply_lora)
+    layers = range(config.num_layers) if self.train_layers is None else self.train_layers
+    bad = [i for i in layers if i >= config.num_layers]
+    if bad:
+      raise ValueError(f"train_layers {bad} out of range: the drafter has {config.num_layers} layers")
+    missing = [m for m in self.train_modules if m not in params]
+    if missing:
+      raise ValueError(f"train_modules {missing} are not top-level modules of the drafter "
+                       f"(it has {', '.join(sorted(params))})")
+    trainable, frozen = params_lib.partition(params, params_lib.layers_trainable(layers, extra=self.train_modules))
+    return DrafterParts(trainable=trainable, frozen=frozen, assemble=params_lib.merge)
+
+
+def _apply_lora(lora, base):
+  return params_lib.apply_lora(base, lora)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DrafterParts:
+  """``assemble(trainable, frozen)`` is the drafter's full parameter tree (what ``Decoder.apply`` takes)."""
+  trainable: Any
+  frozen: dict
+  assemble: Callable[[Any, dict], dict]
+
+
+def select_layers(config: decoder_lib.DecoderConfig, params: dict, layers) -> tuple[decoder_lib.DecoderConfig, dict]:
+  """A decoder made of ``layers`` of another (in that order, renumbered 0..k−1), sharing its embeddings, final norm
+  and head. Per-layer settings (``layer_types``) follow their layers."""
+  layers = tuple(int(i) for i in layers)
+  bad = [i for i in layers if not 0 <= i < config.num_layers]
+  if not layers or bad:
+    raise ValueError(f"layers {list(layers)} must be non-empty indices into the base model's {config.num_layers} "
+                     "layers")
+  layer_types = None if config.layer_types is None else tuple(config.layer_types[i] for i in layers)
+  new_config = dataclasses.replace(config, num_layers=len(layers), layer_types=layer_types)
+  new_params = {k: v for k, v in params.items() if not k.startswith("layers_")}
+  for j, i in enumerate(layers):
+    new_params[f"layers_{j}"] = params[f"layers_{i}"]
+  return new_config, new_params
+
+
+def is_trained_dir(path: str | os.PathLike) -> bool:
+  """True for a directory written by a training run (it holds ``drafter.json``)."""
+  try:
+    return (pathlib.Path(path).expanduser() / RECIPE_FILE).is_file()
+  except (TypeError, OSError):
+    return False
+
+
+def save_recipe(workdir: str | os.PathLike, recipe: DrafterRecipe) -> pathlib.Path:
+  path = pathlib.Path(workdir) / RECIPE_FILE
+  path.write_text(json.dumps(recipe.to_json(), indent=2) + "\n")
+  return path
+
+
+def read_recipe(workdir: str | os.PathLike) -> DrafterRecipe:
+  path = pathlib.Path(workdir).expanduser() / RECIPE_FILE
+  if not path.is_file():
+    raise FileNotFoundError(f"{path} not found: {workdir} is not the work directory of a drafter training run")
+  try:
+    return DrafterRecipe.from_json(json.loads(path.read_text()))
+  except (json.JSONDecodeError, TypeError, ValueError) as e:
+    raise ValueError(f"{path} is not a valid drafter recipe: {e}") from None
+
+
+def restore_trainable(workdir: str | os.PathLike, template, step: int | None = None):
+  """The trainable tree of the checkpoint at ``step`` (the newest when None) in ``<workdir>/checkpoints``, restored
+  into ``template``'s structure (the optimizer state is not needed and not read). Returns ``(trainable, step)``."""
+  import orbax.checkpoint as ocp
+  directory = (pathlib.Path(workdir).expanduser() / "checkpoints").absolute()
+  if not directory.is_dir():
+    raise FileNotFoundError(f"no checkpoints in {directory} (the run has not saved one yet)")
+  manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False))
+  try:
+    steps = manager.all_steps()
+    if not steps:
+      raise FileNotFoundError(f"no checkpoints in {directory} (the run has not saved one yet)")
+    if step is None:
+      step = max(steps)
+    elif step not in steps:
+      raise ValueError(f"no checkpoint of step {step} in {directory}; kept steps: {sorted(steps)}")
+    raw = manager.restore(step, args=ocp.args.StandardRestore())
+  finally:
+    manager.close()
+  saved = raw["trainable"]
+  leaves_now = jax.tree.leaves(template)
+  structure = jax.tree.structure(template)
+  saved_leaves = jax.tree.leaves(saved)
+  if len(saved_leaves) != len(leaves_now):
+    raise ValueError(f"checkpoint of step {step} in {directory} holds {len(saved_leaves)} trainable arrays, the "
+                     f"recipe gives {len(leaves_now)}: it was written for another drafter")
+  # Orbax returns dicts keyed like the saved pytree; flatten both in key order and check every shape.
+  flat_saved = dict(_flatten(saved))
+  flat_template = _flatten(template.adapters if isinstance(template, params_lib.Lora) else template)
+  out = []
+  for path, leaf in flat_template:
+    key = path if path in flat_saved else ("adapters",) + path
+    if key not in flat_saved:
+      raise ValueError(f"checkpoint of step {step} in {directory} lacks {'/'.join(path)}")
+    value = flat_saved[key]
+    if tuple(value.shape) != tuple(leaf.shape):
+      raise ValueError(f"checkpoint array {'/'.join(path)} has shape {tuple(value.shape)}, the recipe gives "
+                       f"{tuple(leaf.shape)}")
+    out.append(jnp.asarray(value, leaf.dtype))
+  return jax.tree.unflatten(structure, out), int(step)
+
+
+def _flatten(tree, prefix=()):
+  if isinstance(tree, dict):
+    items = []
+    for k in tree:
+      items.extend(_flatten(tree[k], prefix + (str(k),)))
+    return items
+  if isinstance(tree, params_lib.Lora):
+    return _flatten(tree.adapters, prefix)
+  return [(prefix, tree)]
+
+
+def load_trained(workdir: str | os.PathLike, step: int | str | None = None, dtype: str = "float32",
+                 cache_dir: str | os.PathLike | None = None, progress: bool = True):
+  """The drafter of a training run as a ``hub.LoadedModel`` (adapters merged into the weights).
+
+  ``step``: None for the newest checkpoint, an int for that checkpoint, ``"init"`` for the recipe applied to the base
+  model without training (what the run started from). The tokenizer is the base model's. ``spec.name`` is
+  ``<absolute workdir>@<step>``.
+  """
+  from blockspec_jax.models import hub
+  workdir = pathlib.Path(workdir).expanduser().resolve()
+  recipe = read_recipe(workdir)
+  base = hub.load_model(recipe.base, dtype, cache_dir, progress=progress)
+  config, params = recipe.derive(base.config, base.params["params"])
+  parts = recipe.split(config, params)
+  if step == _INIT:
+    trainable, label = parts.trainable, _INIT
+  else:
+    trainable, label = restore_trainable(workdir, parts.trainable, step)
+  merged = parts.assemble(trainable, parts.frozen)
+  source = hub.LocalSource(name=f"{workdir}@{label}", kind="trained", path=workdir)
+  return hub.LoadedModel(config=config, params={"params": merged}, tokenizer=base.tokenizer, spec=source)
