@@ -1,6 +1,7 @@
 """The training stack (blockspec_jax.train): divergences, trainable/frozen splits and LoRA, the trainer (frozen
 parameters, exact resume, 8 fake devices = 1), DistillSpec data and loss, and the smoke job through its entry point."""
 
+import dataclasses
 import json
 import math
 import os
@@ -15,8 +16,9 @@ import numpy as np
 import optax
 import pytest
 
+from blockspec_jax.eval import prompts as prompts_lib
 from blockspec_jax.models import decoder as dec
-from blockspec_jax.train import distill, divergences, params as params_lib, trainer
+from blockspec_jax.train import distill, divergences, params as params_lib, recipe as recipe_lib, trainer
 from blockspec_jax.train import __main__ as train_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -232,7 +234,8 @@ def test_fit_drops_metrics_past_the_checkpoint_it_resumes_from(tmp_path):
   rows_a = trainer.read_metrics(tmp_path / "a" / "metrics.jsonl")
   rows_b = trainer.read_metrics(tmp_path / "b" / "metrics.jsonl")
   assert [r["step"] for r in rows_b] == list(range(1, 9))
-  strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+  strip = lambda rows: [{k: v for k, v in r.items() if k not in ("seconds", "seconds_total", "peak_rss_gb")}
+                        for r in rows]
   assert strip(rows_a) == strip(rows_b)
   assert [r["step"] for r in rows_a if "eval_norm" in r] == [2, 4, 6, 8]
   assert rows_a[-1]["loss"] < rows_a[0]["loss"]
@@ -433,3 +436,143 @@ def test_lora_state_checkpoints_and_resumes(tmp_path):
   assert resumed.state.trainable.scale == 2.0
   for a, b in zip(jax.tree.leaves(straight.state), jax.tree.leaves(resumed.state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# --- gathered loss window, drafter recipes, prompt split ------------------------------------------------------------
+
+def test_loss_on_the_window_equals_the_loss_on_every_position():
+  """Heads run only at the positions that predict generated tokens: the same loss and gradient as the full pass."""
+  target, drafter, data = _distill_setup("fixed")
+  batch = distill.make_batch_fn(data, {})(0, drafter)
+  assert batch["positions_BxN"].shape == (4, 6) and float(batch["mask_BxN"].sum()) == float(batch["mask_BxT"].sum())
+  full = {k: v for k, v in batch.items() if k not in ("positions_BxN", "mask_BxN")}
+  for name in divergences.DIVERGENCES:
+    loss_fn = distill.DistillLoss(TARGET, DRAFTER, name, 1.0, 0.5)
+    (a, aux_a), g_a = jax.value_and_grad(loss_fn, has_aux=True)(drafter, {"target": target, "drafter": {}}, batch,
+                                                                 None)
+    (b, aux_b), g_b = jax.value_and_grad(loss_fn, has_aux=True)(drafter, {"target": target, "drafter": {}}, full,
+                                                                 None)
+    np.testing.assert_allclose(float(a), float(b), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(float(aux_a["tv"]), float(aux_b["tv"]), rtol=1e-5, atol=1e-7)
+    for x, y in zip(jax.tree.leaves(g_a), jax.tree.leaves(g_b)):
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
+
+
+def test_loss_window_positions_and_mask():
+  mask = np.asarray([[0, 0, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]], np.float32)
+  positions, window = distill.loss_window(mask, np.asarray([3, 1]), 4)
+  np.testing.assert_array_equal(positions, [[2, 3, 4, 5], [0, 1, 2, 3]])
+  np.testing.assert_array_equal(window, [[1, 1, 0, 0], [1, 1, 1, 0]])
+  positions, window = distill.loss_window(mask[:1], np.asarray([5]), 4)  # clipped at the end, never double counted
+  np.testing.assert_array_equal(positions, [[4, 5, 5, 5]])
+  np.testing.assert_array_equal(window, [[0, 0, 0, 0]])
+
+
+def test_head_logits_equals_the_decoders_head():
+  for config, seed in ((TARGET, 0), (dataclasses.replace(TARGET, tie_embeddings=True), 3)):
+    params = init_params(config, seed)
+    tokens = jnp.asarray([[3, 5, 7, 9]], jnp.int32)
+    full = distill.sequence_logits(config, params, tokens)
+    picked = distill.sequence_logits(config, params, tokens, jnp.asarray([[1, 3]], jnp.int32))
+    np.testing.assert_allclose(np.asarray(picked), np.asarray(full)[:, [1, 3]], rtol=1e-6, atol=1e-6)
+
+
+def test_select_layers_and_recipe_splits():
+  config = dataclasses.replace(TARGET, num_layers=3)
+  params = init_params(config, 0)
+  small, kept = recipe_lib.select_layers(config, params, (0, 2))
+  assert small.num_layers == 2 and set(kept) == {"embed", "layers_0", "layers_1", "final_norm", "lm_head"}
+  assert kept["layers_1"] is params["layers_2"] and kept["embed"] is params["embed"]
+  with pytest.raises(ValueError, match="indices into the base model's 3 layers"):
+    recipe_lib.select_layers(config, params, (0, 3))
+  # LoRA: an untrained adapter assembles to the base exactly; a subset recipe trains what it names only.
+  lora = recipe_lib.DrafterRecipe("base", lora_rank=2, lora_targets=("q", "down"))
+  parts = lora.split(small, kept)
+  assert isinstance(parts.trainable, params_lib.Lora)
+  for a, b in zip(jax.tree.leaves(parts.assemble(parts.trainable, parts.frozen)), jax.tree.leaves(kept)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  subset = recipe_lib.DrafterRecipe("base", layers=(0, 2), train_layers=(1,), train_modules=("final_norm",))
+  parts = subset.split(*subset.derive(config, params))
+  assert set(parts.trainable) == {"layers_1", "final_norm"} and "layers_0" in parts.frozen
+  for bad, message in ((dict(lora_rank=2, train_layers=(0,)), "trains adapters only"),
+                       (dict(layers=(1, 1)), "distinct layer indices"), (dict(lora_rank=-1), "lora_rank"),
+                       (dict(lora_rank=2, lora_targets=("qq",)), "unknown LoRA targets")):
+    with pytest.raises(ValueError, match=message):
+      recipe_lib.DrafterRecipe("base", **bad)
+  with pytest.raises(ValueError, match="out of range"):
+    recipe_lib.DrafterRecipe("base", train_layers=(5,)).split(small, kept)
+  with pytest.raises(ValueError, match="not top-level modules"):
+    recipe_lib.DrafterRecipe("base", train_modules=("head",)).split(small, kept)
+  assert recipe_lib.DrafterRecipe.from_json(subset.to_json()) == subset
+
+
+def test_restore_trainable_from_a_training_checkpoint(tmp_path):
+  """The drafter's trainable tree comes back from the trainer's checkpoint without the optimizer (LoRA and subset)."""
+  params = {"layers_0": {"attn": {"q": {"weight": jnp.ones((4, 3))}}}, "final_norm": {"scale": jnp.ones((3,))}}
+  for trainable in (params_lib.init_lora(params, 2, jax.random.key(0), targets=("q",)),
+                    {"final_norm": {"scale": jnp.ones((3,))}}):
+    workdir = tmp_path / type(trainable).__name__
+    loss = lambda t, frozen, batch, key: (sum(jnp.sum(x ** 2) for x in jax.tree.leaves(t)) + 1.0, {})
+    out = trainer.fit(loss_fn=loss, optimizer=QUAD_OPTIMIZER, trainable=trainable, frozen={},
+                      batch_fn=lambda s, t: {}, num_steps=3, key=jax.random.key(0), workdir=workdir,
+                      checkpoint_every=1, max_to_keep=2, progress=False, plot=False)
+    restored, step = recipe_lib.restore_trainable(workdir, trainable)
+    assert step == 3 and type(restored) is type(trainable)
+    for a, b in zip(jax.tree.leaves(out.state.trainable), jax.tree.leaves(restored)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match=r"no checkpoint of step 1 .* kept steps: \[2, 3\]"):
+      recipe_lib.restore_trainable(workdir, trainable, step=1)
+  with pytest.raises(FileNotFoundError, match="no checkpoints"):
+    recipe_lib.restore_trainable(tmp_path / "empty", {"w": jnp.ones(2)})
+
+
+def test_training_prompts_never_share_an_item_template_or_text_with_held_out_ones():
+  held = [dict(id="HumanEval/3", task="code", text="a"), dict(id="gsm_symbolic/7/seed0", task="math", text="b")]
+  prompts_lib.check_disjoint([dict(id="HumanEval/4", task="code", text="c"),
+                              dict(id="gsm_symbolic/8/seed1000/0", task="math", text="d")], held)
+  for row in (dict(id="HumanEval/3", task="code", text="z"), dict(id="gsm_symbolic/7/seed1000/5", task="math",
+                                                                   text="z"), dict(id="mtbench/1", task="chat", text="a")):
+    with pytest.raises(ValueError, match="overlap the held-out set"):
+      prompts_lib.check_disjoint([row], held)
+  assert prompts_lib.template_key(dict(id="gsm_symbolic/7/seed1000/5", task="math")) == "gsm_symbolic/7"
+
+
+def test_a_killed_run_keeps_its_metrics_and_checkpoint_and_resumes_to_the_same_result(tmp_path):
+  """SIGKILL mid-run (no clean-up code runs): metrics.jsonl stays readable, the last finished checkpoint restores,
+  and re-running the command finishes with the held-out TV of a run that was never interrupted."""
+  import signal
+  import time
+
+  def command(workdir):
+    return [sys.executable, "-m", "blockspec_jax.train", "--gin_file",
+            os.path.join(REPO, "gin/train/distill_smoke.gin"), "--workdir", str(workdir),
+            "--gin_param", "distill_job.num_steps = 120", "--gin_param", "distill_job.checkpoint_every = 10",
+            "--gin_param", "distill_job.progress = False"]
+
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  killed = tmp_path / "killed"
+  proc = subprocess.Popen(command(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.time() + 300
+  try:
+    while time.time() < deadline:
+      steps = [int(p.name) for p in (killed / "checkpoints").glob("*") if p.name.isdigit()]
+      if steps and max(steps) >= 30:
+        break
+      assert proc.poll() is None, "the run ended before it could be killed"
+      time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+  finally:
+    proc.wait()
+  rows = trainer.read_metrics(killed / "metrics.jsonl")
+  assert len(rows) >= 30 and [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+  assert not (killed / "metrics.json").exists()
+  saved = max(int(p.name) for p in (killed / "checkpoints").glob("*") if p.name.isdigit())
+  resumed = subprocess.run(command(killed), env=env, capture_output=True, text=True, timeout=600)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  straight = subprocess.run(command(tmp_path / "straight"), env=env, capture_output=True, text=True, timeout=600)
+  assert straight.returncode == 0, straight.stderr[-2000:]
+  a = json.loads((killed / "metrics.json").read_text())
+  b = json.loads((tmp_path / "straight" / "metrics.json").read_text())
+  assert a["resumed_from"] == saved and b["resumed_from"] is None and a["steps"] == b["steps"] == 120
+  assert a["heldout_tv_after"] == b["heldout_tv_after"] and a["final_loss"] == b["final_loss"]
+  assert [r["step"] for r in trainer.read_metrics(killed / "metrics.jsonl")] == list(range(1, 121))

