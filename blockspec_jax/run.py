@@ -30,20 +30,23 @@ import jax
 
 from blockspec_jax import jobs
 from blockspec_jax.eval import prompts as prompts_lib
-from blockspec_jax.models import hub
 
 METHODS = jobs.METHODS
 
 
-def format_table(rows) -> str:
-  header = (f"{'method':<18} {'T':>4} {'γ':>3} {'N':>3} | {'BE':>5} {'accept':>7} | {'calls':>6} {'tokens':>6} "
+def format_table(rows, drafters: list[str] | None = None) -> str:
+  """The main job's table; with ``drafters`` (several drafters), each speculative row names its drafter and the
+  lines below give every drafter's tokens/s relative to the first one's, method by method."""
+  width = max([18] + [len(r["method"]) + len(r.get("drafter", "")) + 3 for r in rows]) if drafters else 18
+  header = (f"{'method':<{width}} {'T':>4} {'γ':>3} {'N':>3} | {'BE':>5} {'accept':>7} | {'calls':>6} {'tokens':>6} "
             f"{'wall s':>8} {'tok/s':>7} {'speedup':>7} | {'prefill s':>9} {'dec tok/s':>9} {'dec x':>6}")
   lines = [header, "-" * len(header)]
   for r in rows:
     be = f"{r['block_efficiency']:5.2f}" if "block_efficiency" in r else "    -"
     acc = f"{r['draft_acceptance_rate']:7.3f}" if "draft_acceptance_rate" in r else "      -"
     nodes = r.get("draft_nodes") or "-"
-    lines.append(f"{r['method']:<18} {r['temperature']:>4.1f} {r['gamma'] or '-':>3} {nodes:>3} | {be} {acc} | "
+    name = r["method"] + (f" [{r['drafter']}]" if drafters and "drafter" in r else "")
+    lines.append(f"{name:<{width}} {r['temperature']:>4.1f} {r['gamma'] or '-':>3} {nodes:>3} | {be} {acc} | "
                  f"{r['target_calls']:>6} {r['tokens_generated']:>6} {r['wall_s']:>8.2f} {r['tokens_per_s']:>7.2f} "
                  f"{r['speedup']:>6.2f}x | {r['prefill_s']:>9.2f} {r['decode_tokens_per_s']:>9.2f} "
                  f"{r['decode_speedup']:>5.2f}x")
@@ -51,66 +54,108 @@ def format_table(rows) -> str:
                "BE: block efficiency = mean tokens per target call (1 + accepted / drafts); accept: draft acceptance "
                "rate; speedup: tokens/s over autoregressive decoding of the target at the same temperature, end to "
                "end (prefill + decode); dec: the decode phase alone (prompt forwards timed apart and left out).")
+  if drafters:
+    first = {(r["method"], r["temperature"]): r for r in rows if r.get("drafter") == drafters[0]}
+    for r in rows:
+      ref = first.get((r["method"], r["temperature"]))
+      if ref is not None and r.get("drafter") not in (None, drafters[0]):
+        lines.append(f"{r['method']} T={r['temperature']:g}: [{r['drafter']}] vs [{drafters[0]}]: tok/s "
+                     f"{r['tokens_per_s'] / ref['tokens_per_s']:.3f}x, decode tok/s "
+                     f"{r['decode_tokens_per_s'] / ref['decode_tokens_per_s']:.3f}x, BE "
+                     f"{r['block_efficiency']:.2f} vs {ref['block_efficiency']:.2f}")
   return "\n".join(lines)
 
 
+def drafter_labels(names) -> list[str]:
+  """Short, distinct labels for drafters given by name or path (a path's last component, ``@step`` kept)."""
+  labels = []
+  for name in names:
+    base, sep, tail = str(name).rpartition("@")
+    stem = pathlib.Path(base if sep else str(name)).name or str(name)
+    label = stem + (f"@{tail}" if sep else "")
+    while label in labels:
+      label += "'"
+    labels.append(label)
+  return labels
+
+
 @gin.configurable("run_job")
-def run_job(target: str = "qwen2.5-coder-1.5b", drafter: str = "qwen2.5-coder-0.5b",
+def run_job(target: str = "qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b",
             prompts_path: str = str(prompts_lib.DEFAULT_PROMPTS), num_prompts: int | None = 6, gamma: int = 4,
             temperatures=(0.0, 1.0), methods=METHODS, max_new_tokens: int = 64, dtype: str = "float32",
             seed: int = 0, chat: bool = True, output_json: str | None = "results/run.json",
             cache_dir: str | None = None, show_text: bool = True, compilation_cache: str | None = None,
-            drafter_settings: dict | None = None) -> dict:
+            drafter_settings: dict | None = None, verifier_settings: dict | None = None) -> dict:
   """The main job (see the module docstring). Every setting is checked before a model is loaded.
 
+  ``drafter``: a model name or path, the work directory of a drafter training run (``python -m
+  blockspec_jax.train``; ``<dir>@init`` is its drafter before training), or a tuple of these: every speculative
+  method then runs with each drafter on the same prompts and keys, and the table adds each drafter's tokens/s
+  relative to the first one's (e.g. a distilled drafter against its base).
+  ``verifier_settings``: settings of registered rules by name, e.g. ``{"lenient": {"epsilon": 0.5, "f": "div"}}``.
   ``compilation_cache``: JAX's persistent compilation cache directory (default ``$BLOCKSPEC_JAX_COMPILE_CACHE`` or
   ``<cache dir>/jax_compilation``; "off" disables it): a second run loads its compiled programs from there.
   """
+  drafter_names = (drafter,) if isinstance(drafter, str) else tuple(drafter)
+  if not drafter_names:
+    raise jobs.UsageError("run_job.drafter: give at least one drafter")
   jobs.check_settings(gamma=gamma, methods=methods, temperatures=temperatures, max_new_tokens=max_new_tokens,
-                      num_prompts=num_prompts, dtype=dtype, models=(target, drafter))
+                      num_prompts=num_prompts, dtype=dtype, models=(target, *drafter_names))
+  jobs.check_verifier_settings(verifier_settings)
   rows = prompts_lib.load_prompts(prompts_path, limit=num_prompts)
   if not rows:
     raise jobs.UsageError(f"no prompts in {prompts_path}")
   compile_dir = jobs.enable_compilation_cache(compilation_cache)
   start = time.perf_counter()
-  target_model = hub.load_model(target, dtype, cache_dir)
-  drafter_model = hub.load_model(drafter, dtype, cache_dir)
-  jobs.check_pair(target_model, drafter_model)
-  print(f"loaded {drafter} → {target} ({dtype}) in {time.perf_counter() - start:.1f} s; {len(rows)} prompts; "
-        f"jax {jax.__version__} on {jax.devices()[0].platform}; compilation cache {compile_dir or 'off'}", flush=True)
+  target_model = jobs.load_model(target, dtype, cache_dir)
+  drafter_models = [jobs.load_model(d, dtype, cache_dir) for d in drafter_names]
+  labels = drafter_labels(drafter_names)
+  for drafter_model in drafter_models:
+    jobs.check_pair(target_model, drafter_model)
+  print(f"loaded {', '.join(map(str, drafter_names))} → {target} ({dtype}) in {time.perf_counter() - start:.1f} s; "
+        f"{len(rows)} prompts; jax {jax.__version__} on {jax.devices()[0].platform}; compilation cache "
+        f"{compile_dir or 'off'}", flush=True)
   prompt_ids = jobs.encode_prompts(target_model, rows, chat)
   width = max(len(p) for p in prompt_ids)
   speculative = [jobs.parse_method(m) for m in methods if m != jobs.AUTOREGRESSIVE]
-  drafter_objs = [jobs.build_drafter(d, target_model, drafter_model, drafter_settings, gamma) for _, d in speculative]
+  drafter_objs = [jobs.build_drafter(d, target_model, dm, drafter_settings, gamma) for _, d in speculative
+                  for dm in drafter_models]
   draft_nodes = max([d.num_nodes(gamma) for d in drafter_objs], default=0)
   jobs.check_cache_room(width, max_new_tokens, draft_nodes, target_model.config, *drafter_objs)
   stop_ids = target_model.stop_ids
+  several = len(drafter_models) > 1
   results, texts = [], {}
   for temperature in temperatures:
     baseline = None
     for method in methods:
-      summary, outputs = jobs.run_method(method, target_model, drafter_model, prompt_ids, width, gamma=gamma,
-                                    max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                    stop_ids=stop_ids, drafter_settings=drafter_settings)
-      if method == "autoregressive":
-        baseline = summary
-      summary["speedup"] = summary["tokens_per_s"] / baseline["tokens_per_s"] if baseline else float("nan")
-      summary["decode_speedup"] = (summary["decode_tokens_per_s"] / baseline["decode_tokens_per_s"] if baseline
-                                   else float("nan"))
-      results.append(summary)
-      texts[f"{method}@T={temperature}"] = target_model.tokenizer.decode(outputs[0], skip_special_tokens=True)
-      print(f"  {method:<15} T={temperature}: {summary['tokens_per_s']:.2f} tok/s"
-            + (f", BE {summary['block_efficiency']:.2f}" if "block_efficiency" in summary else ""), flush=True)
+      pairs = [(None, None)] if method == jobs.AUTOREGRESSIVE else list(zip(labels, drafter_models))
+      for label, drafter_model in pairs:
+        summary, outputs = jobs.run_method(method, target_model, drafter_model, prompt_ids, width, gamma=gamma,
+                                           max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                           stop_ids=stop_ids, drafter_settings=drafter_settings,
+                                           verifier_settings=verifier_settings)
+        if label is not None:
+          summary["drafter"] = label
+        if method == jobs.AUTOREGRESSIVE:
+          baseline = summary
+        summary["speedup"] = summary["tokens_per_s"] / baseline["tokens_per_s"] if baseline else float("nan")
+        summary["decode_speedup"] = (summary["decode_tokens_per_s"] / baseline["decode_tokens_per_s"] if baseline
+                                     else float("nan"))
+        results.append(summary)
+        name = method + (f" [{label}]" if several and label is not None else "")
+        texts[f"{name}@T={temperature}"] = target_model.tokenizer.decode(outputs[0], skip_special_tokens=True)
+        print(f"  {name:<15} T={temperature}: {summary['tokens_per_s']:.2f} tok/s"
+              + (f", BE {summary['block_efficiency']:.2f}" if "block_efficiency" in summary else ""), flush=True)
   print()
-  print(format_table(results))
+  print(format_table(results, labels if several else None))
   if show_text:
     print(f"\nprompt [{rows[0]['id']}]: {rows[0]['text'][:300]}")
     for name, text in texts.items():
       print(f"\n--- {name} ---\n{text}")
   rss_gb = jobs.peak_rss_gb()
   print(f"\npeak resident memory of this job: {rss_gb:.2f} GB (10^9 bytes)")
-  report = dict(target=target, drafter=drafter, dtype=dtype, gamma=gamma, max_new_tokens=max_new_tokens,
-                peak_rss_gb=rss_gb,
+  report = dict(target=target, drafter=list(drafter_names) if several else drafter_names[0], dtype=dtype,
+                gamma=gamma, max_new_tokens=max_new_tokens, peak_rss_gb=rss_gb,
                 prompts=[dict(id=r["id"], task=r["task"], source=r["source"], licence=r["licence"]) for r in rows],
                 results=results, sample_text=texts)
   if output_json:

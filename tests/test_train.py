@@ -509,8 +509,10 @@ def test_select_layers_and_recipe_splits():
 def test_restore_trainable_from_a_training_checkpoint(tmp_path):
   """The drafter's trainable tree comes back from the trainer's checkpoint without the optimizer (LoRA and subset)."""
   params = {"layers_0": {"attn": {"q": {"weight": jnp.ones((4, 3))}}}, "final_norm": {"scale": jnp.ones((3,))}}
-  for trainable in (params_lib.init_lora(params, 2, jax.random.key(0), targets=("q",)),
-                    {"final_norm": {"scale": jnp.ones((3,))}}):
+  # Keys inserted out of sorted order, with distinct shapes: leaves must come back to their own paths.
+  unsorted = {"z_norm": {"scale": jnp.arange(3.0)}, "layers_0": {"q": {"weight": jnp.ones((4, 3))},
+                                                                "k": {"weight": jnp.full((2, 3), 2.0)}}}
+  for trainable in (params_lib.init_lora(params, 2, jax.random.key(0), targets=("q",)), unsorted):
     workdir = tmp_path / type(trainable).__name__
     loss = lambda t, frozen, batch, key: (sum(jnp.sum(x ** 2) for x in jax.tree.leaves(t)) + 1.0, {})
     out = trainer.fit(loss_fn=loss, optimizer=QUAD_OPTIMIZER, trainable=trainable, frozen={},
@@ -522,6 +524,10 @@ def test_restore_trainable_from_a_training_checkpoint(tmp_path):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match=r"no checkpoint of step 1 .* kept steps: \[2, 3\]"):
       recipe_lib.restore_trainable(workdir, trainable, step=1)
+  with pytest.raises(ValueError, match="has shape"):
+    recipe_lib.restore_trainable(workdir, {"z_norm": {"scale": jnp.ones(4)}, "layers_0": unsorted["layers_0"]})
+  with pytest.raises(ValueError, match="another drafter"):
+    recipe_lib.restore_trainable(workdir, {"z_norm": {"scale": jnp.ones(3)}})
   with pytest.raises(FileNotFoundError, match="no checkpoints"):
     recipe_lib.restore_trainable(tmp_path / "empty", {"w": jnp.ones(2)})
 

@@ -109,17 +109,21 @@ def summarize_paired(table_DxBxRxG: np.ndarray, verifiers: tuple[str, ...] = ("t
   return out
 
 
-def build_contexts(prompt_ids: Sequence[Sequence[int]], samples: Sequence[Sequence[int]], positions: int) -> list:
-  """Each prompt extended by the first ``0, n/k, …, (k−1)n/k`` tokens of its sample (n = the sample's length)."""
+def build_contexts(prompt_ids: Sequence[Sequence[int]], samples: Sequence[Sequence[int]], positions: int,
+                   owners: list | None = None) -> list:
+  """Each prompt extended by the first ``0, n/k, …, (k−1)n/k`` tokens of its sample (n = the sample's length; a
+  short sample gives fewer distinct contexts). ``owners``, when given, receives each context's prompt index."""
   contexts = []
-  for ids, sample in zip(prompt_ids, samples):
+  for i, (ids, sample) in enumerate(zip(prompt_ids, samples)):
     n = len(sample)
     for j in sorted({(k * n) // positions for k in range(positions)}):
       contexts.append(list(ids) + list(sample[:j]))
+      if owners is not None:
+        owners.append(i)
   return contexts
 
 
-def sampled_contexts(target, prompt_ids, temperature: float, args) -> list:
+def sampled_contexts(target, prompt_ids, temperature: float, args, owners: list | None = None) -> list:
   """Prompts extended by prefixes of one target sample each at ``temperature`` (see :func:`build_contexts`)."""
   from blockspec_jax import jobs
   tokens_BxP, prompt_len_B = spec.prepare_prompts(prompt_ids)
@@ -129,7 +133,7 @@ def sampled_contexts(target, prompt_ids, temperature: float, args) -> list:
                                        target=target.config, max_new_tokens=args.sample_tokens,
                                        sampler=sampling.Sampler(temperature=temperature), stop_ids=target.stop_ids)
   samples = [np.asarray(out.tokens_BxN[b, :int(out.num_tokens_B[b])]).tolist() for b in range(len(prompt_ids))]
-  return build_contexts(prompt_ids, samples, args.positions)
+  return build_contexts(prompt_ids, samples, args.positions, owners)
 
 
 def _trees_main(args, target, drafter_model, prompt_ids, start) -> int:
@@ -171,6 +175,61 @@ def _trees_main(args, target, drafter_model, prompt_ids, start) -> int:
   return 0
 
 
+def _drafters_main(args, target, prompt_rows, prompt_ids, start) -> int:
+  """``--drafters A,B,…``: every drafter on the same contexts at every temperature; resumable (``--json``)."""
+  from blockspec_jax import jobs
+  from blockspec_jax.eval import paired_drafters as pd
+  from blockspec_jax.run import drafter_labels
+  path = pathlib.Path(args.json)
+  done = json.loads(path.read_text())["results"] if path.exists() else []
+  if done and json.loads(path.read_text()).get("drafters") != args.drafter_list:
+    raise jobs.UsageError(f"{path} holds results for other drafters; pass another --json or remove it")
+  have = {(r["temperature"], r["drafter"]) for r in done}
+  if done:
+    print(f"resuming from {path}: {len(done)} (temperature, drafter) tables already measured", flush=True)
+  results = list(done)
+  labels = drafter_labels(args.drafter_list)
+  rules = ("token", "block")
+  for temperature in args.temperature_list:
+    contexts = tasks = None
+    for name, label in zip(args.drafter_list, labels):
+      if (temperature, label) in have:
+        continue
+      if contexts is None:
+        owners: list = []
+        contexts = sampled_contexts(target, prompt_ids, temperature, args, owners)
+        tasks = [prompt_rows[i]["task"] for i in owners]
+      drafter = jobs.load_model(name, args.dtype, progress=False)
+      jobs.check_pair(target, drafter)
+      draws = 1 if temperature == 0 else args.draws  # greedy drafts are the same in every draw
+      t0 = time.perf_counter()
+      with jobs.compiling(f"T = {temperature:g}, drafter {label} ({len(contexts)} contexts × {draws} drafts)"):
+        table = paired_acceptance(target.params["params"], drafter.params["params"], contexts,
+                                  target=target.config, drafter=ModelDrafter(drafter.config), gamma=args.gamma,
+                                  temperature=temperature, draws=draws, seed=args.seed, verifiers=rules)
+      del drafter
+      results.append(dict(temperature=temperature, drafter=label, name=name, tasks=tasks,
+                          seconds=time.perf_counter() - t0, table=table.tolist()))
+      be = 1 + table.mean(axis=(0, 1))
+      print(f"  T={temperature:g} {label}: BE block γ=4 {be[1, min(3, args.gamma - 1)]:.3f}, γ={args.gamma} "
+            f"{be[1, -1]:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+      path.parent.mkdir(parents=True, exist_ok=True)
+      path.write_text(json.dumps(dict(config=vars(args), drafters=args.drafter_list, results=results)))
+  report = []
+  for temperature in args.temperature_list:
+    sub = {r["drafter"]: np.asarray(r["table"]) for r in results if r["temperature"] == temperature}
+    sub = {label: sub[label] for label in labels if label in sub}
+    tasks = next(r["tasks"] for r in results if r["temperature"] == temperature)
+    rows = pd.summarize_drafters(sub, tasks, rules, gammas={4, args.gamma})
+    report.append(pd.format_drafters(rows, temperature))
+  text = "\n\n".join(report)
+  print(text)
+  md = path.with_suffix(".md")
+  md.write_text(text + "\n")
+  print(f"wrote {path} and {md}; {time.perf_counter() - start:.0f} s")
+  return 0
+
+
 def format_trees(results, temperatures) -> str:
   """The trees table: per temperature and budget, every (arm, rule) BE ± stderr, then the paired comparisons."""
   from blockspec_jax.eval import paired_trees as pt
@@ -207,8 +266,6 @@ def format_trees(results, temperatures) -> str:
 def main(argv=None) -> int:
   from blockspec_jax import jobs
   from blockspec_jax.eval import prompts as prompts_lib
-  from blockspec_jax.models import hub
-
   ap = argparse.ArgumentParser(prog="python -m blockspec_jax.eval.paired", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--target", default="qwen2.5-coder-1.5b")
@@ -225,17 +282,40 @@ def main(argv=None) -> int:
   ap.add_argument("--json", default=None, help="default results/paired.json (results/paired_trees.json with --trees)")
   ap.add_argument("--trees", action="store_true", help="trees and chains at equal node budgets (see above)")
   ap.add_argument("--budgets", default="4,8,16", help="--trees: draft nodes per target call")
-  ap.add_argument("--temperatures", default="1,0.6", help="--trees: temperatures")
+  ap.add_argument("--temperatures", default=None,
+                  help="--trees (default 1,0.6) and --drafters (default 1,0): temperatures")
+  ap.add_argument("--drafters", default=None,
+                  help="comma-separated drafters (names, paths, training work directories, '<dir>@init') compared on "
+                       "the same contexts, the first as reference; resumable")
   ap.add_argument("--verify-draws", type=int, default=16, help="--trees: verifier keys per draft for tree rules")
   args = ap.parse_args(argv)
   if args.json is None:
-    args.json = "results/paired_trees.json" if args.trees else "results/paired.json"
+    args.json = ("results/paired_trees.json" if args.trees else "results/paired_drafters.json" if args.drafters
+                 else "results/paired.json")
+  if args.temperatures is None:
+    args.temperatures = "1,0.6" if args.trees else "1,0"
+  args.drafter_list = [d for d in (args.drafters or "").split(",") if d]
   if args.positions < 1 or args.sample_tokens < 1:
     ap.error("--positions and --sample-tokens must be >= 1")
   with jobs.cli_errors(ap.prog):
     jobs.check_settings(gamma=args.gamma, temperatures=(args.temperature,), num_prompts=args.num_prompts,
-                        dtype=args.dtype, models=(args.target, args.drafter))
+                        dtype=args.dtype, models=(args.target, args.drafter, *args.drafter_list))
     prompts_lib.load_prompts(args.prompts, limit=args.num_prompts)
+
+  if args.drafters is not None:
+    with jobs.cli_errors(ap.prog):
+      if not args.drafter_list:
+        raise jobs.UsageError("--drafters: give at least one drafter")
+      if args.trees:
+        raise jobs.UsageError("--drafters and --trees are separate measurements; give one")
+      args.temperature_list = [float(t) for t in args.temperatures.split(",") if t]
+      jobs.check_settings(temperatures=args.temperature_list)
+    start = time.perf_counter()
+    target = jobs.load_model(args.target, args.dtype)
+    rows = prompts_lib.load_prompts(args.prompts, limit=args.num_prompts)
+    prompt_ids = jobs.encode_prompts(target, rows, chat=True)
+    with jobs.cli_errors(ap.prog):
+      return _drafters_main(args, target, rows, prompt_ids, start)
 
   if args.trees:
     with jobs.cli_errors(ap.prog):
@@ -243,8 +323,8 @@ def main(argv=None) -> int:
       args.temperature_list = [float(t) for t in args.temperatures.split(",") if t]
       jobs.check_settings(temperatures=args.temperature_list)
   start = time.perf_counter()
-  target = hub.load_model(args.target, args.dtype)
-  drafter = hub.load_model(args.drafter, args.dtype)
+  target = jobs.load_model(args.target, args.dtype)
+  drafter = jobs.load_model(args.drafter, args.dtype)
   jobs.check_pair(target, drafter)
   prompt_ids = jobs.encode_prompts(target, prompts_lib.load_prompts(args.prompts, limit=args.num_prompts), chat=True)
   if args.trees:

@@ -183,37 +183,39 @@ def restore_trainable(workdir: str | os.PathLike, template, step: int | None = N
     raw = manager.restore(step, args=ocp.args.StandardRestore())
   finally:
     manager.close()
-  saved = raw["trainable"]
-  leaves_now = jax.tree.leaves(template)
-  structure = jax.tree.structure(template)
-  saved_leaves = jax.tree.leaves(saved)
-  if len(saved_leaves) != len(leaves_now):
-    raise ValueError(f"checkpoint of step {step} in {directory} holds {len(saved_leaves)} trainable arrays, the "
-                     f"recipe gives {len(leaves_now)}: it was written for another drafter")
-  # Orbax returns dicts keyed like the saved pytree; flatten both in key order and check every shape.
-  flat_saved = dict(_flatten(saved))
-  flat_template = _flatten(template.adapters if isinstance(template, params_lib.Lora) else template)
+  flat_saved = dict(_flatten(raw["trainable"]))
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
+  if len(flat_saved) != len(leaves):
+    raise ValueError(f"checkpoint of step {step} in {directory} holds {len(flat_saved)} trainable arrays, the "
+                     f"recipe gives {len(leaves)}: it was written for another drafter")
   out = []
-  for path, leaf in flat_template:
-    key = path if path in flat_saved else ("adapters",) + path
-    if key not in flat_saved:
-      raise ValueError(f"checkpoint of step {step} in {directory} lacks {'/'.join(path)}")
-    value = flat_saved[key]
+  for key_path, leaf in leaves:  # the template's own (sorted) leaf order, matched to the saved arrays by path
+    path = tuple(_key_name(k) for k in key_path)
+    if path not in flat_saved:
+      raise ValueError(f"checkpoint of step {step} in {directory} lacks {'/'.join(path)}: it was written for "
+                       "another drafter")
+    value = flat_saved[path]
     if tuple(value.shape) != tuple(leaf.shape):
       raise ValueError(f"checkpoint array {'/'.join(path)} has shape {tuple(value.shape)}, the recipe gives "
                        f"{tuple(leaf.shape)}")
     out.append(jnp.asarray(value, leaf.dtype))
-  return jax.tree.unflatten(structure, out), int(step)
+  return jax.tree_util.tree_unflatten(treedef, out), int(step)
+
+
+def _key_name(key) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
 
 
 def _flatten(tree, prefix=()):
+  """``[(path, leaf)]`` of a restored checkpoint tree (nested dicts keyed by strings)."""
   if isinstance(tree, dict):
     items = []
     for k in tree:
       items.extend(_flatten(tree[k], prefix + (str(k),)))
     return items
-  if isinstance(tree, params_lib.Lora):
-    return _flatten(tree.adapters, prefix)
   return [(prefix, tree)]
 
 

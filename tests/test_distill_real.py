@@ -1,0 +1,127 @@
+"""DistillSpec on a real model (SmolLM2-135M, every CI run): the fast-pair job end to end on a few steps, the trained
+drafter loaded back (newest checkpoint and ``@init``), lossless in the decoding loop, and beside its base in the main
+job; eval.paired's drafter comparison arithmetic."""
+
+import json
+import os
+
+import gin
+import jax
+import numpy as np
+import pytest
+
+from blockspec_jax import jobs, run
+from blockspec_jax.eval import paired_drafters, prompts as prompts_lib
+from blockspec_jax.models import hub
+from blockspec_jax.train import __main__ as train_main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _rows(rows):
+  return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+@pytest.fixture(scope="module")
+def fast_pair(tmp_path_factory):
+  """The fast-pair job (gin/train/distill_smollm2_fast.gin) for 3 steps on 3 held-out and 6 training prompts."""
+  workdir = tmp_path_factory.mktemp("fast_pair")
+  held = prompts_lib.load_prompts(limit=3)
+  held_file = workdir / "held.jsonl"
+  held_file.write_text(_rows(held))
+  train = [dict(id=f"train/{i}", task=("code", "chat", "math")[i % 3], source="test", licence="MIT",
+                text=f"Write {i + 2} short sentences about the number {i * 7 + 3}.") for i in range(6)]
+  # The job reads its prompt pool from the workdir when both files are there (as on a resume): no download here.
+  (workdir / "prompts_heldout.jsonl").write_text(_rows(held))
+  (workdir / "prompts_train.jsonl").write_text(_rows(train))
+  gin.clear_config()
+  try:
+    rc = train_main.main(["--gin_file", os.path.join(REPO, "gin/train/distill_smollm2_fast.gin"),
+                          "--workdir", str(workdir),
+                          "--gin_param", f"distill_job.heldout_prompts = '{held_file}'",
+                          "--gin_param", "distill_job.num_steps = 3", "--gin_param", "distill_job.batch_size = 2",
+                          "--gin_param", "distill_job.max_new_tokens = 8",
+                          "--gin_param", "distill_job.checkpoint_every = 2",
+                          "--gin_param", "distill_job.progress = False",
+                          "--gin_param", "make_optimizer.warmup_steps = 1",
+                          "--gin_param", "make_optimizer.learning_rate = 1e-3"])
+  finally:
+    gin.clear_config()
+  assert rc == 0
+  return workdir, json.loads((workdir / "metrics.json").read_text())
+
+
+def test_fast_pair_job_and_its_drafter_loaded_back(fast_pair):
+  workdir, summary = fast_pair
+  assert summary["steps"] == 3 and summary["num_train_prompts"] == 6 and summary["num_heldout_prompts"] == 3
+  for key in ("heldout_tv_before", "heldout_tv_after", "final_loss", "peak_rss_gb"):
+    assert summary[key] > 0
+  assert summary["drafter_recipe"]["layers"] == [0, 1, 2, 29]
+  assert json.loads((workdir / "drafter.json").read_text())["base"] == "smollm2-135m"
+  base = hub.load_model("smollm2-135m", progress=False)
+  init = jobs.load_model(f"{workdir}@init", progress=False)
+  trained = jobs.load_model(str(workdir), progress=False)
+  assert init.config.num_layers == trained.config.num_layers == 4 and init.tokenizer is not None
+  bp, ip, tp = base.params["params"], init.params["params"], trained.params["params"]
+  for j, i in enumerate((0, 1, 2, 29)):  # the untrained drafter is the base's layers, bit for bit
+    for a, b in zip(jax.tree.leaves(ip[f"layers_{j}"]), jax.tree.leaves(bp[f"layers_{i}"])):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_array_equal(np.asarray(tp["embed"]["embedding"]), np.asarray(bp["embed"]["embedding"]))  # frozen
+  moved = [float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+           for a, b in zip(jax.tree.leaves(tp["layers_3"]), jax.tree.leaves(ip["layers_3"]))]
+  assert max(moved) > 0  # three adamw steps moved the trained layers
+  assert trained.spec.name.endswith("@3") and init.spec.name.endswith("@init")
+  jobs.check_model_name(f"{workdir}@2")
+  with pytest.raises(ValueError, match=r"no checkpoint of step 1 .*kept steps: \[2, 3\]"):
+    jobs.load_model(f"{workdir}@1", progress=False)
+  with pytest.raises(jobs.UsageError, match="checkpoint step or 'init'"):
+    jobs.check_model_name(f"{workdir}@latest")
+
+
+def test_main_job_runs_a_trained_drafter_beside_its_base_losslessly(fast_pair, capsys):
+  workdir, _ = fast_pair
+  report = run.run_job(target="smollm2-135m", drafter=("smollm2-135m", str(workdir)), num_prompts=1, gamma=3,
+                       temperatures=(0.0,), methods=("autoregressive", "greedy"), max_new_tokens=8,
+                       output_json=None, show_text=True)
+  printed = capsys.readouterr().out
+  label = os.path.basename(str(workdir))
+  assert f"greedy T=0: [{label}] vs [smollm2-135m]: tok/s" in printed
+  rows = report["results"]
+  assert [r.get("drafter") for r in rows] == [None, "smollm2-135m", label]
+  assert rows[1]["block_efficiency"] == pytest.approx(4.0)  # the target drafting for itself
+  texts = set(report["sample_text"].values())
+  assert len(texts) == 1  # greedy speculative decoding with either drafter = the target's own greedy text
+
+
+def test_paired_drafters_summary_arithmetic():
+  # 2 draws × 3 contexts × 2 rules × 2 γ; the second drafter accepts 0.5 more at every context, rule and γ.
+  ref = np.asarray([[[[0.5, 1.0], [0.6, 1.2]], [[0.3, 0.4], [0.3, 0.5]], [[0.8, 1.5], [0.9, 1.7]]]] * 2)
+  better = ref + 0.5
+  better[1] += 0.2  # one draw differs: draws are averaged per context first
+  rows = paired_drafters.summarize_drafters({"base": ref, "tuned": better}, ["code", "chat", "code"],
+                                            ("token", "block"))
+  by = {(r["drafter"], r["rule"], r["gamma"]): r for r in rows}
+  r = by[("tuned", "block", 2)]
+  assert r["be"] == pytest.approx(1 + (1.2 + 0.5 + 1.7) / 3 + 0.6)
+  assert r["diff"] == pytest.approx(0.6) and r["diff_se"] == pytest.approx(0.0, abs=1e-12)
+  assert r["by_task"]["code"] == pytest.approx(1 + (1.2 + 1.7) / 2 + 0.6)
+  assert by[("base", "token", 1)]["diff"] == 0.0 and by[("base", "token", 1)]["gain"] == 0.0
+  assert r["be_se"] == pytest.approx(np.std([1.2, 0.5, 1.7], ddof=1) / np.sqrt(3))
+  text = paired_drafters.format_drafters(rows, 1.0)
+  assert "| tuned | block | 2 |" in text and "Δ vs base" in text
+  with pytest.raises(ValueError, match="share the contexts"):
+    paired_drafters.summarize_drafters({"a": ref, "b": ref[:, :2]}, ["code"] * 3, ("token", "block"))
+
+
+def test_verifier_settings_are_checked_and_reach_the_rule():
+  jobs.check_verifier_settings({"lenient": {"epsilon": 0.5, "f": "pow"}})
+  for bad, message in (({"lenien": {}}, "unknown verifier 'lenien'"), ({"lenient": {"epsilon": 0.0}}, "epsilon"),
+                       ({"lenient": 0.5}, "must be a dict"), ({"block": {"epsilon": 0.5}}, "block")):
+    with pytest.raises(jobs.UsageError, match=message):
+      jobs.check_verifier_settings(bad)
+
+
+def test_drafter_labels_are_short_and_distinct():
+  assert run.drafter_labels(["qwen2.5-coder-0.5b", "results/train/distill_qwen_tvd",
+                             "results/train/distill_qwen_tvd@init", "other/distill_qwen_tvd"]) == [
+      "qwen2.5-coder-0.5b", "distill_qwen_tvd", "distill_qwen_tvd@init", "distill_qwen_tvd'"]
