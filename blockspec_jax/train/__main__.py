@@ -155,7 +155,7 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
                 on_policy_fraction: float = 0.5, divergence: str = "fkl", temperature: float = 1.0,
                 sample_temperature: float = 1.0, beta: float = 0.5, trainable_layers=None, num_steps: int = 100,
                 checkpoint_every: int = 50, max_to_keep: int = 2, seed: int = 0, progress: bool = True,
-                data_parallel: bool = False) -> dict:
+                data_parallel: bool = False, eval_every: int = 0) -> dict:
   """DistillSpec; returns the ``metrics.json`` summary. Two kinds of job:
 
   * random tiny models (smoke): ``target_config`` / ``drafter_config`` (``@tiny_decoder()``), random parameters
@@ -170,7 +170,8 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
     ``blockspec_jax.jobs.load_model(workdir)`` loads the trained drafter.
 
   ``temperature`` is the divergence's, ``sample_temperature`` the decoding temperature (continuations and the
-  held-out TV). ``data_parallel``: split every batch over all devices (a ``(data, 1)`` mesh; ``batch_size`` must be a
+  held-out TV). ``eval_every``: the held-out TV every this many steps too (``eval_heldout_tv`` in
+  ``metrics.jsonl`` and ``loss.png``; 0: only before and after). ``data_parallel``: split every batch over all devices (a ``(data, 1)`` mesh; ``batch_size`` must be a
   multiple of the device count), same updates as one device.
   """
   t0 = time.perf_counter()
@@ -178,7 +179,7 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
                            ("max_new_tokens", max_new_tokens, 1), ("batch_size", batch_size, 1),
                            ("num_steps", num_steps, 1), ("checkpoint_every", checkpoint_every, 1),
                            ("max_to_keep", max_to_keep, 1), ("train_prompts_per_task", train_prompts_per_task, 1),
-                           ("max_prompt_len", max_prompt_len, 1)):
+                           ("max_prompt_len", max_prompt_len, 1), ("eval_every", eval_every, 0)):
     _check_int(value, name, low)
   real = target is not None or drafter is not None
   if real == (target_config is not None or drafter_config is not None) or (
@@ -228,14 +229,19 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
     raise jobs.UsageError(str(e)) from None
   tv_before = distill.heldout_tv(parts.assemble(parts.trainable, parts.frozen), setup.target_params, data)
   print(f"held-out TV before training: {tv_before:.4f}", flush=True)
+  eval_fn = lambda step, trainable: {"heldout_tv": distill.heldout_tv(parts.assemble(trainable, parts.frozen),
+                                                                       setup.target_params, data)}
   result = trainer.fit(loss_fn=loss_fn, optimizer=optimizer, trainable=parts.trainable,
                        frozen={"target": setup.target_params, "drafter": parts.frozen},
                        batch_fn=distill.make_batch_fn(data, parts.frozen, parts.assemble), num_steps=num_steps,
                        key=jax.random.key(seed), workdir=workdir, checkpoint_every=checkpoint_every,
-                       max_to_keep=max_to_keep, progress=progress, label="distill train step", mesh=mesh)
-  final_params = parts.assemble(result.state.trainable, parts.frozen)
-  tv_after = distill.heldout_tv(final_params, setup.target_params, data)
+                       max_to_keep=max_to_keep, progress=progress, label="distill train step", mesh=mesh,
+                       eval_fn=eval_fn if eval_every else None, eval_every=eval_every)
   rows = trainer.read_metrics(pathlib.Path(workdir) / "metrics.jsonl")
+  if rows and rows[-1].get("step") == int(result.state.step) and "eval_heldout_tv" in rows[-1]:
+    tv_after = rows[-1]["eval_heldout_tv"]  # measured on the final parameters by the last step's evaluation
+  else:
+    tv_after = distill.heldout_tv(parts.assemble(result.state.trainable, parts.frozen), setup.target_params, data)
   summary = {
       "heldout_tv_before": tv_before, "heldout_tv_after": tv_after,
       "final_loss": rows[-1]["loss"] if rows else None, "final_train_tv": rows[-1]["tv"] if rows else None,

@@ -207,7 +207,12 @@ def plot_losses(rows: list[dict], path) -> bool:
     return False
   steps = [r["step"] for r in rows if "loss" in r]
   fig, ax = plt.subplots(figsize=(6, 4))
-  ax.plot(steps, [r["loss"] for r in rows if "loss" in r], label="train loss")
+  losses = [r["loss"] for r in rows if "loss" in r]
+  ax.plot(steps, losses, label="train loss", alpha=0.5 if len(losses) > 16 else 1.0)
+  if len(losses) > 16:  # small batches give a jagged curve: its running mean over 8 steps beside it
+    window = 8
+    means = np.convolve(losses, np.ones(window) / window, mode="valid")
+    ax.plot(steps[window - 1:], means, label=f"train loss, mean of {window} steps")
   for name in sorted({k for r in rows for k in r if k.startswith("eval_")}):
     pts = [(r["step"], r[name]) for r in rows if name in r]
     ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o", label=name)
