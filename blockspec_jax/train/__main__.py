@@ -181,9 +181,10 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
                            ("max_to_keep", max_to_keep, 1), ("train_prompts_per_task", train_prompts_per_task, 1),
                            ("max_prompt_len", max_prompt_len, 1), ("eval_every", eval_every, 0)):
     _check_int(value, name, low)
-  real = target is not None or drafter is not None
-  if real == (target_config is not None or drafter_config is not None) or (
-      real and (target is None or drafter is None)) or (not real and (target_config is None or drafter_config is None)):
+  models_given = (target is not None, drafter is not None)
+  configs_given = (target_config is not None, drafter_config is not None)
+  real = all(models_given)
+  if not (real and not any(configs_given)) and not (all(configs_given) and not any(models_given)):
     raise jobs.UsageError("give either distill_job.target (a model name) and distill_job.drafter "
                           "(@drafter_recipe()), or distill_job.target_config and distill_job.drafter_config "
                           "(random tiny models), not a mix")
