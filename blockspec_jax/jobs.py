@@ -27,7 +27,7 @@ import numpy as np
 from blockspec_jax.paths import default_cache_dir
 
 __all__ = ["METHODS", "AUTOREGRESSIVE", "known_methods", "parse_method", "build_drafter", "UsageError", "load_model",
-           "check_model_name",
+           "check_model_name", "drafter_labels",
            "check_gamma", "check_settings", "check_verifier_settings", "check_cache_room", "check_pair",
            "encode_prompts", "run_method", "compiling", "enable_compilation_cache", "COMPILE_CACHE_ENV_VAR",
            "peak_rss_gb", "cli_errors"]
@@ -132,6 +132,19 @@ def load_model(name, dtype: str = "float32", cache_dir=None, progress: bool = Tr
     return recipe.load_trained(trained[0], trained[1], dtype, cache_dir, progress=progress)
   from blockspec_jax.models import hub
   return hub.load_model(name, dtype, cache_dir, progress=progress)
+
+
+def drafter_labels(names) -> list[str]:
+  """Short, distinct labels for drafters given by name or path (a path's last component, ``@step`` kept)."""
+  labels = []
+  for name in names:
+    base, sep, tail = str(name).rpartition("@")
+    stem = pathlib.Path(base if sep else str(name)).name or str(name)
+    label = stem + (f"@{tail}" if sep else "")
+    while label in labels:
+      label += "'"
+    labels.append(label)
+  return labels
 
 
 def check_model_name(name) -> None:

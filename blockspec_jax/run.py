@@ -66,19 +66,6 @@ def format_table(rows, drafters: list[str] | None = None) -> str:
   return "\n".join(lines)
 
 
-def drafter_labels(names) -> list[str]:
-  """Short, distinct labels for drafters given by name or path (a path's last component, ``@step`` kept)."""
-  labels = []
-  for name in names:
-    base, sep, tail = str(name).rpartition("@")
-    stem = pathlib.Path(base if sep else str(name)).name or str(name)
-    label = stem + (f"@{tail}" if sep else "")
-    while label in labels:
-      label += "'"
-    labels.append(label)
-  return labels
-
-
 @gin.configurable("run_job")
 def run_job(target: str = "qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b",
             prompts_path: str = str(prompts_lib.DEFAULT_PROMPTS), num_prompts: int | None = 6, gamma: int = 4,
@@ -109,7 +96,7 @@ def run_job(target: str = "qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b",
   start = time.perf_counter()
   target_model = jobs.load_model(target, dtype, cache_dir)
   drafter_models = [jobs.load_model(d, dtype, cache_dir) for d in drafter_names]
-  labels = drafter_labels(drafter_names)
+  labels = jobs.drafter_labels(drafter_names)
   for drafter_model in drafter_models:
     jobs.check_pair(target_model, drafter_model)
   print(f"loaded {', '.join(map(str, drafter_names))} → {target} ({dtype}) in {time.perf_counter() - start:.1f} s; "

@@ -122,6 +122,6 @@ def test_verifier_settings_are_checked_and_reach_the_rule():
 
 
 def test_drafter_labels_are_short_and_distinct():
-  assert run.drafter_labels(["qwen2.5-coder-0.5b", "results/train/distill_qwen_tvd",
+  assert jobs.drafter_labels(["qwen2.5-coder-0.5b", "results/train/distill_qwen_tvd",
                              "results/train/distill_qwen_tvd@init", "other/distill_qwen_tvd"]) == [
       "qwen2.5-coder-0.5b", "distill_qwen_tvd", "distill_qwen_tvd@init", "distill_qwen_tvd'"]

@@ -48,7 +48,7 @@ from blockspec_jax.decoding.contracts import Drafter
 from blockspec_jax.drafters import ModelDrafter
 from blockspec_jax.verify import get_verifier
 
-__all__ = ["expected_accepted_table", "paired_acceptance", "summarize_paired"]
+__all__ = ["expected_accepted_table", "paired_acceptance", "mean_stderr", "summarize_paired"]
 
 
 def expected_accepted_table(target_params, drafter_params, keys_D, tokens_BxP, prompt_len_B, *, target,
@@ -93,6 +93,14 @@ def paired_acceptance(target_params, drafter_params, contexts: Sequence[Sequence
                            verifiers=tuple(verifiers)))
 
 
+def mean_stderr(values_B) -> tuple[float, float]:
+  """``(mean, standard error)`` of per-context values: ``std(ddof=1) / sqrt(n)``, NaN for a single context. Every
+  paired comparison (rules, trees, drafters) reports its spread over contexts this way."""
+  values_B = np.asarray(values_B, np.float64)
+  n = len(values_B)
+  return float(values_B.mean()), float(values_B.std(ddof=1) / np.sqrt(n)) if n > 1 else float("nan")
+
+
 def summarize_paired(table_DxBxRxG: np.ndarray, verifiers: tuple[str, ...] = ("token", "block")) -> list[dict]:
   """Per γ: block efficiency (1 + mean E[τ]) per rule, and the last rule minus the first (gain, its standard error
   over contexts, and the relative gain in block efficiency)."""
@@ -101,9 +109,8 @@ def summarize_paired(table_DxBxRxG: np.ndarray, verifiers: tuple[str, ...] = ("t
   out = []
   for g in range(per_context_BxRxG.shape[2]):
     be = {v: 1.0 + float(per_context_BxRxG[:, r, g].mean()) for r, v in enumerate(verifiers)}
-    diff_B = per_context_BxRxG[:, -1, g] - per_context_BxRxG[:, 0, g]
-    stderr = float(diff_B.std(ddof=1) / np.sqrt(contexts)) if contexts > 1 else float("nan")
-    out.append(dict(gamma=g + 1, be=be, diff=float(diff_B.mean()), diff_stderr=stderr,
+    diff, stderr = mean_stderr(per_context_BxRxG[:, -1, g] - per_context_BxRxG[:, 0, g])
+    out.append(dict(gamma=g + 1, be=be, diff=diff, diff_stderr=stderr,
                     gain=be[verifiers[-1]] / be[verifiers[0]] - 1, contexts=contexts,
                     draws=int(table_DxBxRxG.shape[0])))
   return out
@@ -179,16 +186,16 @@ def _drafters_main(args, target, prompt_rows, prompt_ids, start) -> int:
   """``--drafters A,B,…``: every drafter on the same contexts at every temperature; resumable (``--json``)."""
   from blockspec_jax import jobs
   from blockspec_jax.eval import paired_drafters as pd
-  from blockspec_jax.run import drafter_labels
   path = pathlib.Path(args.json)
-  done = json.loads(path.read_text())["results"] if path.exists() else []
-  if done and json.loads(path.read_text()).get("drafters") != args.drafter_list:
+  saved = json.loads(path.read_text()) if path.exists() else {}
+  done = saved.get("results", [])
+  if done and saved.get("drafters") != args.drafter_list:
     raise jobs.UsageError(f"{path} holds results for other drafters; pass another --json or remove it")
   have = {(r["temperature"], r["drafter"]) for r in done}
   if done:
     print(f"resuming from {path}: {len(done)} (temperature, drafter) tables already measured", flush=True)
   results = list(done)
-  labels = drafter_labels(args.drafter_list)
+  labels = jobs.drafter_labels(args.drafter_list)
   rules = ("token", "block")
   for temperature in args.temperature_list:
     contexts = tasks = None

@@ -14,13 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from blockspec_jax.eval.paired import mean_stderr
+
 __all__ = ["summarize_drafters", "format_drafters"]
-
-
-def _mean_se(values_B: np.ndarray) -> tuple[float, float]:
-  values_B = np.asarray(values_B, np.float64)
-  se = float(values_B.std(ddof=1) / np.sqrt(len(values_B))) if len(values_B) > 1 else float("nan")
-  return float(values_B.mean()), se
 
 
 def summarize_drafters(tables: dict, tasks: list[str], rules: tuple[str, ...], gammas=None) -> list[dict]:
@@ -50,8 +46,8 @@ def summarize_drafters(tables: dict, tasks: list[str], rules: tuple[str, ...], g
         if gammas is not None and g + 1 not in gammas:
           continue
         be_B = 1.0 + table[:, r, g]
-        be, be_se = _mean_se(be_B)
-        diff, diff_se = _mean_se(be_B - (1.0 + ref[:, r, g]))
+        be, be_se = mean_stderr(be_B)
+        diff, diff_se = mean_stderr(be_B - (1.0 + ref[:, r, g]))
         ref_be = float(1.0 + ref[:, r, g].mean())
         out.append(dict(drafter=label, rule=rule, gamma=g + 1, be=be, be_se=be_se,
                         by_task={t: float(be_B[tasks_B == t].mean()) for t in task_names},

@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from blockspec_jax.eval.paired import mean_stderr
+
 from blockspec_jax import sampling
 from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.verify import get_verifier
@@ -113,9 +115,8 @@ def summarize_arms(results: Sequence[dict]) -> list[dict]:
     per_context_BxR = np.asarray(res["table"], np.float64).mean(axis=0)
     contexts = per_context_BxR.shape[0]
     for r, rule in enumerate(res["rules"]):
-      col = per_context_BxR[:, r]
-      stderr = float(col.std(ddof=1) / np.sqrt(contexts)) if contexts > 1 else float("nan")
-      rows.append(dict(budget=res["budget"], arm=res["arm"], rule=rule, gamma=res["gamma"], be=1.0 + float(col.mean()),
+      mean, stderr = mean_stderr(per_context_BxR[:, r])
+      rows.append(dict(budget=res["budget"], arm=res["arm"], rule=rule, gamma=res["gamma"], be=1.0 + mean,
                        be_stderr=stderr, contexts=contexts, draws=int(np.asarray(res["table"]).shape[0])))
   return rows
 
@@ -134,7 +135,7 @@ def paired_difference(results: Sequence[dict], budget: int, arm: str, better: st
   (default: the same arm, i.e. the same drafts). Across arms the contexts are shared but the drafts are each arm's
   own, so the difference is paired on contexts only."""
   diff_B = _per_context(results, budget, arm, better) - _per_context(results, budget, worse_arm or arm, worse)
-  return float(diff_B.mean()), float(diff_B.std(ddof=1) / np.sqrt(len(diff_B))) if len(diff_B) > 1 else np.nan
+  return mean_stderr(diff_B)
 
 
 def plot_arms(rows: Sequence[dict], temperature: float) -> str:
