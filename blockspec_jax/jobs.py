@@ -13,6 +13,7 @@ benchmarks import these helpers from here, so no job imports another.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import pathlib
@@ -29,7 +30,8 @@ from blockspec_jax.paths import default_cache_dir
 __all__ = ["METHODS", "AUTOREGRESSIVE", "known_methods", "parse_method", "build_drafter", "UsageError", "load_model",
            "check_model_name", "drafter_labels",
            "check_gamma", "check_settings", "check_verifier_settings", "check_cache_room", "check_pair",
-           "encode_prompts", "run_method", "compiling", "enable_compilation_cache", "COMPILE_CACHE_ENV_VAR",
+           "encode_prompts", "run_method", "method_gamma", "compiling", "enable_compilation_cache",
+           "COMPILE_CACHE_ENV_VAR",
            "peak_rss_gb", "cli_errors"]
 
 AUTOREGRESSIVE = "autoregressive"
@@ -51,6 +53,8 @@ def known_methods() -> tuple[str, ...]:
 def _default_drafter(verifier) -> str:
   """The drafter a bare verifier name runs with: the model chain for chain rules, k i.i.d. chains for tree rules
   that need siblings drawn with replacement, RSD-C trees for rules that need them drawn without."""
+  if verifier.default_drafter is not None:
+    return verifier.default_drafter
   if verifier.structure == "chain":
     return "model"
   return "k_chains" if verifier.sibling_sampling == "with_replacement" else "rsd_c"
@@ -76,7 +80,7 @@ def parse_method(method: str) -> tuple[str, str | None]:
                      f"{', '.join(drafters.DRAFTERS)}")
   cls = drafters.DRAFTERS[drafter_name]
   try:
-    verifier.check_drafter(repr(drafter_name), cls.is_chain, cls.sibling_sampling)
+    verifier.check_drafter(repr(drafter_name), cls)
   except ValueError as e:
     raise UsageError(f"method {method!r}: {e}") from None
   return rule, drafter_name
@@ -339,13 +343,41 @@ def _phases(method: str, target, drafter, gamma: int, max_new_tokens: int, sampl
             lambda keys, state: spec.decode_autoregressive(tp, keys, state, sampler=sampler, stop_ids=stop_ids,
                                                            **common))
   dp = drafter.params["params"]
-  drafter_obj = build_drafter(drafter_name, target, drafter, drafter_settings, gamma)
   from blockspec_jax import verify
+  gamma = method_gamma(rule, gamma, verifier_settings)
   rule = verify.get_verifier(rule, **dict((verifier_settings or {}).get(rule, {})))
+  drafter_obj = build_drafter(drafter_name, target, drafter, drafter_settings, gamma)
+  if hasattr(drafter_obj, "acceptable_probs"):  # a drafter with SPRINTER's verifier head
+    dp = {"model": dp, "head": _load_head(drafter_obj, drafter)}
   common = dict(target=target.config, drafter=drafter_obj, gamma=gamma, max_new_tokens=max_new_tokens)
   return (lambda tokens, lens: spec.prefill_speculative(tp, dp, tokens, lens, **common),
           lambda keys, state: spec.decode_speculative(tp, dp, keys, state, verifier=rule, sampler=sampler,
                                                       stop_ids=stop_ids, **common))
+
+
+def method_gamma(rule: str, gamma: int, verifier_settings: dict | None = None) -> int:
+  """The draft length a rule runs with: ``gamma``, except for rules that decide themselves when the target is
+  called (SPRINTER), whose segments of at most ``cap`` tokens size the caches."""
+  from blockspec_jax import verify
+  if rule == AUTOREGRESSIVE:
+    return gamma
+  verifier = verify.get_verifier(rule, **dict((verifier_settings or {}).get(rule, {})))
+  return verifier.cap if verifier.skips_target else gamma
+
+
+def _load_head(drafter_obj, drafter_model):
+  """SPRINTER's head for a ``sprinter`` drafter: from its ``head`` setting (a head training run's work directory),
+  checked against the drafter's hidden size."""
+  if drafter_obj.head is None:
+    raise UsageError("drafter 'sprinter' needs a trained verifier head: train one with `python -m "
+                     "blockspec_jax.train --gin_file gin/train/sprinter_qwen.gin` and bind drafter_settings = "
+                     "{'sprinter': {'head': '<its work directory>'}}")
+  from blockspec_jax.train import sprinter as sprinter_train
+  try:
+    head, _ = sprinter_train.load_head(drafter_obj.head, d_model=drafter_model.config.d_model)
+  except (FileNotFoundError, ValueError) as e:
+    raise UsageError(f"drafter 'sprinter': {e}") from None
+  return head
 
 
 def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tokens, temperature, seed, stop_ids,
@@ -375,10 +407,11 @@ def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tok
     out = jax.block_until_ready(decode(keys, state))
     return out, middle - start, time.perf_counter() - middle
 
-  label = f"{method} (T = {temperature:g}" + ("" if method == "autoregressive" else f", γ = {gamma}") + ")"
+  label = f"{method} (T = {temperature:g}" + ("" if method == "autoregressive" else
+                                               f", γ = {method_gamma(method.partition('@')[0], gamma, verifier_settings)}") + ")"
   with compiling(label):
     one(jax.random.split(key, 1), padded[0], len(prompt_ids[0]))  # compile both phases once per method and T
-  prefill_s, decode_s, tokens, calls, outputs, metrics = 0.0, 0.0, 0, 0, [], []
+  prefill_s, decode_s, tokens, calls, outputs, metrics, extras = 0.0, 0.0, 0, 0, [], [], []
   for i, (row, ids) in enumerate(zip(padded, prompt_ids)):
     out, p_s, d_s = one(jax.random.fold_in(key, i)[None], row, len(ids))
     prefill_s, decode_s = prefill_s + p_s, decode_s + d_s
@@ -387,12 +420,24 @@ def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tok
     calls += n if method == AUTOREGRESSIVE else int(out.metrics.num_drafts[0])
     outputs.append(np.asarray(out.tokens_BxN[0, :n]).tolist())
     metrics.append(out.metrics)
+    extras.append(out.extra)
   wall = prefill_s + decode_s
-  summary = dict(method=method, temperature=temperature, gamma=None if method == AUTOREGRESSIVE else gamma,
+  lossy, rule_gamma = False, gamma
+  if method != AUTOREGRESSIVE:
+    from blockspec_jax import verify
+    rule_name = parse_method(method)[0]
+    verifier = verify.get_verifier(rule_name, **dict((verifier_settings or {}).get(rule_name, {})))
+    lossy = not verifier.lossless_under(sampler)
+    rule_gamma = method_gamma(rule_name, gamma, verifier_settings)
+  summary = dict(method=method, temperature=temperature, gamma=None if method == AUTOREGRESSIVE else rule_gamma,
+                 lossy=lossy, target_calls_per_token=calls / max(tokens, 1),
                  prompts=len(prompt_ids), tokens_generated=tokens, target_calls=calls, wall_s=wall,
                  tokens_per_s=tokens / wall, prefill_s=prefill_s, decode_s=decode_s,
                  decode_tokens_per_s=tokens / decode_s)
   merged = jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *metrics)
+  if extras and extras[0] is not None:  # rule-specific counters (SPRINTER's flags and SD rejections), summed
+    summary.update({k: int(np.sum(v)) for k, v in dataclasses.asdict(
+        jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *extras)).items()})
   s = spec.summarize_metrics(merged)
   summary["invalid_prob_rows"] = s["invalid_prob_rows"]
   if method != AUTOREGRESSIVE:

@@ -37,7 +37,8 @@ METHODS = jobs.METHODS
 def format_table(rows, drafters: list[str] | None = None) -> str:
   """The main job's table; with ``drafters`` (several drafters), each speculative row names its drafter and the
   lines below give every drafter's tokens/s relative to the first one's, method by method."""
-  width = max([18] + [len(r["method"]) + len(r.get("drafter", "")) + 3 for r in rows]) if drafters else 18
+  width = max([18] + [len(r["method"]) + 6 * bool(r.get("lossy")) + (len(r.get("drafter", "")) + 3 if drafters else 0)
+                      for r in rows])
   header = (f"{'method':<{width}} {'T':>4} {'γ':>3} {'N':>3} | {'BE':>5} {'accept':>7} | {'calls':>6} {'tokens':>6} "
             f"{'wall s':>8} {'tok/s':>7} {'speedup':>7} | {'prefill s':>9} {'dec tok/s':>9} {'dec x':>6}")
   lines = [header, "-" * len(header)]
@@ -45,15 +46,17 @@ def format_table(rows, drafters: list[str] | None = None) -> str:
     be = f"{r['block_efficiency']:5.2f}" if "block_efficiency" in r else "    -"
     acc = f"{r['draft_acceptance_rate']:7.3f}" if "draft_acceptance_rate" in r else "      -"
     nodes = r.get("draft_nodes") or "-"
-    name = r["method"] + (f" [{r['drafter']}]" if drafters and "drafter" in r else "")
+    name = r["method"] + (" lossy" if r.get("lossy") else "") + (
+        f" [{r['drafter']}]" if drafters and "drafter" in r else "")
     lines.append(f"{name:<{width}} {r['temperature']:>4.1f} {r['gamma'] or '-':>3} {nodes:>3} | {be} {acc} | "
                  f"{r['target_calls']:>6} {r['tokens_generated']:>6} {r['wall_s']:>8.2f} {r['tokens_per_s']:>7.2f} "
                  f"{r['speedup']:>6.2f}x | {r['prefill_s']:>9.2f} {r['decode_tokens_per_s']:>9.2f} "
                  f"{r['decode_speedup']:>5.2f}x")
   lines.append("N: draft nodes scored per target call (γ for a chain); "
                "BE: block efficiency = mean tokens per target call (1 + accepted / drafts); accept: draft acceptance "
-               "rate; speedup: tokens/s over autoregressive decoding of the target at the same temperature, end to "
-               "end (prefill + decode); dec: the decode phase alone (prompt forwards timed apart and left out).")
+               "rate; lossy: the rule does not sample the target's law at this temperature; speedup: tokens/s over "
+               "autoregressive decoding of the target at the same temperature, end to end (prefill + decode); dec: "
+               "the decode phase alone (prompt forwards timed apart and left out).")
   if drafters:
     first = {(r["method"], r["temperature"]): r for r in rows if r.get("drafter") == drafters[0]}
     for r in rows:
@@ -105,9 +108,11 @@ def run_job(target: str = "qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b",
   prompt_ids = jobs.encode_prompts(target_model, rows, chat)
   width = max(len(p) for p in prompt_ids)
   speculative = [jobs.parse_method(m) for m in methods if m != jobs.AUTOREGRESSIVE]
-  drafter_objs = [jobs.build_drafter(d, target_model, dm, drafter_settings, gamma) for _, d in speculative
+  gammas = [jobs.method_gamma(r, gamma, verifier_settings) for r, _ in speculative]
+  drafter_objs = [jobs.build_drafter(d, target_model, dm, drafter_settings, g) for (_, d), g in zip(speculative, gammas)
                   for dm in drafter_models]
-  draft_nodes = max([d.num_nodes(gamma) for d in drafter_objs], default=0)
+  draft_nodes = max([d.num_nodes(g) for d, g in zip(drafter_objs, [g for g in gammas for _ in drafter_models])],
+                    default=0)
   jobs.check_cache_room(width, max_new_tokens, draft_nodes, target_model.config, *drafter_objs)
   stop_ids = target_model.stop_ids
   several = len(drafter_models) > 1

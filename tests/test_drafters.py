@@ -385,10 +385,12 @@ def test_registry_builds_every_drafter_and_names_errors():
     d = drafters.make(name, config=config, vocab_size=config.vocab_size)
     contracts.check_drafter(d)
     assert d.vocab_size == config.vocab_size
-    assert d.sibling_sampling in ("chain", "with_replacement", "without_replacement")
-    assert d.is_chain == (d.sibling_sampling == "chain")
+    assert d.sibling_sampling in ("chain", "with_replacement", "without_replacement", "beam")
+    assert d.is_chain == (d.sibling_sampling in ("chain", "beam"))
   assert drafters.make("ngram", config=config).vocab_size == 64  # model-free: the vocabulary from config
-  bad = {"unknown drafter 'beam'.*known drafters: model, k_chains, rsd_c, rsd_s, ngram": ("beam", {}),
+  bad = {"unknown drafter 'lattice'.*known drafters: model, k_chains, rsd_c, rsd_s, ngram, sprinter, beam":
+         ("lattice", {}),
+         r"beam width must be an integer": ("beam", {"width": 0}),
          r"no settings \['width'\]": ("k_chains", {"width": 2}),
          "k >= 1": ("k_chains", {"k": 0}),
          "non-empty tuple of integers >= 1": ("rsd_c", {"branching": (2, 0)}),
@@ -425,5 +427,5 @@ def test_shapes_for_budgets_have_exactly_the_budget(budget):
       assert d.num_nodes(gamma) == budget, (kind, branches)
   with pytest.raises(ValueError, match="divisible by 4"):
     drafters.shape_for_budget("k_chains", 6, 4)
-  with pytest.raises(ValueError, match="no budget shapes for drafter 'beam'"):
-    drafters.shape_for_budget("beam", budget)
+  with pytest.raises(ValueError, match="no budget shapes for drafter 'lattice'"):
+    drafters.shape_for_budget("lattice", budget)

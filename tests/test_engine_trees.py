@@ -151,10 +151,10 @@ def drafter_for(rule: str, config, kind: str | None = None):
   """``(drafter, gamma)``: the registry drafter a rule runs with in these tests (small trees: N ≤ 6)."""
   v = verify.get_verifier(rule)
   if kind is None:
-    kind = ("model" if v.structure == verify.CHAIN else
+    kind = (v.default_drafter if v.default_drafter is not None else "model" if v.structure == verify.CHAIN else
             "k_chains" if v.sibling_sampling == "with_replacement" else "rsd_c")
   settings = {"model": {}, "ngram": {}, "k_chains": {"k": 2}, "rsd_c": {"branching": (2, 1)},
-              "rsd_s": {"width": 2}}[kind]
+              "rsd_s": {"width": 2}, "beam": {"width": 2}}[kind]
   return drafters.make(kind, config=config, vocab_size=config.vocab_size, **settings), 2
 
 
@@ -193,10 +193,20 @@ def test_every_lossless_rule_has_the_target_law_through_the_loop(rule, kind):
   assert 0 < rate < 0.95  # drafts are neither all rejected nor all accepted: the rule's test actually decides
 
 
-@pytest.mark.parametrize("rule", list(verify.VERIFIERS) + ["block@ngram", "rrs_wor@rsd_s"])
+GREEDY_CASES = [name for name in verify.VERIFIERS if verify.get_verifier(name).lossless_under(GREEDY)]
+
+
+def test_every_rule_but_sprinter_is_lossless_for_a_greedy_target():
+  """SPRINTER's head-accepted tokens are the drafter's even at T = 0 (tests/test_sprinter.py); every other registered
+  rule, the lossy ones included, emits the greedy target's tokens."""
+  assert set(verify.VERIFIERS) - set(GREEDY_CASES) == {"sprinter"}
+
+
+@pytest.mark.parametrize("rule", GREEDY_CASES + ["block@ngram", "rrs_wor@rsd_s", "mtad@model"])
 def test_greedy_decoding_equals_autoregressive_for_every_rule(rule):
-  """T = 0, ragged prompts: every registered rule (greedy and exact-match included) with its drafter emits exactly
-  the autoregressive tokens; trees accept some nodes, so the path commit is exercised."""
+  """T = 0, ragged prompts: every registered rule that is lossless for a greedy target (greedy, exact-match, lenient
+  and MTAD included) with its drafter emits exactly the autoregressive tokens; trees accept some nodes, so the path
+  commit is exercised."""
   rule, _, kind = rule.partition("@")
   config, target, drafter = model_pair()
   keys = jax.random.split(jax.random.key(0), 4)

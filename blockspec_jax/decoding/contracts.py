@@ -32,10 +32,14 @@ from blockspec_jax import sampling
 
 __all__ = ["Draft", "Commit", "Scored", "TargetScorer", "Drafter", "chain_draft", "chain_parents_BxN",
            "ancestors", "node_depths", "tree_positions", "tree_attention_mask", "accepted_path", "path_slots",
-           "SAMPLING_CHAIN", "check_drafter"]
+           "SAMPLING_CHAIN", "SAMPLING_BEAM", "check_drafter", "StepDrafter"]
 
 #: A chain drafter's declared ``sibling_sampling``: one child per node, a draw both with and without replacement.
 SAMPLING_CHAIN = "chain"
+#: A beam drafter's: the chain is the best of several beams, so its tokens are NOT draws from the ``q`` rows it
+#: returns (those are the drafter's laws along the chain, read as likelihoods). Only rules that do not read ``q`` as
+#: the draw law (MTAD's joint verification, greedy, exact-match) may verify it; lossless ``q``-reading rules refuse.
+SAMPLING_BEAM = "beam"
 
 
 @struct.dataclass
@@ -188,6 +192,24 @@ class Drafter(Protocol):
               sampler: sampling.Sampler) -> tuple[Any, Draft]: ...
 
   def commit(self, params, state, commit: Commit) -> Any: ...
+
+
+class StepDrafter(Drafter, Protocol):
+  """A chain drafter that also drafts one token at a time and shows the hidden state behind each law, for loops that
+  decide after every token whether to go on (SPRINTER: :mod:`blockspec_jax.decoding.sprinter`).
+  :class:`~blockspec_jax.drafters.base.ModelDrafter` implements it (its ``propose`` is ``begin`` then ``step``s).
+
+  ``begin(params, state, tokens_BxS, length_B, sampler) -> (state, q_BxV, hidden_BxD)``: bring the drafter's cache
+      up to the committed tokens (its own convention) and return the law of the token at position ``length`` (after
+      ``sampler``) with the last hidden state (final-norm output) that produced it.
+  ``step(params, state, x_B, position_B, sampler) -> (state, q_BxV, hidden_BxD)``: feed ``x_B`` at ``position_B``;
+      the law of the next position and its hidden state.
+  A drafter with a learned verifier head adds ``acceptable_probs(params, hidden_BxD) -> f32 [B]``.
+  """
+
+  def begin(self, params, state, tokens_BxS: jax.Array, length_B: jax.Array, sampler: sampling.Sampler): ...
+
+  def step(self, params, state, x_B: jax.Array, position_B: jax.Array, sampler: sampling.Sampler): ...
 
 
 _DRAFTER_ATTRIBUTES = ("vocab_size", "max_len", "sibling_sampling", "is_chain", "num_nodes", "init_state", "propose",

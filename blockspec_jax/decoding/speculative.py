@@ -85,6 +85,7 @@ class DecodeOutput:
   stopped_B: jax.Array        # bool [B]: ended on a stop token (else on the budget)
   iterations: jax.Array       # int32 []: loop iterations (target calls of the longest row)
   metrics: DecodeMetrics
+  extra: Any = None           # rule-specific per-row counters (SPRINTER: decoding.sprinter.SprinterCounters)
 
 
 def prepare_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0):
@@ -433,8 +434,12 @@ def speculative_decode(target_params, drafter_params, keys_B, state: DecodeState
   target = as_scorer(target)
   verifier = get_verifier(verifier)
   draft_slots = _draft_slots(drafter, gamma)
-  verifier.check_drafter(type(drafter).__name__, drafter.is_chain, drafter.sibling_sampling)
+  verifier.check_drafter(type(drafter).__name__, drafter)
   warn_if_inexact(verifier, sampler)
+  if verifier.skips_target:  # the rule decides when the target is called: its own loop (SPRINTER)
+    return verifier.decode(target_params, drafter_params, keys_B, state, target=target, drafter=drafter,
+                           gamma=gamma, max_new_tokens=max_new_tokens, sampler=sampler, stop_ids=stop_ids,
+                           pad_id=pad_id)
   batch = state.tokens_BxS.shape[0]
   n_nodes = draft_slots - 1
   _check_state(state, keys_B, max_new_tokens, draft_slots, gamma)

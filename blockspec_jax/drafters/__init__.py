@@ -1,7 +1,10 @@
 """Drafters on the engine's contract (:class:`blockspec_jax.decoding.contracts.Drafter`), and their registry.
 
 ``DRAFTERS``: ``"model"`` (one chain from a small model), ``"k_chains"`` (SpecTr: k i.i.d. chains), ``"rsd_c"``
-(RSD-C trees without replacement), ``"rsd_s"`` (RSD-S stochastic beam trees), ``"ngram"`` (prompt lookup, no model).
+(RSD-C trees without replacement), ``"rsd_s"`` (RSD-S stochastic beam trees), ``"ngram"`` (prompt lookup, no model),
+``"sprinter"`` (the model chain plus SPRINTER's verifier head; its setting ``head`` names the trained head's directory),
+``"beam"`` (MJSD/MTAD: the best of ``width`` beams, sampled or deterministic; only ``mtad``, greedy and exact-match
+verify it).
 ``make(name, config=..., vocab_size=..., **settings)`` builds one.
 """
 
@@ -9,16 +12,20 @@ from __future__ import annotations
 
 from blockspec_jax.decoding.contracts import Drafter
 from blockspec_jax.drafters.base import ModelDrafter, feed
+from blockspec_jax.drafters.beam import BeamDrafter
 from blockspec_jax.drafters.ngram import NGramDrafter, lookup
+from blockspec_jax.drafters.sprinter import SprinterDrafter
 from blockspec_jax.drafters.trees import (KChainDrafter, RSDConstantDrafter, RSDStochasticBeamDrafter, gumbel_top_k,
                                           shape_for_budget)
 
 __all__ = ["Drafter", "ModelDrafter", "feed", "NGramDrafter", "lookup", "KChainDrafter", "RSDConstantDrafter",
-           "RSDStochasticBeamDrafter", "gumbel_top_k", "shape_for_budget", "DRAFTERS", "make"]
+           "RSDStochasticBeamDrafter", "SprinterDrafter", "BeamDrafter", "gumbel_top_k", "shape_for_budget", "DRAFTERS",
+           "make"]
 
 #: name -> drafter class (class attributes ``is_chain`` and ``sibling_sampling`` say which rules can verify it).
 DRAFTERS = {"model": ModelDrafter, "k_chains": KChainDrafter, "rsd_c": RSDConstantDrafter,
-            "rsd_s": RSDStochasticBeamDrafter, "ngram": NGramDrafter}
+            "rsd_s": RSDStochasticBeamDrafter, "ngram": NGramDrafter,
+            "sprinter": SprinterDrafter, "beam": BeamDrafter}
 
 _MODEL_FREE = ("ngram",)
 

@@ -21,10 +21,15 @@ from blockspec_jax.models.scorer import ConfigBacked
 __all__ = ["Drafter", "ModelDrafter", "feed"]
 
 
-def feed(module, params, tokens_BxT, positions_BxT, cache, max_len: int):
-  """One forward of ``tokens_BxT`` at ``positions_BxT`` against ``cache``: ``(logits_BxTxV f32, cache)``."""
-  logits, cache = module.apply({"params": params}, tokens_BxT, positions_BxT, cache,
-                               decoder_lib.causal_mask(positions_BxT, max_len))
+def feed(module, params, tokens_BxT, positions_BxT, cache, max_len: int, return_hidden: bool = False):
+  """One forward of ``tokens_BxT`` at ``positions_BxT`` against ``cache``: ``(logits_BxTxV f32, cache)``, and with
+  ``return_hidden`` also the last hidden states ``hidden_BxTxD`` (the final-norm output, the LM head's input)."""
+  out = module.apply({"params": params}, tokens_BxT, positions_BxT, cache,
+                     decoder_lib.causal_mask(positions_BxT, max_len), return_hidden=return_hidden)
+  if return_hidden:
+    logits, cache, hidden = out
+    return logits.astype(jnp.float32), cache, hidden
+  logits, cache = out
   return logits.astype(jnp.float32), cache
 
 
@@ -55,24 +60,34 @@ class ModelDrafter(ConfigBacked):
     _, cache = feed(self.module, params, tokens_BxP, positions_BxP, cache, max_len)
     return cache
 
-  def propose(self, params, state, tokens_BxS, length_B, key_B, gamma, sampler):
-    keys_BxG = jax.vmap(lambda k: jax.random.split(k, gamma))(key_B)
-    cache = state
-    max_len = tokens_BxS.shape[1]
-    batch = tokens_BxS.shape[0]
+  def begin(self, params, state, tokens_BxS, length_B, sampler):
+    """Feed the last two committed tokens (positions ``length − 2``, ``length − 1``): when the previous block was
+    fully accepted the drafter has not seen its last token; otherwise re-feeding position ``length − 2`` rewrites
+    the same key/value (static shapes either way). Returns ``(state, q_BxV, hidden_BxD)``: the law of the token at
+    position ``length`` (after ``sampler``) and the hidden state that produced it."""
+    batch, max_len = tokens_BxS.shape
     rows_B = jnp.arange(batch)
-    # First step feeds the last two committed tokens: when the previous block was fully accepted the drafter has
-    # not seen X_γ yet; otherwise re-feeding position length−2 rewrites the same key/value. Static shapes either way.
     positions_Bx2 = jnp.maximum(length_B[:, None] + jnp.array([[-2, -1]]), 0)
     tokens_Bx2 = tokens_BxS[rows_B[:, None], positions_Bx2]
-    logits_Bx2xV, cache = feed(self.module, params, tokens_Bx2, positions_Bx2, cache, max_len)
-    q_BxV = sampler.probs(logits_Bx2xV[:, -1])
+    logits_Bx2xV, cache, hidden_Bx2xD = feed(self.module, params, tokens_Bx2, positions_Bx2, state, max_len,
+                                             return_hidden=True)
+    return cache, sampler.probs(logits_Bx2xV[:, -1]), hidden_Bx2xD[:, -1]
+
+  def step(self, params, state, x_B, position_B, sampler):
+    """Feed token ``x_B`` at ``position_B``: ``(state, q_BxV, hidden_BxD)`` of the next position."""
+    logits_Bx1xV, cache, hidden_Bx1xD = feed(self.module, params, x_B[:, None], position_B[:, None], state,
+                                             state.max_len, return_hidden=True)
+    return cache, sampler.probs(logits_Bx1xV[:, 0]), hidden_Bx1xD[:, 0]
+
+  def propose(self, params, state, tokens_BxS, length_B, key_B, gamma, sampler):
+    keys_BxG = jax.vmap(lambda k: jax.random.split(k, gamma))(key_B)
+    cache, q_BxV, _ = self.begin(params, state, tokens_BxS, length_B, sampler)
 
     def step(carry, key_B):
       cache, q_BxV, position_B = carry
       x_B = jax.vmap(sampling.sample)(key_B, q_BxV)
-      logits_Bx1xV, cache = feed(self.module, params, x_B[:, None], position_B[:, None], cache, max_len)
-      return (cache, sampler.probs(logits_Bx1xV[:, 0]), position_B + 1), (x_B, q_BxV)
+      cache, q_next_BxV, _ = self.step(params, cache, x_B, position_B, sampler)
+      return (cache, q_next_BxV, position_B + 1), (x_B, q_BxV)
 
     keys_GxB = jnp.swapaxes(keys_BxG, 0, 1)
     # γ − 1 steps that also feed their token, then the last draft token is sampled without a forward.

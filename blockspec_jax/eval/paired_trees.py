@@ -69,7 +69,7 @@ def arm_table(target_params, drafter_params, keys_D, tokens_BxP, prompt_len_B, *
   docstring). Row b's draft in draw d uses ``fold_in(keys_D[d], b)``."""
   verifiers = tuple(get_verifier(r) for r in rules)
   for v in verifiers:
-    v.check_drafter(type(drafter).__name__, drafter.is_chain, drafter.sibling_sampling)
+    v.check_drafter(type(drafter).__name__, drafter)
   state = spec.speculative_prefill(target_params, drafter_params, tokens_BxP, prompt_len_B, target=target,
                                    drafter=drafter, gamma=gamma, max_new_tokens=1)
   batch = tokens_BxP.shape[0]

@@ -2,11 +2,12 @@
 
 from blockspec_jax.verify.rules import (LENIENT_FUNCTIONS, VerifyResult, block_acceptance_thresholds, block_verify,
                                         block_verify_eager, block_weights, clipped_ratio, exact_match_verify,
-                                        greedy_verify, lenient_verify, token_verify)
+                                        greedy_verify, joint_verify, lenient_verify, token_verify)
 from blockspec_jax.verify.validation import (BAD_SUM, NEGATIVE, NOT_FINITE, check_block_shapes, describe_errors,
                                              distribution_errors, validate_block, validate_distributions)
 from blockspec_jax.verify.verifiers import (CHAIN, DEFAULT_VERIFIER, TREE, VERIFIERS, BlockVerifier,
-                                            ExactMatchVerifier, GreedyVerifier, LenientVerifier, TokenVerifier,
+                                            ExactMatchVerifier, GreedyVerifier, JointVerifier, LenientVerifier,
+                                            SprinterVerifier, TokenVerifier,
                                             TreeVerifier, Verdict,
                                             Verifier, get_verifier, register_tree_rule, row_keys, warn_if_inexact)
 

@@ -22,8 +22,11 @@ is summed in that order so ``h_i`` keeps its precision when ``w_i ≈ 1``, and `
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from blockspec_jax import sampling
@@ -31,11 +34,14 @@ from blockspec_jax.verify.validation import check_block_shapes
 
 __all__ = ["VerifyResult", "token_verify", "lenient_verify", "block_verify", "block_verify_eager", "greedy_verify",
            "exact_match_verify", "clipped_ratio", "block_weights", "block_acceptance_thresholds", "LENIENT_FUNCTIONS",
-           "LENIENT_DEFAULT_EPSILON", "check_lenient_settings"]
+           "LENIENT_DEFAULT_EPSILON", "check_lenient_settings", "joint_verify", "joint_log_ratios", "check_joint_tau",
+           "JOINT_DEFAULT_TAU"]
 
 #: DistillSpec's lenience functions ``f(p, ε)`` (:func:`lenient_verify`): ``p/ε``, ``p/ε²``, ``p^ε``.
 LENIENT_FUNCTIONS = ("div", "div2", "pow")
 LENIENT_DEFAULT_EPSILON = 0.5
+#: MJSD/MTAD's default joint-likelihood threshold τ (its paper: 0.5; 0.3 for instruct targets).
+JOINT_DEFAULT_TAU = 0.5
 
 
 @struct.dataclass
@@ -305,3 +311,50 @@ def exact_match_verify(key, draft_tokens, draft_probs, target_probs) -> VerifyRe
   samples_G1 = jax.vmap(sampling.sample_from_weights)(jax.random.split(key, gamma + 1), p_G1xV)
   tau = _leading_true_count(samples_G1[:-1] == draft_tokens_G)
   return _result(tau, samples_G1[tau], jnp.cumprod(p_tok_G))
+
+
+def check_joint_tau(tau) -> float:
+  """MTAD's threshold ``τ`` as a float in ``(0, ∞]`` (``inf`` accepts nothing); a ValueError naming it otherwise."""
+  if isinstance(tau, (bool, np.bool_)) or not isinstance(tau, (int, float, np.integer, np.floating)) or not tau > 0:
+    raise ValueError(f"MTAD's threshold tau must be a number > 0 (log τ is the acceptance bound; tau = inf accepts "
+                     f"nothing), got {tau!r}")
+  return float(tau)
+
+
+def joint_log_ratios(p_tok_G: jax.Array, q_tok_G: jax.Array) -> jax.Array:
+  """``L_i = Σ_{j≤i} [log p(X_j|X^{j−1}) − log q(X_j|X^{j−1})]`` for ``i = 1..γ`` (f32 ``[γ]``).
+
+  A token the target gives no mass makes ``L = −inf`` from there on (never accepted); a token with ``q = 0 < p``
+  (possible for beam drafts) counts ``+inf`` until a later ``p = 0`` token; ``0/0`` counts ``−inf``.
+  """
+  log_p_G = jnp.where(p_tok_G > 0, jnp.log(jnp.where(p_tok_G > 0, p_tok_G, 1.0)), -jnp.inf)
+  log_q_G = jnp.log(jnp.where(q_tok_G > 0, q_tok_G, 1.0))
+  term_G = jnp.where(q_tok_G > 0, log_p_G - log_q_G, jnp.where(p_tok_G > 0, jnp.inf, -jnp.inf))
+  # −inf must dominate +inf (a rejected token ends every longer prefix): cumulate the two parts apart.
+  dead_G = jnp.cumsum(term_G == -jnp.inf) > 0
+  finite_G = jnp.cumsum(jnp.where(jnp.isfinite(term_G), term_G, 0.0))
+  boosted_G = jnp.cumsum(term_G == jnp.inf) > 0
+  return jnp.where(dead_G, -jnp.inf, jnp.where(boosted_G, jnp.inf, finite_G)).astype(jnp.float32)
+
+
+def joint_verify(key, draft_tokens, draft_probs, target_probs, *, tau: float = JOINT_DEFAULT_TAU) -> VerifyResult:
+  """MJSD / MTAD joint verification (Qin et al., arXiv 2407.09722): LOSSY.
+
+  ``τ_acc = max{a ∈ 1..γ : L_a > log τ}`` (0 if none) with ``L_a`` the joint log-likelihood ratio of the prefix
+  (:func:`joint_log_ratios`); every prefix is scanned, so a prefix that fails can still be followed by a longer one
+  that passes. Then one token ``Y ~ p_{τ_acc}`` (the plain target row: no residual). ``draft_probs`` are read only
+  at the drafted tokens, as likelihoods: the draft may come from beam search (it need not be a sample of ``q``).
+
+  Not lossless: accepted prefixes are the drafter's, judged by a likelihood ratio. Exact special cases: ``τ = inf``
+  accepts nothing (one target sample per call: the target's law); a greedy target (one-hot ``p``) accepts only
+  target-argmax tokens, so at T = 0 it emits exactly the greedy target's tokens for any ``τ``.
+  ``acceptance_probs[i − 1] = 1[τ_acc ≥ i]`` (the verdict is a function of the draft).
+  """
+  tau = check_joint_tau(tau)
+  gamma, _, _, p_G1xV, q_tok_G, p_tok_G = _prepare(draft_tokens, draft_probs, target_probs)
+  log_tau = math.log(tau)  # in float64 on the host: τ = inf gives inf (nothing passes)
+  passes_G = joint_log_ratios(p_tok_G, q_tok_G) > log_tau
+  position_G = jnp.arange(1, gamma + 1, dtype=jnp.int32)
+  num_accepted = jnp.max(jnp.where(passes_G, position_G, 0)).astype(jnp.int32)
+  next_token = sampling.sample(key, jax.lax.dynamic_index_in_dim(p_G1xV, num_accepted, keepdims=False))
+  return _result(num_accepted, next_token.astype(jnp.int32), (position_G <= num_accepted).astype(jnp.float32))

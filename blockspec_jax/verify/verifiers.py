@@ -8,7 +8,15 @@ Every registered rule declares what the engine and the tests need to know about 
 ``needs_draft_probs``  reads the drafter rows ``q`` (False: greedy, exact-match)
 ``structure``          ``"chain"`` (verifies one chain of γ tokens) or ``"tree"`` (any tree, chains included)
 ``sibling_sampling``   for tree rules, how siblings must be drawn: ``"with_replacement"`` / ``"without_replacement"``
+``default_drafter``    the drafter a bare rule name runs with in jobs (None: the model chain / a tree drafter)
+``skips_target``       the rule decides itself when the target is called (SPRINTER): it runs its own loop
+                       (:meth:`Verifier.decode`), not one target pass per draft
+``reads_q_as_likelihood``  the rule reads ``q`` only as the drafter's likelihood of the drafted tokens (MTAD), so it
+                       may verify beam drafts, whose tokens are not draws from ``q``
 =====================  ==========================================================================================
+
+Lossy rules (``lossless = False``) are ``lenient`` (DistillSpec), ``mtad`` (MJSD/MTAD joint verification of beam
+drafts) and ``sprinter`` (a learned verifier head that skips the target); each states its error law in its docstring.
 
 Chain rules (:mod:`blockspec_jax.verify.rules`) and tree rules (:data:`blockspec_jax.verify.tree.TREE_RULES`) share
 one registry; :meth:`Verifier.verify_draft` is the engine's one entry point for both.
@@ -25,13 +33,13 @@ import jax.numpy as jnp
 
 from flax import struct
 
-from blockspec_jax.decoding.contracts import SAMPLING_CHAIN, Draft, accepted_path
+from blockspec_jax.decoding.contracts import SAMPLING_BEAM, SAMPLING_CHAIN, Draft, accepted_path
 from blockspec_jax.verify import rules
 from blockspec_jax.verify import traversal as _traversal  # noqa: F401  (registers "traversal" in TREE_RULES)
 from blockspec_jax.verify.tree import TREE_RULES, tree_verify
 
 __all__ = ["Verifier", "TokenVerifier", "BlockVerifier", "GreedyVerifier", "ExactMatchVerifier", "LenientVerifier",
-           "TreeVerifier", "Verdict", "VERIFIERS", "DEFAULT_VERIFIER", "CHAIN", "TREE", "get_verifier",
+           "JointVerifier", "SprinterVerifier", "SPRINTER_DEFAULT_CAP", "TreeVerifier", "Verdict", "VERIFIERS", "DEFAULT_VERIFIER", "CHAIN", "TREE", "get_verifier",
            "register_tree_rule", "row_keys", "warn_if_inexact"]
 
 CHAIN = "chain"
@@ -74,10 +82,21 @@ class Verifier:
   needs_draft_probs: ClassVar[bool] = True
   structure: ClassVar[str] = CHAIN
   sibling_sampling: ClassVar[str | None] = None
+  default_drafter: ClassVar[str | None] = None
+  skips_target: ClassVar[bool] = False
+  reads_q_as_likelihood: ClassVar[bool] = False
   rule: ClassVar[Callable[..., rules.VerifyResult]]
 
-  def check_drafter(self, drafter_name: str, is_chain: bool, sibling_sampling: str) -> None:
-    """Raise a ValueError when drafts declared so cannot be verified by this rule (losslessly)."""
+  def check_drafter(self, drafter_name: str, drafter) -> None:
+    """Raise a ValueError when drafts of ``drafter`` (a drafter class or instance: its declared ``is_chain`` and
+    ``sibling_sampling``) cannot be verified by this rule (losslessly, for a lossless rule)."""
+    is_chain, sibling_sampling = drafter.is_chain, drafter.sibling_sampling
+    if sibling_sampling == SAMPLING_BEAM and self.needs_draft_probs and not self.reads_q_as_likelihood:
+      fitting = ", ".join(sorted(n for n, c in VERIFIERS.items() if c.structure == CHAIN and (
+          c.reads_q_as_likelihood or not c.needs_draft_probs)))
+      raise ValueError(f"verifier {self.name!r} reads q as the law the draft was drawn from, but drafter "
+                       f"{drafter_name} returns the best of several beams (its tokens are not draws from q): the "
+                       f"rule's law would not hold; verify beam drafts with {fitting}")
     if self.structure == CHAIN and not is_chain:
       tree_rules = ", ".join(sorted(n for n, c in VERIFIERS.items() if c.structure == TREE))
       raise ValueError(f"verifier {self.name!r} verifies chains, but drafter {drafter_name} draws trees; use a tree "
@@ -180,6 +199,88 @@ class LenientVerifier(Verifier):
 
 
 @dataclasses.dataclass(frozen=True)
+class JointVerifier(Verifier):
+  """MJSD / MTAD joint verification (:func:`~blockspec_jax.verify.rules.joint_verify`): LOSSY.
+
+  Accepts the longest prefix whose joint log-likelihood ratio ``Σ log p − log q`` exceeds ``log τ`` (every prefix
+  scanned), then one plain target sample. Runs by default on beam drafts (drafter ``"beam"``: the best of ``W``
+  beams with its per-token ``q``); on sampled chains (``"mtad@model"``) it shares drafts with token and block
+  verification. Lossless only for a greedy (T = 0) target (it then accepts only target-argmax tokens) and at
+  ``τ = inf`` (nothing accepted). Its exact error on tabular models: :mod:`blockspec_jax.theory.lossy`.
+  """
+  name: ClassVar[str] = "mtad"
+  lossless: ClassVar[bool] = False
+  default_drafter: ClassVar[str | None] = "beam"
+  reads_q_as_likelihood: ClassVar[bool] = True
+  tau: float = rules.JOINT_DEFAULT_TAU
+
+  def __post_init__(self):
+    object.__setattr__(self, "tau", rules.check_joint_tau(self.tau))
+
+  def lossless_under(self, sampler) -> bool:
+    return sampler.temperature == 0.0 or self.tau == float("inf")
+
+  def __call__(self, key, draft_tokens, draft_probs, target_probs) -> rules.VerifyResult:
+    return rules.joint_verify(key, draft_tokens, draft_probs, target_probs, tau=self.tau)
+
+
+#: SPRINTER's default cap: the target is called at the latest after this many drafted tokens.
+SPRINTER_DEFAULT_CAP = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class SprinterVerifier(Verifier):
+  """SPRINTER (Zhong et al., arXiv 2502.04557): a learned verifier head decides when the target is called: LOSSY.
+
+  The drafter (``"sprinter"``: a model drafter with a linear + sigmoid head on its last hidden state) drafts one
+  token at a time; the head reads the hidden state at the position that PRODUCED the token (so its decision does not
+  depend on the token drawn) and accepts it when ``sigmoid(w·h + b) ≥ threshold``. The first token the head does
+  not accept, or the ``cap``-th token of the segment, is *flagged*: the target scores the segment in one pass and
+  the flagged token alone goes through the speculative-sampling test (``min(1, p/q)``, residual on rejection). No
+  bonus token. The loop is :func:`blockspec_jax.decoding.sprinter.sprinter_decode` (``skips_target``).
+
+  Per step the emitted law is ``p`` where flagged and ``q`` where accepted by the head: ``(1 − η)·p + η·q`` with
+  ``η`` the head's acceptance of that context, so ``TV = η·TV(p, q)``. ``threshold > 1`` flags everything (token
+  verification one token at a time: lossless), ``threshold = 0`` accepts everything up to the cap.
+  """
+  name: ClassVar[str] = "sprinter"
+  lossless: ClassVar[bool] = False
+  default_drafter: ClassVar[str | None] = "sprinter"
+  skips_target: ClassVar[bool] = True
+  threshold: float = 0.5
+  cap: int = SPRINTER_DEFAULT_CAP
+
+  def __post_init__(self):
+    t = self.threshold
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:
+      raise ValueError(f"SPRINTER's threshold must be a number >= 0 (the head accepts a token when its probability "
+                       f"is >= threshold; > 1 flags every token), got {t!r}")
+    c = self.cap
+    if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+      raise ValueError(f"SPRINTER's cap must be an integer >= 1 (the longest segment before the target is called), "
+                       f"got {c!r}")
+    object.__setattr__(self, "threshold", float(t))
+
+  def check_drafter(self, drafter_name: str, drafter) -> None:
+    if not hasattr(drafter, "acceptable_probs"):
+      raise ValueError(f"verifier 'sprinter' needs a drafter with a verifier head (drafter 'sprinter'), got "
+                       f"{drafter_name}")
+    super().check_drafter(drafter_name, drafter)
+
+  def lossless_under(self, sampler) -> bool:
+    return self.threshold > 1.0
+
+  def verify_draft(self, keys_B, draft: Draft, p_BxN1xV, depth_BxN, gamma: int) -> Verdict:
+    raise ValueError("verifier 'sprinter' skips the target: it runs its own loop (decoding.sprinter), not one "
+                     "verification per draft")
+
+  def decode(self, *args, **kwargs):
+    """The SPRINTER loop (:func:`blockspec_jax.decoding.sprinter.sprinter_decode`)."""
+    from blockspec_jax.decoding import sprinter
+    return sprinter.sprinter_decode(*args, verifier=self, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
 class TreeVerifier(Verifier):
   """A tree rule of :data:`~blockspec_jax.verify.tree.TREE_RULES` (one subclass per registered name). Lossless when
   siblings are drawn as ``sibling_sampling`` says; any tree of ``N`` nodes (a chain is one)."""
@@ -199,7 +300,8 @@ class TreeVerifier(Verifier):
 
 
 VERIFIERS: dict[str, type[Verifier]] = {
-    cls.name: cls for cls in (BlockVerifier, TokenVerifier, GreedyVerifier, ExactMatchVerifier, LenientVerifier)}
+    cls.name: cls for cls in (BlockVerifier, TokenVerifier, GreedyVerifier, ExactMatchVerifier, LenientVerifier,
+                              JointVerifier, SprinterVerifier)}
 DEFAULT_VERIFIER = "block"
 
 

@@ -1,0 +1,68 @@
+"""SPRINTER's drafter: a model drafter with a learned verifier head on its last hidden state (Zhong et al., arXiv
+2502.04557).
+
+The head is linear + sigmoid on the drafter's final-norm hidden state ``h`` at the position that PRODUCED a token
+(the state whose logits gave the law ``q`` the token was drawn from)::
+
+    acceptable(h) = sigmoid(h · w_D + b)          params {"w_D": f32 [D], "b": f32 []}
+
+trained with BCE on labels ``1[q(x) ≤ p(x)]`` (:mod:`blockspec_jax.train.sprinter`). Because ``h`` is computed
+before the token is drawn, the head's decision does not depend on the token: that is what makes SPRINTER's per-step
+law exactly ``(1 − η)·p + η·q`` (:class:`blockspec_jax.verify.SprinterVerifier`).
+
+Parameters of this drafter are ``{"model": <decoder params>, "head": {"w_D", "b"}}``; ``head`` (a field) names the
+training run's work directory the jobs load the head from (:func:`blockspec_jax.train.sprinter.load_head`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from blockspec_jax.drafters.base import ModelDrafter
+
+__all__ = ["SprinterDrafter", "head_logits", "head_probs", "init_head"]
+
+
+def head_logits(head, hidden_BxD: jax.Array) -> jax.Array:
+  """f32 ``[...]``: the head's logit ``h · w + b`` for hidden states ``[..., D]`` (computed in f32)."""
+  return jnp.einsum("...d,d->...", hidden_BxD.astype(jnp.float32), head["w_D"].astype(jnp.float32)) + head["b"]
+
+
+def head_probs(head, hidden_BxD: jax.Array) -> jax.Array:
+  """f32 ``[...]``: the head's probability that a token drawn at this context is acceptable (``q(x) ≤ p(x)``)."""
+  return jax.nn.sigmoid(head_logits(head, hidden_BxD))
+
+
+def init_head(d_model: int, bias: float = 0.0):
+  """A zero head (every context gets ``sigmoid(bias)``): the starting point of training."""
+  return {"w_D": jnp.zeros((d_model,), jnp.float32), "b": jnp.asarray(bias, jnp.float32)}
+
+
+@dataclasses.dataclass(frozen=True)
+class SprinterDrafter(ModelDrafter):
+  """A :class:`~blockspec_jax.drafters.base.ModelDrafter` whose parameters also hold the verifier head.
+
+  As a chain drafter (``propose``) it drafts exactly as the model drafter does, so any chain rule can verify it; the
+  ``sprinter`` rule drives it one token at a time (``begin`` / ``step``) and asks :meth:`acceptable_probs`.
+  """
+
+  head: str | None = None  # work directory of the trained head (jobs load {"head": ...} from it); not used in jit
+
+  def init_state(self, params, tokens_BxP, prompt_len_B, max_len):
+    return super().init_state(params["model"], tokens_BxP, prompt_len_B, max_len)
+
+  def begin(self, params, state, tokens_BxS, length_B, sampler):
+    return super().begin(params["model"], state, tokens_BxS, length_B, sampler)
+
+  def step(self, params, state, x_B, position_B, sampler):
+    return super().step(params["model"], state, x_B, position_B, sampler)
+
+  def propose(self, params, state, tokens_BxS, length_B, key_B, gamma, sampler):
+    return super().propose(params["model"], state, tokens_BxS, length_B, key_B, gamma, sampler)
+
+  def acceptable_probs(self, params, hidden_BxD: jax.Array) -> jax.Array:
+    """f32 ``[B]``: the head's probability that the token drawn at each row's context is acceptable."""
+    return head_probs(params["head"], hidden_BxD)
