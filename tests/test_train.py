@@ -200,6 +200,9 @@ def test_optimizer_settings_errors():
     trainer.make_optimizer(schedule="linear")
   with pytest.raises(ValueError, match="warmup_steps"):
     trainer.make_optimizer(warmup_steps=20, total_steps=10)
+  with pytest.raises(ValueError, match="warmup_steps < total_steps"):
+    trainer.make_schedule(1.0, "cosine", warmup_steps=20, total_steps=20)
+  assert trainer.make_schedule(1.0, "constant", warmup_steps=20, total_steps=20)(20) == 1.0
   sched = trainer.make_schedule(1.0, "cosine", warmup_steps=2, total_steps=10)
   assert float(sched(0)) == 0.0 and float(sched(2)) == pytest.approx(1.0) and float(sched(10)) == pytest.approx(0.0)
   with pytest.raises(ValueError, match="no trainable"):

@@ -1,16 +1,18 @@
 """Training jobs: ``python -m blockspec_jax.train --gin_file gin/train/<job>.gin [--gin_param B] [--workdir DIR]``.
 
-The one job so far is DistillSpec (``distill_job``): a frozen target, a drafter distilled toward it with a token-level
-divergence (:mod:`blockspec_jax.train.distill`) by the generic trainer (:mod:`blockspec_jax.train.trainer`). Gin is
-used here only (library modules never import it): ``distill_job.*`` binds the job, ``make_optimizer.*`` the
-optimizer (``total_steps`` defaults to the job's ``num_steps``), and ``<scope>/tiny_decoder.*`` random tiny models
-(``distill_job.target_config = @target/tiny_decoder()``).
+Two jobs: DistillSpec (``distill_job``): a frozen target, a drafter distilled toward it with a token-level
+divergence (:mod:`blockspec_jax.train.distill`) by the generic trainer (:mod:`blockspec_jax.train.trainer`); and
+SPRINTER's verifier head (``sprinter_job``, :mod:`blockspec_jax.train.sprinter`), run when the gin files bind
+``sprinter_job.*`` (:func:`selected_job`). Gin is used here only (library modules never import it): ``distill_job.*``
+/ ``sprinter_job.*`` bind the job, ``make_optimizer.*`` the optimizer (``total_steps`` defaults to the job's
+``num_steps``), and ``<scope>/tiny_decoder.*`` random tiny models (``distill_job.target_config =
+@target/tiny_decoder()``).
 
 Outputs in the workdir (default ``results/train/<gin file stem>``): ``config.gin`` (the operative config),
 ``metrics.jsonl`` (a line per step), ``checkpoints/`` (resumed from when present: re-running the command continues
 a stopped run), ``loss.png`` (with matplotlib) and, at the end, ``metrics.json``: ``heldout_tv_before``,
 ``heldout_tv_after`` (mean total variation drafter vs target on the held-out prompts' generated positions),
-``final_loss``, ``steps``, ``seconds`` and the settings.
+``final_loss``, ``steps``, ``seconds`` and the settings. ``sprinter_job``'s outputs are listed in its docstring.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ import gin
 import jax
 import numpy as np
 
-from blockspec_jax import jobs, parallel
+from blockspec_jax import jobs, parallel, sampling
 from blockspec_jax.eval import prompts as prompts_lib
 from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.train import distill, divergences, params as params_lib, recipe as recipe_lib, trainer
+from blockspec_jax.train import sprinter as sprinter_lib
 
 make_optimizer = gin.external_configurable(trainer.make_optimizer, "make_optimizer")
 
@@ -57,9 +60,9 @@ def drafter_recipe(base: str = gin.REQUIRED, layers=None, lora_rank: int = 0,
     raise jobs.UsageError(str(e)) from None
 
 
-def _check_int(value, name: str, low: int = 1) -> int:
+def _check_int(value, name: str, low: int = 1, job: str = "distill_job") -> int:
   if isinstance(value, bool) or not isinstance(value, int) or value < low:
-    raise jobs.UsageError(f"distill_job.{name} must be an integer >= {low}, got {value!r}")
+    raise jobs.UsageError(f"{job}.{name} must be an integer >= {low}, got {value!r}")
   return value
 
 
@@ -104,25 +107,14 @@ def _prompt_rows(workdir: pathlib.Path, heldout_prompts: str, per_task: int, see
   return heldout, train
 
 
-def _model_setup(workdir, target_name, recipe, *, dtype, heldout_prompts, train_prompts_per_task, max_prompt_len,
-                 chat, seed) -> _Setup:
-  from blockspec_jax.models import hub
-  heldout_rows, train_rows = _prompt_rows(pathlib.Path(workdir), heldout_prompts, train_prompts_per_task, seed)
-  prompts_lib.check_disjoint(train_rows, heldout_rows)
-  t0 = time.perf_counter()
-  target = hub.load_model(target_name, dtype)
-  base = target if recipe.base == target_name else hub.load_model(recipe.base, dtype)
-  jobs.check_pair(target, base)
-  drafter_config, drafter_params = recipe.derive(base.config, base.params["params"])
-  del base
-  parts = recipe.split(drafter_config, drafter_params)
-  print(f"loaded {target_name} (target) and {recipe.base} (drafter base, {drafter_config.num_layers} layers) in "
-        f"{time.perf_counter() - t0:.1f} s; trainable parameters {params_lib.count_params(parts.trainable):,}",
-        flush=True)
+def _encode_pool(target, heldout_rows, train_rows, max_prompt_len, chat, job: str = "distill_job"):
+  """The training prompts then the held-out ones, encoded with ``target``'s tokenizer (chat-templated when
+  ``chat``) into ``(prompts_NxP int32, prompt_len_N, split, by_task, dropped)``: training prompts longer than
+  ``max_prompt_len`` tokens are left out (``dropped`` of them), a held-out one that long is a UsageError."""
   held_ids = jobs.encode_prompts(target, heldout_rows, chat)
   too_long = [r["id"] for r, ids in zip(heldout_rows, held_ids) if len(ids) > max_prompt_len]
   if too_long:
-    raise jobs.UsageError(f"held-out prompts {too_long} are longer than distill_job.max_prompt_len = "
+    raise jobs.UsageError(f"held-out prompts {too_long} are longer than {job}.max_prompt_len = "
                           f"{max_prompt_len} tokens; raise it")
   train_ids = jobs.encode_prompts(target, train_rows, chat)
   kept = [i for i, ids in enumerate(train_ids) if len(ids) <= max_prompt_len]
@@ -139,6 +131,26 @@ def _model_setup(workdir, target_name, recipe, *, dtype, heldout_prompts, train_
     prompts_NxP[i, :len(ids)] = ids
   prompt_len_N = np.asarray([len(ids) for ids in all_ids], np.int32)
   split = (np.arange(len(train_ids)), np.arange(len(train_ids), len(all_ids)))
+  return prompts_NxP, prompt_len_N, split, by_task, dropped
+
+
+def _model_setup(workdir, target_name, recipe, *, dtype, heldout_prompts, train_prompts_per_task, max_prompt_len,
+                 chat, seed) -> _Setup:
+  from blockspec_jax.models import hub
+  heldout_rows, train_rows = _prompt_rows(pathlib.Path(workdir), heldout_prompts, train_prompts_per_task, seed)
+  prompts_lib.check_disjoint(train_rows, heldout_rows)
+  t0 = time.perf_counter()
+  target = hub.load_model(target_name, dtype)
+  base = target if recipe.base == target_name else hub.load_model(recipe.base, dtype)
+  jobs.check_pair(target, base)
+  drafter_config, drafter_params = recipe.derive(base.config, base.params["params"])
+  del base
+  parts = recipe.split(drafter_config, drafter_params)
+  print(f"loaded {target_name} (target) and {recipe.base} (drafter base, {drafter_config.num_layers} layers) in "
+        f"{time.perf_counter() - t0:.1f} s; trainable parameters {params_lib.count_params(parts.trainable):,}",
+        flush=True)
+  prompts_NxP, prompt_len_N, split, by_task, dropped = _encode_pool(target, heldout_rows, train_rows,
+                                                                    max_prompt_len, chat)
   recipe_lib.save_recipe(workdir, recipe)
   info = {"target": target_name, "drafter_recipe": recipe.to_json(), "dtype": dtype,
           "train_prompts_by_task": by_task, "train_prompts_dropped_long": dropped}
@@ -262,6 +274,218 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
   return summary
 
 
+def _model_name(name, config, seed) -> str:
+  """A model's label in reports: its name, or a random tiny decoder's shape and seed."""
+  if name is not None:
+    return str(name)
+  return f"random tiny decoder (seed {seed}, V = {config.vocab_size}, D = {config.d_model}, {config.num_layers} layers)"
+
+
+def _sprinter_setup(workdir, *, real, target, drafter, target_config, drafter_config, target_seed, drafter_seed,
+                    num_prompts, prompt_len, heldout_fraction, heldout_prompts, train_prompts_per_task,
+                    max_prompt_len, chat, dtype, seed) -> dict:
+  """Both models' configs and parameters, the prompts, their (train, held-out) split and the stop ids."""
+  if not real:
+    prompts_NxP, prompt_len_N = distill.random_prompts(num_prompts, prompt_len, target_config.vocab_size, seed)
+    return dict(target_config=target_config, target_params=decoder_lib.init_params(target_config, target_seed),
+                drafter_config=drafter_config, drafter_params=decoder_lib.init_params(drafter_config, drafter_seed),
+                prompts_NxP=prompts_NxP, prompt_len_N=prompt_len_N,
+                split=distill.split_prompts(num_prompts, heldout_fraction, seed), stop_ids=(), info={})
+  heldout_rows, train_rows = _prompt_rows(pathlib.Path(workdir), heldout_prompts, train_prompts_per_task, seed)
+  prompts_lib.check_disjoint(train_rows, heldout_rows)
+  t0 = time.perf_counter()
+  target_model = jobs.load_model(target, dtype)
+  drafter_model = target_model if drafter == target else jobs.load_model(drafter, dtype)
+  jobs.check_pair(target_model, drafter_model)
+  print(f"loaded {target} (target) and {drafter} (drafter, D = {drafter_model.config.d_model}) in "
+        f"{time.perf_counter() - t0:.1f} s", flush=True)
+  prompts_NxP, prompt_len_N, split, by_task, dropped = _encode_pool(target_model, heldout_rows, train_rows,
+                                                                    max_prompt_len, chat, "sprinter_job")
+  return dict(target_config=target_model.config, target_params=target_model.params["params"],
+              drafter_config=drafter_model.config, drafter_params=drafter_model.params["params"],
+              prompts_NxP=prompts_NxP, prompt_len_N=prompt_len_N, split=split, stop_ids=target_model.stop_ids,
+              info={"train_prompts_by_task": by_task, "train_prompts_dropped_long": dropped})
+
+
+def _cached_labels(path: pathlib.Path, meta: dict):
+  """The labels in ``path`` when it exists and was collected with ``meta``'s settings; None when absent."""
+  if not path.exists():
+    return None
+  try:
+    data, saved = sprinter_lib.load_labels(path)
+  except ValueError as e:
+    raise jobs.UsageError(str(e)) from None
+  changed = sorted(k for k in set(meta) | set(saved) if meta.get(k) != saved.get(k))
+  if changed:
+    raise jobs.UsageError(f"{path} was collected with other settings ({', '.join(changed)} differ); use a fresh "
+                          "workdir or delete the labels_*.npz files (and checkpoints/) to collect them again")
+  return data
+
+
+def _label_counts(data: dict) -> dict:
+  labels_N = data["labels_N"]
+  return {"num": int(labels_N.size), "positive": int(labels_N.sum()),
+          "positive_rate": float(labels_N.mean()) if labels_N.size else None,
+          "prompts": int(np.unique(data["row_N"]).size)}
+
+
+@gin.configurable
+def sprinter_job(workdir, *, target=None, drafter=None, target_config=None, drafter_config=None,
+                 target_seed: int = 0, drafter_seed: int = 1, num_prompts: int = 64, prompt_len: int = 8,
+                 heldout_fraction: float = 0.25, heldout_prompts: str = str(prompts_lib.DEFAULT_PROMPTS),
+                 train_prompts_per_task: int = 48, max_prompt_len: int = 256, chat: bool = True,
+                 dtype: str = "float32", max_new_tokens: int = 16, temperature: float = 1.0,
+                 collect_batch_size: int = 4, num_steps: int = 400, batch_size: int = 256, standardize: bool = True,
+                 pos_weight: float | None = None, thresholds=(0.3, 0.5, 0.7, 0.9), checkpoint_every: int = 100,
+                 max_to_keep: int = 2, eval_every: int = 0, seed: int = 0, progress: bool = True,
+                 stop_after: int | None = None, dry_run: bool = False) -> dict:
+  """SPRINTER's verifier head (:mod:`blockspec_jax.train.sprinter`); returns the ``metrics.json`` summary.
+
+  Models, as in ``distill_job``: random tiny ones (``target_config`` / ``drafter_config``, ``@tiny_decoder()``,
+  random parameters of ``target_seed`` / ``drafter_seed``; ``num_prompts`` random prompts of ``prompt_len`` tokens
+  split by ``heldout_fraction``) or real ones (``target`` and ``drafter``: model names, checkpoint paths or a
+  drafter training run's workdir, anything ``jobs.load_model`` takes; held-out prompts = ``heldout_prompts``,
+  training prompts = ``train_prompts_per_task`` per category, disjoint from them; both written to the workdir).
+
+  Labels: the drafter continues every prompt (``max_new_tokens`` at ``temperature``, ``collect_batch_size``
+  prompts at a time); each generated token gets the drafter's hidden state that produced it and ``1[q ≤ p]``. They
+  are cached in ``labels_train.npz`` / ``labels_heldout.npz``: a rerun (resume) reads them and loads no model.
+  Head: ``num_steps`` steps of ``batch_size`` examples (optimizer: gin's ``make_optimizer``, ``total_steps`` =
+  ``num_steps``), checkpoints every ``checkpoint_every`` steps (resumed from), held-out BCE and accuracy every
+  ``eval_every`` steps (0: only at the end); ``standardize`` / ``pos_weight`` as in ``train_head``. Outputs:
+  ``head.json`` + ``head.npz`` (``sprinter.load_head(workdir)``), ``metrics.json`` (held-out report per threshold
+  in ``thresholds``, label counts, seconds, peak RSS), ``metrics.jsonl``, ``loss.png``. ``stop_after``: stop after
+  that many steps as if killed (resume tests). ``dry_run``: check the settings (no model loaded, nothing written)
+  and return them.
+  """
+  t0 = time.perf_counter()
+  job = "sprinter_job"
+  for name, value, low in (("num_prompts", num_prompts, 2), ("prompt_len", prompt_len, 1),
+                           ("max_new_tokens", max_new_tokens, 1), ("collect_batch_size", collect_batch_size, 1),
+                           ("batch_size", batch_size, 1), ("num_steps", num_steps, 1),
+                           ("checkpoint_every", checkpoint_every, 1), ("max_to_keep", max_to_keep, 1),
+                           ("train_prompts_per_task", train_prompts_per_task, 1),
+                           ("max_prompt_len", max_prompt_len, 1), ("eval_every", eval_every, 0)):
+    _check_int(value, name, low, job)
+  if stop_after is not None:
+    _check_int(stop_after, "stop_after", 1, job)
+  models_given = (target is not None, drafter is not None)
+  configs_given = (target_config is not None, drafter_config is not None)
+  real = all(models_given)
+  if not (real and not any(configs_given)) and not (all(configs_given) and not any(models_given)):
+    raise jobs.UsageError("give either sprinter_job.target and sprinter_job.drafter (model names), or "
+                          "sprinter_job.target_config and sprinter_job.drafter_config (random tiny models), not a mix")
+  thresholds = tuple(thresholds) if isinstance(thresholds, (list, tuple)) else (thresholds,)
+  if not thresholds or any(isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0
+                           for t in thresholds):
+    raise jobs.UsageError(f"sprinter_job.thresholds must be numbers >= 0, got {thresholds!r}")
+  if pos_weight is not None and (isinstance(pos_weight, bool) or not isinstance(pos_weight, (int, float))
+                                 or not pos_weight > 0):
+    raise jobs.UsageError(f"sprinter_job.pos_weight must be a number > 0 or None, got {pos_weight!r}")
+  if real:
+    for name, value in (("target", target), ("drafter", drafter)):
+      if not isinstance(value, str):
+        raise jobs.UsageError(f"sprinter_job.{name} must be a model name or path, got {value!r}")
+    jobs.check_settings(dtype=dtype, models=(target, drafter))
+  elif not 0.0 < heldout_fraction < 1.0:
+    raise jobs.UsageError(f"sprinter_job.heldout_fraction must be in (0, 1), got {heldout_fraction}")
+  try:
+    sampling.Sampler(temperature)
+    optimizer = make_optimizer(total_steps=num_steps)
+    if not real:
+      distill.check_pair(target_config, drafter_config)
+  except ValueError as e:
+    raise jobs.UsageError(str(e)) from None
+  target_name = _model_name(target, target_config, target_seed)
+  drafter_name = _model_name(drafter, drafter_config, drafter_seed)
+  meta = {"target": target_name, "drafter": drafter_name, "temperature": float(temperature),
+          "max_new_tokens": max_new_tokens, "seed": seed, "dtype": dtype,
+          "target_config": None if real else repr(target_config),
+          "drafter_config": None if real else repr(drafter_config)}
+  if real:
+    meta.update(chat=chat, max_prompt_len=max_prompt_len, train_prompts_per_task=train_prompts_per_task)
+  else:
+    meta.update(num_prompts=num_prompts, prompt_len=prompt_len, heldout_fraction=float(heldout_fraction))
+  settings = {**meta, "collect_batch_size": collect_batch_size, "num_steps": num_steps, "batch_size": batch_size,
+              "standardize": bool(standardize), "pos_weight": pos_weight, "thresholds": list(thresholds)}
+  if dry_run:
+    return {"dry_run": True, **settings}
+
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  paths = {"train": workdir / "labels_train.npz", "heldout": workdir / "labels_heldout.npz"}
+  labels = {split: _cached_labels(path, {**meta, "split": split}) for split, path in paths.items()}
+  cached = all(v is not None for v in labels.values())
+  info = {}
+  collect_seconds = 0.0
+  if cached:
+    print(f"labels read from {paths['train'].name} and {paths['heldout'].name} (no model loaded)", flush=True)
+  else:
+    t_collect = time.perf_counter()
+    setup = _sprinter_setup(workdir, real=real, target=target, drafter=drafter, target_config=target_config,
+                            drafter_config=drafter_config, target_seed=target_seed, drafter_seed=drafter_seed,
+                            num_prompts=num_prompts, prompt_len=prompt_len, heldout_fraction=heldout_fraction,
+                            heldout_prompts=heldout_prompts, train_prompts_per_task=train_prompts_per_task,
+                            max_prompt_len=max_prompt_len, chat=chat, dtype=dtype, seed=seed)
+    info = setup["info"]
+    for split, rows in zip(("train", "heldout"), setup["split"]):
+      if labels[split] is not None:
+        continue
+      rows = np.asarray(rows, np.int64)
+      print(f"collecting {split} labels: {len(rows)} prompts, {max_new_tokens} drafter tokens each at "
+            f"T = {temperature:g}", flush=True)
+      try:
+        data = sprinter_lib.collect_labels(
+            setup["target_config"], setup["target_params"], setup["drafter_config"], setup["drafter_params"],
+            setup["prompts_NxP"][rows], setup["prompt_len_N"][rows], max_new_tokens=max_new_tokens,
+            temperature=temperature, key=jax.random.fold_in(jax.random.key(seed), 1),
+            batch_size=collect_batch_size, progress=progress, rows=rows, stop_ids=tuple(setup["stop_ids"]))
+      except ValueError as e:
+        raise jobs.UsageError(str(e)) from None
+      sprinter_lib.save_labels(paths[split], data, {**meta, "split": split})
+      labels[split] = data
+    del setup
+    collect_seconds = time.perf_counter() - t_collect
+  train, held = labels["train"], labels["heldout"]
+  counts = {split: _label_counts(data) for split, data in labels.items()}
+  print(f"labels: {counts['train']['num']} training tokens ({counts['train']['positive_rate']:.3f} acceptable), "
+        f"{counts['heldout']['num']} held-out tokens ({counts['heldout']['positive_rate']:.3f} acceptable)",
+        flush=True)
+  if np.intersect1d(train["row_N"], held["row_N"]).size:
+    raise RuntimeError("training and held-out labels share prompts")  # the splits are disjoint by construction
+  try:
+    head, result = sprinter_lib.train_head(
+        train["features_NxD"], train["labels_N"], workdir=workdir, num_steps=num_steps, batch_size=batch_size,
+        seed=seed, heldout=(held["features_NxD"], held["labels_N"]), eval_every=eval_every, optimizer=optimizer,
+        pos_weight=pos_weight, standardize=standardize, checkpoint_every=checkpoint_every,
+        max_to_keep=max_to_keep, progress=progress, stop_after=stop_after)
+  except ValueError as e:
+    raise jobs.UsageError(str(e)) from None
+  report_heldout = sprinter_lib.head_report(head, held["features_NxD"], held["labels_N"], thresholds)
+  report_train = sprinter_lib.head_report(head, train["features_NxD"], train["labels_N"], thresholds)
+  held_eval = sprinter_lib.evaluate_head(head, held["features_NxD"], held["labels_N"])
+  rows = trainer.read_metrics(workdir / "metrics.jsonl")
+  d_model = int(train["features_NxD"].shape[1])
+  head_info = {"drafter": drafter_name, "target": target_name, "temperature": float(temperature),
+               "d_model": d_model, "max_new_tokens": max_new_tokens, "steps": int(result.state.step),
+               "standardize": bool(standardize), "pos_weight": pos_weight, "labels": counts,
+               "heldout_bce": held_eval["bce"], "report_heldout": report_heldout}
+  sprinter_lib.save_head(workdir, head, head_info)
+  summary = {
+      "report_heldout": report_heldout, "report_train": report_train, "labels": counts,
+      "heldout_bce": held_eval["bce"], "heldout_accuracy": held_eval["accuracy"],
+      "final_loss": rows[-1]["loss"] if rows else None, "steps": int(result.state.step),
+      "resumed_from": result.resumed_from, "labels_cached": cached,
+      "seconds": time.perf_counter() - t0, "collect_seconds": collect_seconds, "train_seconds": result.seconds,
+      "train_seconds_total": rows[-1]["seconds_total"] if rows and "seconds_total" in rows[-1] else None,
+      "peak_rss_gb": jobs.peak_rss_gb(), "device": jax.devices()[0].platform, "d_model": d_model,
+      "head_b": float(head["b"]), "head_w_norm": float(np.linalg.norm(np.asarray(head["w_D"], np.float64))),
+      **settings, **info,
+  }
+  (workdir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
+  return summary
+
+
 def add_gin_search_path() -> None:
   """Let ``include 'gin/…'`` resolve from any working directory (the repository root, when the package sits in
   it, as with an editable install), besides the working directory itself."""
@@ -273,6 +497,18 @@ def add_gin_search_path() -> None:
 def default_workdir(gin_files) -> pathlib.Path:
   """``results/train/<stem of the last gin file>`` (relative to the working directory)."""
   return pathlib.Path("results") / "train" / pathlib.Path(gin_files[-1]).stem
+
+
+JOBS = ("distill_job", "sprinter_job")
+
+
+def selected_job():
+  """The job the parsed gin files configure: ``sprinter_job`` when it has bindings, else ``distill_job`` (also when
+  nothing is bound: its own checks then say what is missing); both configured is a UsageError."""
+  configured = [name for name in JOBS if gin.get_bindings(name)]
+  if len(configured) > 1:
+    raise jobs.UsageError(f"the gin files configure {' and '.join(configured)}; a run trains one job")
+  return sprinter_job if configured == ["sprinter_job"] else distill_job
 
 
 def main(argv=None) -> int:
@@ -290,11 +526,18 @@ def main(argv=None) -> int:
     workdir = pathlib.Path(args.workdir) if args.workdir else default_workdir(args.gin_file)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.gin").write_text(gin.config_str())  # what was bound; the operative config replaces it
-    summary = distill_job(workdir)
+    job = selected_job()
+    summary = job(workdir)
     (workdir / "config.gin").write_text(gin.operative_config_str())
   print(json.dumps(summary, indent=2))
-  print(f"held-out TV {summary['heldout_tv_before']:.4f} -> {summary['heldout_tv_after']:.4f} after "
-        f"{summary['steps']} steps ({summary['seconds']:.1f} s); outputs in {workdir}")
+  if job is sprinter_job:
+    at = min(summary["report_heldout"], key=lambda r: abs(r["threshold"] - 0.5))
+    print(f"held-out head at threshold {at['threshold']:g}: accuracy {at['accuracy']:.4f}, eta_fp {at['eta_fp']}, "
+          f"eta_fn {at['eta_fn']}, accept rate {at['accept_rate']:.4f} over {at['num']} tokens after "
+          f"{summary['steps']} steps ({summary['seconds']:.1f} s); outputs in {workdir}")
+  else:
+    print(f"held-out TV {summary['heldout_tv_before']:.4f} -> {summary['heldout_tv_after']:.4f} after "
+          f"{summary['steps']} steps ({summary['seconds']:.1f} s); outputs in {workdir}")
   return 0
 
 

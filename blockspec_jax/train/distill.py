@@ -55,22 +55,26 @@ def check_pair(target: decoder_lib.DecoderConfig, drafter: decoder_lib.DecoderCo
 
 
 def sequence_logits(config: decoder_lib.DecoderConfig, params, tokens_BxT: jax.Array,
-                    positions_BxN: jax.Array | None = None) -> jax.Array:
+                    positions_BxN: jax.Array | None = None, return_hidden: bool = False):
   """f32 [B, T, V]: a causal forward over whole sequences (positions 0..T−1, a fresh cache of T slots); with
   ``positions_BxN`` (int32 [B, N]), the logits at those positions only, f32 [B, N, V]: the LM head runs on the
-  gathered final-norm outputs, so a [B, T, V] tensor is never formed (under jit the full head is dead code)."""
+  gathered final-norm outputs, so a [B, T, V] tensor is never formed (under jit the full head is dead code).
+
+  ``return_hidden``: ``(logits, hidden)`` with the final-norm outputs (the LM head's input, the model's dtype) at
+  the same positions, ``[B, T, D]`` or ``[B, N, D]`` (SPRINTER's verifier head reads them)."""
   batch, length = tokens_BxT.shape
   positions_BxT = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None, :], (batch, length))
   cache = decoder_lib.init_cache(config, batch, length)
   mask_BxTxS = decoder_lib.causal_mask(positions_BxT, length)
   if positions_BxN is None:
-    logits_BxTxV, _ = decoder_lib.Decoder(config).apply({"params": params}, tokens_BxT, positions_BxT, cache,
-                                                        mask_BxTxS)
-    return logits_BxTxV
+    out = decoder_lib.Decoder(config).apply({"params": params}, tokens_BxT, positions_BxT, cache, mask_BxTxS,
+                                            return_hidden=return_hidden)
+    return (out[0], out[2]) if return_hidden else out[0]
   _, _, hidden_BxTxD = decoder_lib.Decoder(config).apply({"params": params}, tokens_BxT, positions_BxT, cache,
                                                          mask_BxTxS, return_hidden=True)
   hidden_BxNxD = jnp.take_along_axis(hidden_BxTxD, positions_BxN[:, :, None].astype(jnp.int32), axis=1)
-  return decoder_lib.head_logits(config, params, hidden_BxNxD)
+  logits_BxNxV = decoder_lib.head_logits(config, params, hidden_BxNxD)
+  return (logits_BxNxV, hidden_BxNxD) if return_hidden else logits_BxNxV
 
 
 def loss_window(mask_BxT: np.ndarray, prompt_len_B: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:

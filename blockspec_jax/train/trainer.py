@@ -73,6 +73,9 @@ def make_schedule(learning_rate: float, schedule: str = "cosine", warmup_steps: 
     raise ValueError(f"need 0 <= warmup_steps <= total_steps and total_steps >= 1, got warmup_steps = "
                      f"{warmup_steps}, total_steps = {total_steps}")
   if schedule == "cosine":
+    if 0 < warmup_steps == total_steps:
+      raise ValueError(f"a cosine schedule needs warmup_steps < total_steps (nothing is left to decay over), got "
+                       f"warmup_steps = total_steps = {total_steps}")
     if warmup_steps == 0:
       return optax.cosine_decay_schedule(learning_rate, total_steps)
     return optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup_steps, total_steps)

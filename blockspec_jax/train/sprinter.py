@@ -1,0 +1,454 @@
+"""SPRINTER's verifier head (Zhong et al., arXiv 2502.04557): labels, training, evaluation, storage.
+
+The head (:mod:`blockspec_jax.drafters.sprinter`) is ``sigmoid(h · w_D + b)`` on the drafter's final-norm hidden
+state ``h`` at the position that PRODUCED a drafted token ``x``. For the drafter's law ``q`` and the target's law
+``p`` at a context ``c`` (both after the sampling transform at the decoding temperature ``T``) the label is::
+
+    y = 1[q(x | c) ≤ p(x | c)]        (speculative sampling accepts x with probability min(1, p/q) = 1)
+
+Pipeline (the job is ``sprinter_job`` in :mod:`blockspec_jax.train.__main__`)::
+
+    data = collect_labels(target_config, target_params, drafter_config, drafter_params, tokens_BxP, prompt_len_B,
+                          max_new_tokens=64, temperature=1.0, key=key, batch_size=4)
+    head, fit_result = train_head(data["features_NxD"], data["labels_N"], workdir=..., num_steps=400,
+                                  batch_size=256, learning_rate=1e-2, seed=0, heldout=(features, labels))
+    rows = head_report(head, heldout_features_NxD, heldout_labels_N, thresholds=(0.3, 0.5, 0.7, 0.9))
+    save_head(workdir, head, {"drafter": ..., "target": ..., "temperature": 1.0, "report_heldout": rows})
+    head, info = load_head(workdir, d_model=896)
+
+Data are on-policy: the continuations are sampled from the drafter at ``T`` (:func:`distill.sample_sequences`, row
+``r``'s key ``fold_in(key, r)``), the contexts the head meets at decode time; then one causal pass of each model over
+prompt + continuation, the LM heads on the generated window only (:func:`distill.sequence_logits` with
+:func:`distill.loss_window`), the drafter's pass also giving its hidden states there. A sequence with ``x`` at index
+``t`` gives the feature ``hidden[t − 1]`` and ``q``/``p`` from the logits at ``t − 1``. Only generated tokens are
+labelled (each row up to its end: ``max_new_tokens`` or its stop token, which is labelled).
+
+Training (:func:`train_head`) standardises the features with the training set's per-dimension mean and standard
+deviation (an optimisation aid: the final-norm outputs of real models have a few dimensions hundreds of times larger
+than the rest), and FOLDS that affine map into ``w`` and ``b`` before returning the head
+(:func:`fold_standardization`), so ``head_probs(head, raw_hidden)`` is all decoding needs; checkpoints hold the
+standardised-space head, from which the folded one is recomputed exactly on a resume.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import json
+import math
+import os
+import pathlib
+import zipfile
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from blockspec_jax import sampling
+from blockspec_jax.decoding import speculative as spec
+from blockspec_jax.drafters.sprinter import head_logits, head_probs, init_head
+from blockspec_jax.models import decoder as decoder_lib
+from blockspec_jax.train import distill, trainer
+
+__all__ = ["LABEL_FIELDS", "REPORT_FIELDS", "HEAD_JSON", "HEAD_NPZ", "collect_labels", "save_labels",
+           "load_labels", "head_loss", "standardization", "fold_standardization", "batch_indices", "train_head",
+           "evaluate_head", "head_report", "save_head", "load_head"]
+
+LABEL_FIELDS = ("features_NxD", "labels_N", "q_tok_N", "p_tok_N", "token_N", "row_N", "position_N")
+REPORT_FIELDS = ("threshold", "accuracy", "eta_fp", "eta_fn", "accept_rate", "positive_rate", "num")
+HEAD_JSON, HEAD_NPZ = "head.json", "head.npz"
+_FORMAT = 1
+
+
+# --- labels ---------------------------------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("target", "drafter", "temperature"))
+def _label_pass(target_params, drafter_params, tokens_BxT, positions_BxN, *, target, drafter, temperature):
+  """``(hidden_BxNxD f32, q_tok_BxN f32, p_tok_BxN f32)``: the drafter's hidden state at each window position
+  ``t − 1`` and both laws (after the temperature) at the token ``tokens[t]`` it predicts."""
+  target_logits_BxNxV = distill.sequence_logits(target, target_params, tokens_BxT, positions_BxN)
+  drafter_logits_BxNxV, hidden_BxNxD = distill.sequence_logits(drafter, drafter_params, tokens_BxT, positions_BxN,
+                                                               return_hidden=True)
+  next_BxN = jnp.take_along_axis(tokens_BxT, jnp.minimum(positions_BxN + 1, tokens_BxT.shape[1] - 1), axis=1)
+  sampler = sampling.Sampler(temperature)
+  q_tok_BxN = jnp.take_along_axis(sampler.probs(drafter_logits_BxNxV), next_BxN[:, :, None], axis=2)[:, :, 0]
+  p_tok_BxN = jnp.take_along_axis(sampler.probs(target_logits_BxNxV), next_BxN[:, :, None], axis=2)[:, :, 0]
+  return hidden_BxNxD.astype(jnp.float32), q_tok_BxN, p_tok_BxN
+
+
+def _check_int(value, name: str, low: int = 1) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+    raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+  return int(value)
+
+
+def collect_labels(target_config: decoder_lib.DecoderConfig, target_params, drafter_config: decoder_lib.DecoderConfig,
+                   drafter_params, tokens_BxP, prompt_len_B, *, max_new_tokens: int, temperature: float,
+                   key: jax.Array, batch_size: int, progress: bool = True, rows=None, stop_ids: tuple[int, ...] = (),
+                   pad_id: int = 0) -> dict:
+  """SPRINTER's training data from the drafter's own continuations of the prompts ``tokens_BxP`` (int32 [B, P],
+  right-padded; lengths ``prompt_len_B``), processed ``batch_size`` prompts at a time (the last batch wraps around,
+  its repeated rows dropped: one compiled program for every batch).
+
+  ``rows`` (int [B], distinct; default ``arange(B)``): the prompts' ids, reported in ``row_N`` and keying the
+  sampling (prompt ``r``'s continuation uses ``fold_in(key, r)``, so it does not depend on the batching).
+
+  Returns numpy arrays over the ``N`` generated tokens, in prompt order then position order:
+  ``features_NxD`` f32 (the drafter's final-norm hidden state at ``t − 1``), ``labels_N`` int8
+  (``1[q_tok ≤ p_tok]``), ``q_tok_N`` / ``p_tok_N`` f32 (drafter / target probability of the token at temperature
+  ``temperature``), ``token_N`` int32 (the drafted token ``x``), ``row_N`` int64 (its prompt's id) and
+  ``position_N`` int32 (``t``, the index of ``x`` in prompt + continuation: ``prompt_len`` for the first generated
+  token).
+  """
+  from blockspec_jax import jobs  # the "compiling …" announcements
+  distill.check_pair(target_config, drafter_config)
+  _check_int(max_new_tokens, "max_new_tokens")
+  _check_int(batch_size, "batch_size")
+  sampling.Sampler(temperature)  # validates it (T = 0: greedy continuations, one-hot laws)
+  tokens_BxP, prompt_len_B = np.asarray(tokens_BxP, np.int32), np.asarray(prompt_len_B, np.int32)
+  if tokens_BxP.ndim != 2 or prompt_len_B.shape != tokens_BxP.shape[:1]:
+    raise ValueError(f"need tokens_BxP [B, P] and prompt_len_B [B], got {tokens_BxP.shape} and {prompt_len_B.shape}")
+  spec.check_prompt_values(tokens_BxP, prompt_len_B, target_config.vocab_size)
+  num = tokens_BxP.shape[0]
+  rows = np.arange(num, dtype=np.int64) if rows is None else np.asarray(rows, np.int64).reshape(-1)
+  if rows.shape != (num,) or len(np.unique(rows)) != num or (num and rows.min() < 0):
+    raise ValueError(f"rows must be {num} distinct prompt ids >= 0, got {rows.tolist()}")
+  width = tokens_BxP.shape[1] + max_new_tokens
+  for config in (target_config, drafter_config):
+    if config.max_len is not None and width + 1 > config.max_len:
+      raise ValueError(f"prompt width {tokens_BxP.shape[1]} + {max_new_tokens} new tokens does not fit max_len "
+                       f"{config.max_len}")
+  chunks: dict[str, list] = {name: [] for name in LABEL_FIELDS}
+  starts = range(0, num, batch_size)
+  if progress and num:
+    from tqdm import tqdm
+    starts = tqdm(starts, desc="drafter samples + labels", unit="batch", dynamic_ncols=True)
+  for i, start in enumerate(starts):
+    flat_B = np.arange(start, start + batch_size)
+    local_B = flat_B % num
+    ids_B = rows[local_B]
+    keys_B = distill._row_keys(key, ids_B)
+    sample = lambda: distill.sample_sequences(drafter_config, drafter_params, tokens_BxP[local_B],
+                                              prompt_len_B[local_B], keys_B, max_new_tokens=max_new_tokens,
+                                              temperature=temperature, stop_ids=tuple(stop_ids), pad_id=pad_id)
+    if i == 0:
+      with jobs.compiling("drafter sampling"):
+        tokens_BxT, mask_BxT = sample()
+    else:
+      tokens_BxT, mask_BxT = sample()
+    positions_BxN, mask_BxN = distill.loss_window(mask_BxT, prompt_len_B[local_B], max_new_tokens)
+    keep_BxN = (mask_BxN > 0) & (flat_B < num)[:, None]
+    score = lambda: jax.device_get(_label_pass(target_params, drafter_params, jnp.asarray(tokens_BxT),
+                                               jnp.asarray(positions_BxN), target=target_config,
+                                               drafter=drafter_config, temperature=float(temperature)))
+    if i == 0:
+      with jobs.compiling("label pass (target and drafter)"):
+        hidden_BxNxD, q_tok_BxN, p_tok_BxN = score()
+    else:
+      hidden_BxNxD, q_tok_BxN, p_tok_BxN = score()
+    token_BxN = np.take_along_axis(tokens_BxT, np.minimum(positions_BxN + 1, tokens_BxT.shape[1] - 1), axis=1)
+    chunks["features_NxD"].append(np.asarray(hidden_BxNxD, np.float32)[keep_BxN])
+    chunks["q_tok_N"].append(np.asarray(q_tok_BxN, np.float32)[keep_BxN])
+    chunks["p_tok_N"].append(np.asarray(p_tok_BxN, np.float32)[keep_BxN])
+    chunks["token_N"].append(token_BxN.astype(np.int32)[keep_BxN])
+    chunks["row_N"].append(np.broadcast_to(ids_B[:, None], keep_BxN.shape)[keep_BxN])
+    chunks["position_N"].append((positions_BxN + 1).astype(np.int32)[keep_BxN])
+  out = {}
+  for name in LABEL_FIELDS:
+    if name == "labels_N":
+      continue
+    if chunks[name]:
+      out[name] = np.concatenate(chunks[name])
+    else:
+      out[name] = np.zeros((0, drafter_config.d_model) if name == "features_NxD" else (0,),
+                           np.float32 if name in ("features_NxD", "q_tok_N", "p_tok_N") else np.int64)
+  out["labels_N"] = (out["q_tok_N"] <= out["p_tok_N"]).astype(np.int8)
+  out["row_N"] = out["row_N"].astype(np.int64)
+  out["token_N"], out["position_N"] = out["token_N"].astype(np.int32), out["position_N"].astype(np.int32)
+  return {name: out[name] for name in LABEL_FIELDS}
+
+
+def save_labels(path, data: dict, meta: dict) -> pathlib.Path:
+  """Write :func:`collect_labels`' arrays and ``meta`` (a JSON-able dict: how they were collected) to ``path`` (an
+  ``.npz``), atomically (a temporary file renamed over it: a killed writer leaves no truncated file)."""
+  path = pathlib.Path(path)
+  missing = set(LABEL_FIELDS) - set(data)
+  if missing:
+    raise ValueError(f"labels lack {sorted(missing)}")
+  buffer = io.BytesIO()
+  np.savez(buffer, meta=np.asarray(json.dumps(meta, sort_keys=True)), **{k: np.asarray(data[k]) for k in LABEL_FIELDS})
+  _atomic_write(path, buffer.getvalue())
+  return path
+
+
+def load_labels(path) -> tuple[dict, dict]:
+  """``(data, meta)`` of a :func:`save_labels` file; FileNotFoundError when absent, ValueError when unreadable."""
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise FileNotFoundError(f"no labels file {path}")
+  try:
+    with np.load(path, allow_pickle=False) as z:
+      meta = json.loads(str(z["meta"]))
+      data = {k: np.asarray(z[k]) for k in LABEL_FIELDS}
+  except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+    raise ValueError(f"{path} is not a readable labels file ({type(e).__name__}: {e}); delete it to collect the "
+                     "labels again") from None
+  return data, meta
+
+
+# --- training -------------------------------------------------------------------------------------------------------
+
+def head_loss(head, frozen, batch, key):
+  """``(loss f32 [], aux)`` for :func:`trainer.fit`: the mean binary cross-entropy with logits of ``head`` on
+  ``batch = {"features_BxD": f32 [B, D], "labels_B": [B] (0/1)}``.
+
+  ``frozen`` (may be ``{}``): ``mean_D`` / ``inv_scale_D`` standardise the features first (``(h − mean) ·
+  inv_scale``; the head then lives in standardised space, see :func:`fold_standardization`); ``pos_weight`` (f32 [])
+  multiplies the positive examples' terms, ``−[pw·y·log σ(z) + (1 − y)·log(1 − σ(z))]`` (as torch's
+  ``BCEWithLogitsLoss(pos_weight=…)``): > 1 when labels 1 are rare and the head should flag less, < 1 to make it
+  accept less (fewer false positives, the errors that cost SPRINTER quality). The decision threshold is chosen
+  afterwards from :func:`head_report`, which usually makes re-weighting unnecessary. aux: ``accuracy`` (at
+  probability 0.5), ``positive_rate`` and ``mean_prob`` of the batch.
+  """
+  del key  # deterministic given the batch
+  features_BxD = batch["features_BxD"].astype(jnp.float32)
+  labels_B = batch["labels_B"].astype(jnp.float32)
+  if "mean_D" in frozen:
+    features_BxD = (features_BxD - frozen["mean_D"][None, :]) * frozen["inv_scale_D"][None, :]
+  logits_B = head_logits(head, features_BxD)
+  pos_weight = frozen.get("pos_weight", jnp.float32(1.0))
+  loss_B = -(pos_weight * labels_B * jax.nn.log_sigmoid(logits_B) + (1.0 - labels_B) * jax.nn.log_sigmoid(-logits_B))
+  aux = {"accuracy": jnp.mean(((logits_B >= 0.0) == (labels_B > 0.5)).astype(jnp.float32)),
+         "positive_rate": jnp.mean(labels_B), "mean_prob": jnp.mean(jax.nn.sigmoid(logits_B))}
+  return jnp.mean(loss_B), aux
+
+
+def standardization(features_NxD) -> tuple[np.ndarray, np.ndarray]:
+  """``(mean_D, inv_scale_D)`` f32 of the features (computed in float64): ``1 / std`` per dimension, 1 where a
+  dimension is (numerically) constant."""
+  features_NxD = np.asarray(features_NxD, np.float64)
+  mean_D = features_NxD.mean(axis=0)
+  std_D = features_NxD.std(axis=0)
+  floor = 1e-6 * max(float(np.max(std_D, initial=0.0)), 1e-30)
+  inv_scale_D = np.where(std_D > floor, 1.0 / np.maximum(std_D, floor), 1.0)
+  return mean_D.astype(np.float32), inv_scale_D.astype(np.float32)
+
+
+def fold_standardization(head, mean_D, inv_scale_D):
+  """The head on raw features equal to ``head`` on standardised ones: ``w · ((h − m) ⊙ s) + b = (w ⊙ s) · h +
+  (b − (w ⊙ s) · m)``; computed in float64, returned as f32 ``{"w_D", "b"}``."""
+  w_D = np.asarray(head["w_D"], np.float64) * np.asarray(inv_scale_D, np.float64)
+  b = float(np.asarray(head["b"], np.float64)) - float(np.dot(w_D, np.asarray(mean_D, np.float64)))
+  return {"w_D": jnp.asarray(w_D, jnp.float32), "b": jnp.asarray(b, jnp.float32)}
+
+
+def batch_indices(num: int, batch_size: int, seed: int, step: int) -> np.ndarray:
+  """int64 [batch_size]: the example indices of step ``step``'s minibatch. Epoch ``e`` visits the examples in the
+  order of ``numpy.random.default_rng([seed, e]).permutation(num)``; a batch may straddle two epochs."""
+  flat = step * batch_size + np.arange(batch_size, dtype=np.int64)
+  epochs, offsets = flat // num, flat % num
+  out = np.empty_like(flat)
+  for e in np.unique(epochs):
+    perm = np.random.default_rng([seed, int(e)]).permutation(num)
+    out[epochs == e] = perm[offsets[epochs == e]]
+  return out
+
+
+def _check_examples(features_NxD, labels_N, name: str) -> tuple[np.ndarray, np.ndarray]:
+  features_NxD, labels_N = np.asarray(features_NxD, np.float32), np.asarray(labels_N)
+  if features_NxD.ndim != 2 or labels_N.shape != features_NxD.shape[:1]:
+    raise ValueError(f"{name}: need features [N, D] and labels [N], got {features_NxD.shape} and {labels_N.shape}")
+  if features_NxD.shape[0] == 0:
+    raise ValueError(f"{name}: no examples")
+  if not np.all(np.isfinite(features_NxD)):
+    raise ValueError(f"{name}: features hold NaN or infinite values")
+  if not np.all((labels_N == 0) | (labels_N == 1)):
+    raise ValueError(f"{name}: labels must be 0 or 1")
+  return features_NxD, labels_N.astype(np.float32)
+
+
+@jax.jit
+def _eval_loss(head, frozen, features_NxD, labels_N):
+  loss, aux = head_loss(head, frozen, {"features_BxD": features_NxD, "labels_B": labels_N}, None)
+  return loss, aux["accuracy"]
+
+
+def evaluate_head(head, features_NxD, labels_N) -> dict:
+  """``{"bce", "accuracy"}`` of a (raw-feature) head on a labelled set: the mean binary cross-entropy and the
+  accuracy at probability 0.5 (floats)."""
+  features_NxD, labels_N = _check_examples(features_NxD, labels_N, "evaluation set")
+  loss, accuracy = _eval_loss(head, {}, jnp.asarray(features_NxD), jnp.asarray(labels_N))
+  return {"bce": float(loss), "accuracy": float(accuracy)}
+
+
+def train_head(features_NxD, labels_N, *, workdir, num_steps: int, batch_size: int, learning_rate: float = 1e-2,
+               seed: int = 0, heldout=None, eval_every: int = 0, optimizer=None, pos_weight: float | None = None,
+               standardize: bool = True, checkpoint_every: int = 100, max_to_keep: int = 2, progress: bool = True,
+               stop_after: int | None = None):
+  """Train the head by :func:`trainer.fit` in ``workdir`` (``checkpoints/``, ``metrics.jsonl``, ``loss.png``;
+  resumed from its newest checkpoint). Returns ``(head, fit_result)``: ``head`` folded to raw features (f32 ``w_D``
+  [D], ``b`` []).
+
+  ``features_NxD`` f32 [N, D], ``labels_N`` 0/1 [N]. Step ``s`` reads the examples :func:`batch_indices` ``(N,
+  batch_size, seed, s)``. The head starts at ``w = 0`` and ``b = logit(positive rate)``. ``optimizer``: an optax
+  transformation (the job passes gin's ``make_optimizer``); default ``trainer.make_optimizer("adamw",
+  learning_rate, "cosine", total_steps=num_steps)``. ``heldout = (features, labels)`` with ``eval_every > 0``: the
+  held-out loss and accuracy (``eval_heldout_loss``, ``eval_heldout_accuracy``) every ``eval_every`` steps and after
+  the last. ``standardize``: train on standardised features (:func:`standardization` of the training set) and fold
+  the map into the returned head. ``pos_weight``: see :func:`head_loss`. ``stop_after``: as in :func:`trainer.fit`.
+  """
+  features_NxD, labels_N = _check_examples(features_NxD, labels_N, "training set")
+  num, d_model = features_NxD.shape
+  _check_int(batch_size, "batch_size")
+  _check_int(eval_every, "eval_every", 0)
+  if pos_weight is not None and not (isinstance(pos_weight, (int, float)) and pos_weight > 0):
+    raise ValueError(f"pos_weight must be a number > 0 (or None), got {pos_weight!r}")
+  if standardize:
+    mean_D, inv_scale_D = standardization(features_NxD)
+  else:
+    mean_D, inv_scale_D = np.zeros((d_model,), np.float32), np.ones((d_model,), np.float32)
+  frozen = {"mean_D": jnp.asarray(mean_D), "inv_scale_D": jnp.asarray(inv_scale_D)}
+  if pos_weight is not None:
+    frozen["pos_weight"] = jnp.float32(pos_weight)
+  rate = min(max(float(labels_N.mean()), 1e-4), 1.0 - 1e-4)
+  head0 = init_head(d_model, bias=math.log(rate / (1.0 - rate)))
+  if optimizer is None:
+    optimizer = trainer.make_optimizer("adamw", learning_rate, "cosine", total_steps=num_steps)
+
+  def batch_fn(step, trainable):
+    del trainable
+    idx = batch_indices(num, batch_size, seed, step)
+    return {"features_BxD": jnp.asarray(features_NxD[idx]), "labels_B": jnp.asarray(labels_N[idx])}
+
+  eval_fn = None
+  if heldout is not None and eval_every:
+    held_NxD, held_N = _check_examples(*heldout, "held-out set")
+    if held_NxD.shape[1] != d_model:
+      raise ValueError(f"held-out features have D = {held_NxD.shape[1]}, training features D = {d_model}")
+    held_NxD, held_N = jnp.asarray(held_NxD), jnp.asarray(held_N)
+
+    def eval_fn(step, trainable):
+      loss, accuracy = _eval_loss(trainable, frozen, held_NxD, held_N)
+      return {"heldout_loss": float(loss), "heldout_accuracy": float(accuracy)}
+
+  result = trainer.fit(loss_fn=head_loss, optimizer=optimizer, trainable=head0, frozen=frozen, batch_fn=batch_fn,
+                       num_steps=num_steps, key=jax.random.key(seed), workdir=workdir,
+                       checkpoint_every=checkpoint_every, max_to_keep=max_to_keep, eval_fn=eval_fn,
+                       eval_every=eval_every, progress=progress, label="SPRINTER head train step",
+                       stop_after=stop_after)
+  return fold_standardization(result.state.trainable, mean_D, inv_scale_D), result
+
+
+# --- evaluation -----------------------------------------------------------------------------------------------------
+
+def _probs(head, features_NxD, chunk: int = 1 << 15) -> np.ndarray:
+  features_NxD = np.asarray(features_NxD, np.float32)
+  parts = [np.asarray(head_probs(head, jnp.asarray(features_NxD[i:i + chunk])))
+           for i in range(0, features_NxD.shape[0], chunk)]
+  return np.concatenate(parts) if parts else np.zeros((0,), np.float32)
+
+
+def head_report(head, features_NxD, labels_N, thresholds: Sequence[float] = (0.3, 0.5, 0.7, 0.9)) -> list[dict]:
+  """One row per threshold ``t`` (the head accepts a token when ``head_probs(head, h) ≥ t``), fields
+  :data:`REPORT_FIELDS`: ``accuracy`` (accept = label), ``eta_fp`` = P(accept | label 0) (false positives: tokens
+  emitted from ``q`` that speculative sampling might have rejected), ``eta_fn`` = P(flag | label 1) (target calls
+  that were not needed), ``accept_rate`` = P(accept), ``positive_rate`` = P(label 1), ``num`` = N. A conditional rate
+  whose class is empty is None."""
+  labels_N = np.asarray(labels_N).astype(bool).reshape(-1)
+  probs_N = _probs(head, features_NxD)
+  if probs_N.shape != labels_N.shape:
+    raise ValueError(f"{probs_N.shape[0]} feature rows but {labels_N.shape[0]} labels")
+  num, pos = labels_N.size, int(labels_N.sum())
+  neg = num - pos
+  rows = []
+  for t in thresholds:
+    if isinstance(t, bool) or not isinstance(t, (int, float, np.floating)) or not t >= 0:
+      raise ValueError(f"thresholds must be numbers >= 0, got {t!r}")
+    accept_N = probs_N >= t
+    rows.append({
+        "threshold": float(t),
+        "accuracy": float(np.mean(accept_N == labels_N)) if num else None,
+        "eta_fp": float(np.sum(accept_N & ~labels_N) / neg) if neg else None,
+        "eta_fn": float(np.sum(~accept_N & labels_N) / pos) if pos else None,
+        "accept_rate": float(np.mean(accept_N)) if num else None,
+        "positive_rate": pos / num if num else None,
+        "num": int(num)})
+  return rows
+
+
+# --- storage --------------------------------------------------------------------------------------------------------
+
+def _atomic_write(path: pathlib.Path, data: bytes) -> None:
+  tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+  with open(tmp, "wb") as f:
+    f.write(data)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def _check_head(w_D: np.ndarray, b: np.ndarray, where: str) -> None:
+  if w_D.ndim != 1 or w_D.shape[0] < 1 or np.shape(b) != ():
+    raise ValueError(f"{where}: a head is w_D [D] and b [], got shapes {w_D.shape} and {np.shape(b)}")
+  if not (np.all(np.isfinite(w_D)) and np.isfinite(b)):
+    raise ValueError(f"{where}: the head holds NaN or infinite values")
+
+
+def save_head(workdir, head, info: dict | None = None) -> pathlib.Path:
+  """Write the head to ``<workdir>/head.npz`` (``w_D`` f32 [D], ``b`` f32 []) and ``<workdir>/head.json``: ``info``
+  (JSON-able: drafter, target, temperature, the held-out report, …) plus ``d_model``, ``b``, ``w_norm``, the npz's
+  name and SHA-256 (checked on load). Both written atomically, the npz first. Returns the json's path."""
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  w_D, b = np.asarray(head["w_D"], np.float32), np.asarray(head["b"], np.float32)
+  _check_head(w_D, b, "save_head")
+  buffer = io.BytesIO()
+  np.savez(buffer, w_D=w_D, b=b)
+  data = buffer.getvalue()
+  _atomic_write(workdir / HEAD_NPZ, data)
+  record = {**(info or {}), "format": _FORMAT, "d_model": int(w_D.shape[0]), "b": float(b),
+            "w_norm": float(np.linalg.norm(w_D.astype(np.float64))), "head_file": HEAD_NPZ,
+            "head_sha256": hashlib.sha256(data).hexdigest()}
+  path = workdir / HEAD_JSON
+  _atomic_write(path, (json.dumps(record, indent=2) + "\n").encode())
+  return path
+
+
+def load_head(workdir, d_model: int | None = None):
+  """``(head, info)`` saved by :func:`save_head`: ``head = {"w_D": f32 [D], "b": f32 []}`` (jax arrays) and the
+  json's dict. FileNotFoundError for a missing directory or file, ValueError for a corrupted or tampered file (the
+  SHA-256 recorded in the json must match the npz) or, with ``d_model``, a head of another width."""
+  workdir = pathlib.Path(workdir).expanduser()
+  if not workdir.is_dir():
+    raise FileNotFoundError(f"SPRINTER head directory {workdir} does not exist")
+  path = workdir / HEAD_JSON
+  if not path.is_file():
+    raise FileNotFoundError(f"{path} not found: {workdir} is not the work directory of a finished SPRINTER head "
+                            "training run (python -m blockspec_jax.train --gin_file gin/train/sprinter_*.gin)")
+  try:
+    info = json.loads(path.read_text())
+    if not isinstance(info, dict):
+      raise ValueError("not a JSON object")
+    npz_name, digest, width = info["head_file"], info["head_sha256"], int(info["d_model"])
+  except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{path} is corrupted ({type(e).__name__}: {e}); rerun the head's training job") from None
+  npz_path = workdir / pathlib.Path(str(npz_name)).name
+  if not npz_path.is_file():
+    raise FileNotFoundError(f"{npz_path} not found (named by {path}); rerun the head's training job")
+  data = npz_path.read_bytes()
+  if hashlib.sha256(data).hexdigest() != digest:
+    raise ValueError(f"{npz_path} is corrupted: its SHA-256 does not match the one in {path}")
+  try:
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+      w_D, b = np.asarray(z["w_D"], np.float32), np.asarray(z["b"], np.float32)
+  except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+    raise ValueError(f"{npz_path} is corrupted ({type(e).__name__}: {e})") from None
+  _check_head(w_D, b, str(npz_path))
+  if w_D.shape[0] != width:
+    raise ValueError(f"{npz_path} holds a head of D = {w_D.shape[0]}, {path} says d_model = {width}")
+  if d_model is not None and int(d_model) != width:
+    raise ValueError(f"the SPRINTER head in {workdir} was trained on hidden states of D = {width} (drafter "
+                     f"{info.get('drafter', '?')}); this drafter has D = {d_model}")
+  return {"w_D": jnp.asarray(w_D), "b": jnp.asarray(b)}, info
