@@ -1,0 +1,279 @@
+"""Lossy decoding with its error measured, side by side with the lossless rules (one run, one set of prompts).
+
+    python -m blockspec_jax.eval.bench_lossy --gin_file gin/bench/lossy_qwen.gin [--gin_param ...]
+
+Rows: autoregressive decoding of the target, token and block verification (lossless), SPRINTER at several head
+thresholds (``sprinter``: a learned verifier head decides when the target is called) and MJSD/MTAD at several
+``τ`` (``mtad``: joint verification of beam drafts). For every row, on the same prompts and keys:
+
+* speed: target calls per emitted token, tokens/s and the speedup over autoregressive decoding (batch 1, prefill
+  and decode timed as in the main job), block efficiency (tokens per target call);
+* fidelity on the real pair: the target's mean log-likelihood of the generated tokens (teacher-forced, the target at
+  T = 1, untransformed) and its perplexity; the pass rate of the generated HumanEval completions (code prompts; each
+  completion runs in a subprocess sandbox with a timeout, :mod:`blockspec_jax.eval.humaneval`);
+* fidelity, exactly, on a tabular pair: the total variation between the law of the first ``n`` emitted tokens and the
+  target's (:mod:`blockspec_jax.theory.lossy`; 0 for the lossless rules, computed, not assumed). SPRINTER's head
+  there is the ideal one (it accepts a context when ``P_{x~q}[q(x) ≤ p(x)] ≥ threshold``).
+
+A lossless rule's log-likelihood differs from autoregressive decoding only by sampling noise (it samples the same
+law); a lossy rule's shift is its bias: MTAD favours drafts the target finds likely (lower perplexity than sampling,
+the paper's claim), SPRINTER emits drafter tokens where its head accepts. The pass rate on a handful of problems is
+coarse (it is reported with its counts). Writes a JSON report and a speed-against-fidelity plot (PNG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+import time
+
+import gin
+import numpy as np
+
+from blockspec_jax import jobs
+from blockspec_jax.eval import prompts as prompts_lib
+
+__all__ = ["method_specs", "tabular_fidelity", "target_loglik", "format_table", "bench_lossy_job",
+           "main"]
+
+
+def method_specs(thresholds, taus, cap: int, lossless=("token", "block")) -> list[dict]:
+  """The rows of one run: ``{"label", "method", "verifier_settings"}`` for autoregressive, the lossless rules, SPRINTER
+  at every threshold (cap ``cap``) and MTAD at every τ."""
+  specs = [dict(label="autoregressive", method=jobs.AUTOREGRESSIVE, verifier_settings={})]
+  specs += [dict(label=rule, method=rule, verifier_settings={}) for rule in lossless]
+  specs += [dict(label=f"sprinter θ={t:g}", method="sprinter",
+                 verifier_settings={"sprinter": {"threshold": float(t), "cap": int(cap)}}) for t in thresholds]
+  specs += [dict(label=f"mtad τ={tau:g}", method="mtad", verifier_settings={"mtad": {"tau": float(tau)}})
+            for tau in taus]
+  return specs
+
+
+
+def tabular_fidelity(specs, *, gamma: int, width: int, n: int = 3, vocab_size: int = 4, depth: int = 3,
+                     seed: int = 0, mix: float = 0.5) -> dict[str, float]:
+  """Exact TV of the first ``n`` emitted tokens against the target's law, per row label, on a tabular pair: the target
+  ``TabularLM.random(seed, V, depth)``, the drafter ``(1 − mix)·target + mix·random`` (a correlated drafter), the
+  empty context. MTAD uses the deterministic best beam of width ``width`` (the exact beam law; the real-model rows
+  may sample beams)."""
+  from blockspec_jax.theory import exact, lossy
+  from blockspec_jax.theory.tabular import TabularLM
+  target = TabularLM.random(seed, vocab_size, depth)
+  noise = TabularLM.random(seed + 1, vocab_size, depth)
+  drafter = TabularLM((1 - mix) * target.probs + mix * noise.probs, depth)
+  context = ()
+  expected = exact.sequence_law(target, context, n)
+  out = {}
+  for s in specs:
+    rule = s["method"]
+    if rule == jobs.AUTOREGRESSIVE:
+      out[s["label"]] = 0.0
+    elif rule in ("token", "block"):
+      law = exact.emitted_prefix_law(exact.exact_outcome_law(rule, drafter, target, context, gamma), target, context,
+                                     n)
+      out[s["label"]] = lossy.law_tv(law, expected)
+    elif rule == "sprinter":
+      settings = s["verifier_settings"]["sprinter"]
+      accepts = lossy.ideal_head_accepts(target.next_probs, drafter.next_probs, settings["threshold"])
+      law = lossy.sprinter_sequence_law(target.next_probs, drafter.next_probs, accepts, context, n, settings["cap"],
+                                        vocab_size)
+      out[s["label"]] = lossy.law_tv(law, expected)
+    elif rule == "mtad":
+      out[s["label"]] = lossy.mtad_sequence_tv(drafter, target, context, n, gamma, s["verifier_settings"]["mtad"]["tau"],
+                                               draft="beam", width=width)
+    else:
+      raise ValueError(f"no tabular law for rule {rule!r}")
+  return out
+
+
+def target_loglik(target_model, prompt_ids, outputs, batch_size: int = 4) -> tuple[float, int, list[float]]:
+  """``(Σ log p, number of tokens, per-sequence mean log p)`` of every generated token under the target at T = 1
+  (untransformed; teacher forcing over prompt + output, the LM head only at the generated positions)."""
+  import jax
+  import jax.numpy as jnp
+  from blockspec_jax.train.distill import sequence_logits
+
+  config, params = target_model.config, target_model.params["params"]
+  lengths = [len(p) + len(o) for p, o in zip(prompt_ids, outputs)]
+  width = max(lengths)
+  window = max(max(len(o) for o in outputs), 1)
+
+  @jax.jit
+  def score(tokens_BxT, positions_BxN, targets_BxN):
+    logits_BxNxV = sequence_logits(config, params, tokens_BxT, positions_BxN)
+    logp_BxNxV = jax.nn.log_softmax(logits_BxNxV.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp_BxNxV, targets_BxN[:, :, None], axis=-1)[:, :, 0]
+
+  total, count, per_seq = 0.0, 0, []
+  for start in range(0, len(prompt_ids), batch_size):
+    rows = list(range(start, min(start + batch_size, len(prompt_ids))))
+    tokens = np.zeros((batch_size, width), np.int32)
+    positions = np.zeros((batch_size, window), np.int32)
+    targets = np.zeros((batch_size, window), np.int32)
+    valid = np.zeros((batch_size, window), bool)
+    for r, i in enumerate(rows):
+      seq = list(prompt_ids[i]) + list(outputs[i])
+      tokens[r, :len(seq)] = seq
+      n_out = len(outputs[i])
+      positions[r, :n_out] = len(prompt_ids[i]) - 1 + np.arange(n_out)
+      targets[r, :n_out] = outputs[i]
+      valid[r, :n_out] = True
+    logp = np.asarray(score(tokens, positions, targets), np.float64)
+    for r, i in enumerate(rows):
+      n_out = len(outputs[i])
+      seq_sum = float(np.sum(logp[r][valid[r]]))
+      total += seq_sum
+      count += n_out
+      per_seq.append(seq_sum / max(n_out, 1))
+  return total, count, per_seq
+
+
+def format_table(rows) -> str:
+  header = (f"{'method':<22} | {'calls/tok':>9} {'BE':>5} {'tok/s':>7} {'speedup':>7} | {'mean logp':>9} "
+            f"{'PPL':>7} {'Δlogp vs AR':>11} | {'HumanEval':>9} | {'TV tab':>8}")
+  lines = [header, "-" * len(header)]
+  for r in rows:
+    be = f"{r['block_efficiency']:5.2f}" if r.get("block_efficiency") is not None else "    -"
+    he = f"{r['humaneval_passed']}/{r['humaneval_num']}" if r.get("humaneval_num") else "-"
+    name = r["label"] + (" lossy" if r.get("lossy") else "")
+    lines.append(f"{name:<22} | {r['target_calls_per_token']:>9.3f} {be} {r['tokens_per_s']:>7.2f} "
+                 f"{r['speedup']:>6.2f}x | {r['mean_logp']:>9.4f} {r['perplexity']:>7.3f} "
+                 f"{r['delta_logp_vs_ar']:>+11.4f} | {he:>9} | {r['tabular_tv']:>8.4f}")
+  lines.append("calls/tok: target calls per emitted token; BE: tokens per target call; mean logp: the target's mean "
+               "log-likelihood (T = 1) of the generated tokens, PPL = exp(−mean logp), Δ vs autoregressive sampling "
+               "with ± its standard error in the JSON; HumanEval: completions that pass their tests / code "
+               "completions; TV tab: exact total variation of the first emitted tokens against the target on the "
+               "tabular pair.")
+  return "\n".join(lines)
+
+
+def _plot(rows, path: pathlib.Path, title: str) -> bool:
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return False
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+  for r in rows:
+    marker = "o" if not r.get("lossy") else ("s" if r["method"] == "sprinter" else "^")
+    for ax, x in ((axes[0], r["delta_logp_vs_ar"]), (axes[1], r["tabular_tv"])):
+      ax.scatter([x], [r["speedup"]], marker=marker, s=50)
+      ax.annotate(r["label"], (x, r["speedup"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+  axes[0].set_xlabel("Δ mean target log-likelihood vs autoregressive (real pair)")
+  axes[1].set_xlabel("exact TV of the first tokens vs the target (tabular pair)")
+  for ax in axes:
+    ax.set_ylabel("speedup over autoregressive (tokens/s)")
+    ax.grid(alpha=0.3)
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
+
+
+@gin.configurable("bench_lossy")
+def bench_lossy_job(target: str = "qwen2.5-coder-1.5b", drafter: str = "qwen2.5-coder-0.5b",
+                    sprinter_head: str | None = "results/train/sprinter_qwen",
+                    prompts_path: str = str(prompts_lib.DEFAULT_PROMPTS), num_prompts: int | None = None,
+                    temperature: float = 1.0, gamma: int = 4, max_new_tokens: int = 96,
+                    thresholds=(0.3, 0.5, 0.7), cap: int = 20, taus=(0.3, 0.5), beam_width: int = 4,
+                    beam_sample: bool = True, dtype: str = "float32", seed: int = 0, chat: bool = True,
+                    humaneval_timeout_s: float = 10.0, tabular_n: int = 3,
+                    output_json: str | None = "results/bench_lossy.json",
+                    plot: str | None = "results/bench_lossy.png", cache_dir: str | None = None,
+                    compilation_cache: str | None = None) -> dict:
+  """The bench (module docstring). Every setting is checked before a model is loaded."""
+  from blockspec_jax.eval import humaneval
+  specs = method_specs(thresholds, taus, cap)
+  jobs.check_settings(gamma=gamma, methods=[s["method"] for s in specs], temperatures=(temperature,),
+                      max_new_tokens=max_new_tokens, num_prompts=num_prompts, dtype=dtype, models=(target, drafter))
+  for s in specs:
+    jobs.check_verifier_settings(s["verifier_settings"])
+  if not thresholds or not taus:
+    raise jobs.UsageError("bench_lossy needs at least one SPRINTER threshold and one MTAD tau")
+  drafter_settings = {"sprinter": {"head": sprinter_head}, "beam": {"width": beam_width, "sample": beam_sample}}
+  start = time.perf_counter()
+  tabular = tabular_fidelity(specs, gamma=gamma, width=beam_width, n=tabular_n, seed=seed)
+  print(f"tabular pair: exact TV of the first {tabular_n} tokens computed in {time.perf_counter() - start:.1f} s",
+        flush=True)
+  rows = prompts_lib.load_prompts(prompts_path, limit=num_prompts)
+  compile_dir = jobs.enable_compilation_cache(compilation_cache)
+  target_model = jobs.load_model(target, dtype, cache_dir)
+  drafter_model = jobs.load_model(drafter, dtype, cache_dir)
+  jobs.check_pair(target_model, drafter_model)
+  print(f"loaded {drafter} → {target} ({dtype}); {len(rows)} prompts; T = {temperature:g}; compilation cache "
+        f"{compile_dir or 'off'}", flush=True)
+  prompt_ids = jobs.encode_prompts(target_model, rows, chat)
+  width = max(len(p) for p in prompt_ids)
+  needed = max(jobs.method_gamma(s["method"], gamma, s["verifier_settings"]) for s in specs)
+  jobs.check_cache_room(width, max_new_tokens, needed, target_model.config, drafter_model.config)
+  problems = None
+  code_rows = [r for r in rows if r["id"].startswith("HumanEval/")]
+  if code_rows:
+    problems = humaneval.load_problems([r["id"] for r in code_rows])
+  results, baseline, ar_per_seq = [], None, None
+  for s in specs:
+    summary, outputs = jobs.run_method(s["method"], target_model, drafter_model, prompt_ids, width, gamma=gamma,
+                                       max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                       stop_ids=target_model.stop_ids, drafter_settings=drafter_settings,
+                                       verifier_settings=s["verifier_settings"])
+    summary["label"] = s["label"]
+    summary["verifier_settings"] = s["verifier_settings"]
+    total, count, per_seq = target_loglik(target_model, prompt_ids, outputs)
+    summary.update(mean_logp=total / max(count, 1), perplexity=math.exp(-total / max(count, 1)),
+                   per_prompt_mean_logp=per_seq)
+    if baseline is None:
+      baseline, ar_per_seq = summary, np.asarray(per_seq)
+    diff = np.asarray(per_seq) - ar_per_seq
+    summary["delta_logp_vs_ar"] = summary["mean_logp"] - baseline["mean_logp"]
+    summary["delta_logp_stderr"] = float(np.std(diff, ddof=1) / math.sqrt(len(diff))) if len(diff) > 1 else None
+    summary["speedup"] = summary["tokens_per_s"] / baseline["tokens_per_s"]
+    summary["tabular_tv"] = tabular[s["label"]]
+    if code_rows:
+      texts = [target_model.tokenizer.decode(o, skip_special_tokens=True) for o in outputs]
+      score = humaneval.score_completions(rows, texts, timeout_s=humaneval_timeout_s, problems=problems)
+      summary.update(humaneval_passed=score["passed"], humaneval_num=score["num"],
+                     humaneval_pass_rate=score["pass_rate"], humaneval_results=score["results"])
+    summary["sample_text"] = target_model.tokenizer.decode(outputs[0], skip_special_tokens=True)
+    results.append(summary)
+    print(f"  {s['label']:<18} {summary['tokens_per_s']:.2f} tok/s, {summary['target_calls_per_token']:.3f} calls/tok,"
+          f" mean logp {summary['mean_logp']:.4f}" + (f", HumanEval {summary['humaneval_passed']}/"
+                                                      f"{summary['humaneval_num']}" if code_rows else ""), flush=True)
+  print()
+  print(format_table(results))
+  rss_gb = jobs.peak_rss_gb()
+  print(f"\npeak resident memory of this job: {rss_gb:.2f} GB (10^9 bytes)")
+  report = dict(target=target, drafter=drafter, sprinter_head=sprinter_head, dtype=dtype, temperature=temperature,
+                gamma=gamma, cap=cap, beam_width=beam_width, beam_sample=beam_sample, max_new_tokens=max_new_tokens,
+                seed=seed, peak_rss_gb=rss_gb, seconds=time.perf_counter() - start,
+                prompts=[dict(id=r["id"], task=r["task"]) for r in rows], tabular_tv=tabular, results=results)
+  if output_json:
+    path = pathlib.Path(output_json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    print(f"wrote {path}")
+  if plot and _plot(results, pathlib.Path(plot), f"{drafter} → {target}, T = {temperature:g}, {len(rows)} prompts × "
+                    f"{max_new_tokens} tokens"):
+    print(f"wrote {plot}")
+  return report
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m blockspec_jax.eval.bench_lossy", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--gin_file", action="append", default=[])
+  parser.add_argument("--gin_param", action="append", default=[])
+  args = parser.parse_args(argv)
+  with jobs.cli_errors(parser.prog):
+    gin.parse_config_files_and_bindings(args.gin_file, args.gin_param)
+    bench_lossy_job()
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,92 @@
+"""The lossy bench: its rows, the exact tabular TVs (0 for lossless rules, computed), the teacher-forced log-likelihood
+against a direct computation, and one small run end to end on SmolLM2 (drafter = target) with a saved head."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from blockspec_jax import jobs
+from blockspec_jax.eval import bench_lossy
+from blockspec_jax.models import decoder as dec
+from blockspec_jax.train import sprinter as sprinter_train
+
+
+def test_method_specs_name_every_row():
+  specs = bench_lossy.method_specs((0.3, 0.5, 0.7), (0.3, 0.5), cap=20)
+  assert [s["label"] for s in specs] == ["autoregressive", "token", "block", "sprinter θ=0.3", "sprinter θ=0.5",
+                                         "sprinter θ=0.7", "mtad τ=0.3", "mtad τ=0.5"]
+  for s in specs:
+    jobs.parse_method(s["method"])
+    jobs.check_verifier_settings(s["verifier_settings"])
+
+
+def test_tabular_fidelity_is_exact_zero_for_lossless_rows_and_positive_for_lossy_ones():
+  specs = bench_lossy.method_specs((0.0, 0.5, 2.0), (0.5, float("inf")), cap=3)
+  tv = bench_lossy.tabular_fidelity(specs, gamma=3, width=2, n=3)
+  for label in ("autoregressive", "token", "block", "sprinter θ=2", "mtad τ=inf"):
+    assert tv[label] == pytest.approx(0.0, abs=1e-12), label  # lossless settings: computed, not assumed
+  for label in ("sprinter θ=0", "mtad τ=0.5"):
+    assert tv[label] > 1e-3, label
+  # (Not monotone in θ: sequence-level TV is not a sum of per-step errors, which may partly cancel.)
+
+
+def test_target_loglik_matches_a_direct_forward():
+  config = dec.DecoderConfig.tiny(vocab_size=32)
+  params = dec.init_params(config, 0)
+
+  @dataclasses.dataclass
+  class Model:
+    config: dec.DecoderConfig
+    params: dict
+
+  prompts = [[1, 2, 3], [4, 5], [6]]
+  outputs = [[7, 8], [9, 10, 11], [12]]
+  total, count, per_seq = bench_lossy.target_loglik(Model(config, {"params": params}), prompts, outputs, batch_size=2)
+  expected = []
+  for p, o in zip(prompts, outputs):
+    seq = jnp.asarray([p + o], jnp.int32)
+    positions = jnp.arange(seq.shape[1])[None]
+    logits, _ = dec.Decoder(config).apply({"params": params}, seq, positions, dec.init_cache(config, 1, seq.shape[1]),
+                                          dec.causal_mask(positions, seq.shape[1]))
+    logp = np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32)), np.float64)
+    expected.append(sum(logp[len(p) - 1 + j, t] for j, t in enumerate(o)))
+  assert count == 6
+  assert total == pytest.approx(sum(expected), rel=1e-5)
+  np.testing.assert_allclose(per_seq, [e / len(o) for e, o in zip(expected, outputs)], rtol=1e-5)
+
+
+def test_bench_on_smollm2_end_to_end(tmp_path, capsys):
+  """SmolLM2 as drafter and target, a zero head (every context gets sigmoid(b)): one threshold below and one above
+  it, one τ, 2 prompts × 8 tokens; the table, the JSON and the plot are written, and the rows behave as they must
+  (drafter = target: token/block accept everything; a head that accepts everything calls the target once per cap)."""
+  head_dir = tmp_path / "head"
+  sprinter_train.save_head(head_dir, {"w_D": np.zeros(576, np.float32), "b": np.float32(0.0)},
+                           {"drafter": "smollm2-135m"})  # sigmoid(0) = 0.5
+  out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
+  report = bench_lossy.bench_lossy_job(target="smollm2-135m", drafter="smollm2-135m", sprinter_head=str(head_dir),
+                                       num_prompts=2, gamma=3, max_new_tokens=8, thresholds=(0.4, 0.6), cap=4,
+                                       taus=(0.5,), beam_width=2, output_json=str(out), plot=str(plot),
+                                       tabular_n=2)
+  printed = capsys.readouterr().out
+  assert "sprinter θ=0.4 lossy" in printed and "mtad τ=0.5 lossy" in printed and "HumanEval" in printed
+  saved = json.loads(out.read_text())
+  rows = {r["label"]: r for r in saved["results"]}
+  assert set(rows) == {"autoregressive", "token", "block", "sprinter θ=0.4", "sprinter θ=0.6", "mtad τ=0.5"}
+  assert plot.stat().st_size > 0
+  assert rows["autoregressive"]["target_calls_per_token"] == pytest.approx(1.0)
+  assert rows["block"]["block_efficiency"] > 3.0  # drafter = target at T = 1: (almost) every token accepted
+  # θ = 0.4 < 0.5: the head accepts every context, so the target is called once per cap (4) tokens.
+  assert rows["sprinter θ=0.4"]["target_calls_per_token"] == pytest.approx(0.25)
+  assert rows["sprinter θ=0.4"]["num_cap_flags"] == rows["sprinter θ=0.4"]["target_calls"]
+  # θ = 0.6 > 0.5: the head flags every token: token verification one token per call (lossless).
+  assert rows["sprinter θ=0.6"]["target_calls_per_token"] == pytest.approx(1.0)
+  assert rows["sprinter θ=0.6"]["num_head_flags"] == rows["sprinter θ=0.6"]["target_calls"]
+  assert rows["sprinter θ=0.6"]["num_head_accepted"] == 0
+  assert rows["sprinter θ=0.4"]["lossy"] and rows["mtad τ=0.5"]["lossy"] and not rows["block"]["lossy"]
+  for r in rows.values():
+    assert r["humaneval_num"] == 1 and r["humaneval_passed"] in (0, 1)  # prompt 0 is HumanEval/0
+    assert np.isfinite(r["mean_logp"]) and r["perplexity"] >= 1.0
