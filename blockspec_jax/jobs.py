@@ -32,7 +32,7 @@ __all__ = ["METHODS", "AUTOREGRESSIVE", "known_methods", "parse_method", "build_
            "check_gamma", "check_settings", "check_verifier_settings", "check_cache_room", "check_pair",
            "encode_prompts", "run_method", "method_gamma", "compiling", "enable_compilation_cache",
            "COMPILE_CACHE_ENV_VAR",
-           "peak_rss_gb", "cli_errors"]
+           "peak_rss_gb", "cli_errors", "gin_main"]
 
 AUTOREGRESSIVE = "autoregressive"
 METHODS = (AUTOREGRESSIVE, "token", "block")  # the main job's default comparison
@@ -450,6 +450,22 @@ def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tok
     print(f"WARNING: {method} at T = {temperature:g}: {s['invalid_prob_rows']} probability rows were not "
           "distributions (NaN/inf logits or bad rows); its numbers are not trustworthy", file=sys.stderr)
   return summary, outputs
+
+
+def gin_main(prog: str, description: str, job, argv=None) -> int:
+  """A gin-configured job's command line: ``--gin_file`` (repeatable) and ``--gin_param`` bindings, then ``job()``;
+  usage and configuration errors print one line (:func:`cli_errors`)."""
+  import argparse
+  import gin
+  parser = argparse.ArgumentParser(prog=prog, description=description,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--gin_file", action="append", default=[])
+  parser.add_argument("--gin_param", action="append", default=[])
+  args = parser.parse_args(argv)
+  with cli_errors(parser.prog):
+    gin.parse_config_files_and_bindings(args.gin_file, args.gin_param)
+    job()
+  return 0
 
 
 @contextlib.contextmanager

@@ -19,7 +19,6 @@ text of one prompt is printed per method so a person can see it is real.
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys
@@ -159,15 +158,7 @@ def run_job(target: str = "qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b",
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m blockspec_jax.run", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--gin_file", action="append", default=[])
-  parser.add_argument("--gin_param", action="append", default=[])
-  args = parser.parse_args(argv)
-  with jobs.cli_errors(parser.prog):
-    gin.parse_config_files_and_bindings(args.gin_file, args.gin_param)
-    run_job()
-  return 0
+  return jobs.gin_main("python -m blockspec_jax.run", __doc__, run_job, argv)
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ def test_bench_on_smollm2_end_to_end(tmp_path, capsys):
   printed = capsys.readouterr().out
   assert "sprinter θ=0.4 lossy" in printed and "mtad τ=0.5 lossy" in printed and "HumanEval" in printed
   saved = json.loads(out.read_text())
+  assert saved["results"] == json.loads(json.dumps(report["results"]))
   rows = {r["label"]: r for r in saved["results"]}
   assert set(rows) == {"autoregressive", "token", "block", "sprinter θ=0.4", "sprinter θ=0.6", "mtad τ=0.5"}
   assert plot.stat().st_size > 0

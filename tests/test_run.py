@@ -153,7 +153,8 @@ def test_methods_name_every_registered_rule_and_drafter():
   assert jobs.parse_method("exact_match@ngram") == ("exact_match", "ngram")
   assert jobs.parse_method("spectr") == ("spectr", "k_chains")
   assert jobs.parse_method("traversal") == ("traversal", "rsd_c")
-  for method, message in (("blok", "unknown method 'blok'"), ("block@beam", "unknown drafter 'beam'"),
+  for method, message in (("blok", "unknown method 'blok'"), ("block@lattice", "unknown drafter 'lattice'"),
+                          ("block@beam", "not draws from q.*exact_match, greedy, mtad"),
                           ("block@rsd_s", "verifies chains"), ("rrs@rsd_c", "needs siblings drawn with replacement"),
                           ("traversal@k_chains", "needs siblings drawn without replacement")):
     with pytest.raises(jobs.UsageError, match=message):

@@ -225,12 +225,7 @@ def test_save_load_round_trip_and_clear_errors(tmp_path):
     sprinter.save_head(tmp_path / "nan", {"w_D": jnp.full((3,), jnp.nan), "b": jnp.float32(0)})
 
 
-def _run_main(argv):
-  gin.clear_config()
-  try:
-    return train_main.main(argv)
-  finally:
-    gin.clear_config()
+from test_train import _run_main  # noqa: E402  (gin cleared around the entry point)
 
 
 def _head(workdir):

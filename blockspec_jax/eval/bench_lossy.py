@@ -23,7 +23,6 @@ coarse (it is reported with its counts). Writes a JSON report and a speed-agains
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import pathlib
@@ -264,15 +263,7 @@ def bench_lossy_job(target: str = "qwen2.5-coder-1.5b", drafter: str = "qwen2.5-
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m blockspec_jax.eval.bench_lossy", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--gin_file", action="append", default=[])
-  parser.add_argument("--gin_param", action="append", default=[])
-  args = parser.parse_args(argv)
-  with jobs.cli_errors(parser.prog):
-    gin.parse_config_files_and_bindings(args.gin_file, args.gin_param)
-    bench_lossy_job()
-  return 0
+  return jobs.gin_main("python -m blockspec_jax.eval.bench_lossy", __doc__, bench_lossy_job, argv)
 
 
 if __name__ == "__main__":
