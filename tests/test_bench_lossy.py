@@ -91,3 +91,15 @@ def test_bench_on_smollm2_end_to_end(tmp_path, capsys):
   for r in rows.values():
     assert r["humaneval_num"] == 1 and r["humaneval_passed"] in (0, 1)  # prompt 0 is HumanEval/0
     assert np.isfinite(r["mean_logp"]) and r["perplexity"] >= 1.0
+
+
+def test_same_draft_table_compares_rules_on_one_draft_law():
+  """Token, block and MTAD on the same sampled chains, exactly: the lossless rules have TV 0 and block accepts at
+  least as much as token; MTAD's acceptance falls as τ grows (a = max{i : L_i > log τ} shrinks draft by draft) and
+  τ = inf accepts nothing, exactly (TV 0)."""
+  rows = {r["rule"]: r for r in bench_lossy.same_draft_table((0.1, 0.5, 2.0, float("inf")), gamma=3, n=2)}
+  assert rows["token"]["tv"] < 1e-12 and rows["block"]["tv"] < 1e-12
+  assert rows["block"]["expected_accepted"] >= rows["token"]["expected_accepted"] - 1e-12
+  mtad = [rows[f"mtad τ={t:g}"]["expected_accepted"] for t in (0.1, 0.5, 2.0, float("inf"))]
+  assert all(a >= b - 1e-12 for a, b in zip(mtad, mtad[1:])) and mtad[-1] == 0.0
+  assert rows["mtad τ=inf"]["tv"] < 1e-12 and rows["mtad τ=0.5"]["tv"] > 1e-3

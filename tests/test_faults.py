@@ -106,6 +106,10 @@ def _checksum(model) -> float:
 def _worker(argv):
   """Entry point of the subprocesses: ``MODE CACHE [key=value ...]``; prints ``checksum <float>`` on success."""
   mode, cache, opts = argv[0], pathlib.Path(argv[1]), dict(a.split("=", 1) for a in argv[2:])
+  import faulthandler
+  import signal as signal_lib
+  signal_lib.signal(signal_lib.SIGINT, signal_lib.default_int_handler)  # whatever the parent left installed
+  faulthandler.register(signal_lib.SIGUSR1, all_threads=True)  # the tests dump every thread when a worker hangs
   if "barrier" in opts:  # start the real work together: every worker touches ready-<id>, waits for all of them
     barrier = pathlib.Path(opts["barrier"])
     (barrier / f"ready-{os.getpid()}").touch()
@@ -165,6 +169,19 @@ def _wait_for(marker: pathlib.Path, proc: subprocess.Popen, timeout_s: float = 1
     time.sleep(0.02)
 
 
+def _communicate_or_dump(proc: subprocess.Popen, timeout_s: float):
+  """``proc.communicate()``; if the worker has not exited after ``timeout_s`` (a slow exit under a loaded machine is
+  allowed for), it dumps every thread's stack (faulthandler on SIGUSR1) and the test fails showing where it hangs."""
+  try:
+    return proc.communicate(timeout=timeout_s)
+  except subprocess.TimeoutExpired:
+    proc.send_signal(signal.SIGUSR1)
+    time.sleep(2)
+    proc.kill()
+    _, err = proc.communicate()
+    raise AssertionError(f"worker still running {timeout_s} s after the signal; its threads:\n{err[-6000:]}")
+
+
 def _listing(directory: pathlib.Path) -> list[str]:
   return sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
 
@@ -217,7 +234,7 @@ def test_sigint_mid_fetch_cleans_up(tmp_path, tiny):
   _wait_for(marker, proc)
   assert (tiny.cache / f"tiny.gguf.partial-{proc.pid}").exists()
   proc.send_signal(signal.SIGINT)
-  _, err = proc.communicate(timeout=60)
+  _, err = _communicate_or_dump(proc, timeout_s=180)
   assert proc.returncode != 0 and "KeyboardInterrupt" in err
   assert _listing(tiny.cache) == []  # no partial file, no download folder, no lock file
 

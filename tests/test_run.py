@@ -167,3 +167,30 @@ def test_methods_name_every_registered_rule_and_drafter():
   with pytest.raises(jobs.UsageError, match="no settings"):
     jobs.build_drafter("k_chains", model, model, {"k_chains": {"width": 2}}, gamma=4)
   assert isinstance(jobs.build_drafter("ngram", model, model, None, gamma=4), drafters.NGramDrafter)
+
+
+def test_main_job_runs_the_lossy_rules_from_gin(tmp_path, capsys):
+  """gin/runs/qwen_lossy.gin's methods and settings, on SmolLM2 (drafter = target) with a zero head: the table marks
+  SPRINTER and MTAD lossy, SPRINTER's γ is its cap, and its counters reach the report."""
+  import numpy as np
+  from blockspec_jax.train import sprinter as sprinter_train
+  head = tmp_path / "head"
+  sprinter_train.save_head(head, {"w_D": np.zeros(576, np.float32), "b": np.float32(0.0)})
+  gin.clear_config()
+  try:
+    gin.parse_config_files_and_bindings(["gin/runs/qwen_lossy.gin"], [
+        'run_job.target = "smollm2-135m"', 'run_job.drafter = "smollm2-135m"', "run_job.num_prompts = 1",
+        "run_job.max_new_tokens = 8", f"run_job.output_json = '{tmp_path / 'run.json'}'",
+        f"run_job.drafter_settings = {{'sprinter': {{'head': '{head}'}}, 'beam': {{'width': 2}}}}",
+        "run_job.verifier_settings = {'sprinter': {'threshold': 0.4, 'cap': 5}, 'mtad': {'tau': 0.3}}"])
+    report = run.run_job(show_text=False)
+  finally:
+    gin.clear_config()
+  printed = capsys.readouterr().out
+  assert "sprinter lossy" in printed and "mtad lossy" in printed and "block lossy" not in printed
+  rows = {r["method"]: r for r in report["results"]}
+  assert rows["sprinter"]["gamma"] == 5 and rows["mtad"]["gamma"] == 4
+  # The zero head gives 0.5 ≥ 0.4 everywhere: every segment is closed by the cap (5), none by the head.
+  assert rows["sprinter"]["num_cap_flags"] == rows["sprinter"]["target_calls"] >= 1
+  assert rows["sprinter"]["num_head_flags"] == 0
+  assert rows["mtad"]["lossy"] and not rows["block"]["lossy"]

@@ -35,7 +35,7 @@ import numpy as np
 from blockspec_jax import jobs
 from blockspec_jax.eval import prompts as prompts_lib
 
-__all__ = ["method_specs", "tabular_fidelity", "target_loglik", "format_table", "bench_lossy_job",
+__all__ = ["method_specs", "tabular_pair", "same_draft_table", "tabular_fidelity", "target_loglik", "format_table", "bench_lossy_job",
            "main"]
 
 
@@ -52,6 +52,35 @@ def method_specs(thresholds, taus, cap: int, lossless=("token", "block")) -> lis
 
 
 
+def tabular_pair(*, vocab_size: int = 4, depth: int = 3, seed: int = 0, mix: float = 0.5):
+  """``(drafter, target)`` tabular models: the target ``TabularLM.random(seed, V, depth)``, the drafter
+  ``(1 − mix)·target + mix·random`` (a drafter correlated with its target, as a distilled or smaller model is)."""
+  from blockspec_jax.theory.tabular import TabularLM
+  target = TabularLM.random(seed, vocab_size, depth)
+  noise = TabularLM.random(seed + 1, vocab_size, depth)
+  return TabularLM((1 - mix) * target.probs + mix * noise.probs, depth), target
+
+
+def same_draft_table(taus, *, gamma: int, n: int = 3, vocab_size: int = 4, depth: int = 3, seed: int = 0,
+                     mix: float = 0.5) -> list[dict]:
+  """Token, block and MTAD at every ``τ`` verifying the SAME drafts (ancestral chains of the drafter), exactly, on
+  the tabular pair of :func:`tabular_pair`: ``E[τ]`` per iteration (block efficiency − 1) and the TV of the first
+  ``n`` emitted tokens against the target. Rows ``{"rule", "expected_accepted", "tv"}``."""
+  from blockspec_jax.theory import exact, lossy
+  drafter, target = tabular_pair(vocab_size=vocab_size, depth=depth, seed=seed, mix=mix)
+  expected = exact.sequence_law(target, (), n)
+  rows = []
+  for rule in ("token", "block"):
+    law = exact.emitted_prefix_law(exact.exact_outcome_law(rule, drafter, target, (), gamma), target, (), n)
+    rows.append(dict(rule=rule, expected_accepted=exact.expected_accepted(rule, drafter, target, (), gamma),
+                     tv=lossy.law_tv(law, expected)))
+  for tau in taus:
+    rows.append(dict(rule=f"mtad τ={tau:g}",
+                     expected_accepted=lossy.mtad_expected_accepted(drafter, target, (), gamma, tau, draft="sample"),
+                     tv=lossy.mtad_sequence_tv(drafter, target, (), n, gamma, tau, draft="sample")))
+  return rows
+
+
 def tabular_fidelity(specs, *, gamma: int, width: int, n: int = 3, vocab_size: int = 4, depth: int = 3,
                      seed: int = 0, mix: float = 0.5) -> dict[str, float]:
   """Exact TV of the first ``n`` emitted tokens against the target's law, per row label, on a tabular pair: the target
@@ -59,10 +88,7 @@ def tabular_fidelity(specs, *, gamma: int, width: int, n: int = 3, vocab_size: i
   empty context. MTAD uses the deterministic best beam of width ``width`` (the exact beam law; the real-model rows
   may sample beams)."""
   from blockspec_jax.theory import exact, lossy
-  from blockspec_jax.theory.tabular import TabularLM
-  target = TabularLM.random(seed, vocab_size, depth)
-  noise = TabularLM.random(seed + 1, vocab_size, depth)
-  drafter = TabularLM((1 - mix) * target.probs + mix * noise.probs, depth)
+  drafter, target = tabular_pair(vocab_size=vocab_size, depth=depth, seed=seed, mix=mix)
   context = ()
   expected = exact.sequence_law(target, context, n)
   out = {}
@@ -101,7 +127,7 @@ def target_loglik(target_model, prompt_ids, outputs, batch_size: int = 4) -> tup
   window = max(max(len(o) for o in outputs), 1)
 
   @jax.jit
-  def score(tokens_BxT, positions_BxN, targets_BxN):
+  def score(params, tokens_BxT, positions_BxN, targets_BxN):  # params an argument: never captured as constants
     logits_BxNxV = sequence_logits(config, params, tokens_BxT, positions_BxN)
     logp_BxNxV = jax.nn.log_softmax(logits_BxNxV.astype(jnp.float32), axis=-1)
     return jnp.take_along_axis(logp_BxNxV, targets_BxN[:, :, None], axis=-1)[:, :, 0]
@@ -120,7 +146,7 @@ def target_loglik(target_model, prompt_ids, outputs, batch_size: int = 4) -> tup
       positions[r, :n_out] = len(prompt_ids[i]) - 1 + np.arange(n_out)
       targets[r, :n_out] = outputs[i]
       valid[r, :n_out] = True
-    logp = np.asarray(score(tokens, positions, targets), np.float64)
+    logp = np.asarray(score(params, tokens, positions, targets), np.float64)
     for r, i in enumerate(rows):
       n_out = len(outputs[i])
       seq_sum = float(np.sum(logp[r][valid[r]]))
@@ -198,8 +224,9 @@ def bench_lossy_job(target: str = "qwen2.5-coder-1.5b", drafter: str = "qwen2.5-
   drafter_settings = {"sprinter": {"head": sprinter_head}, "beam": {"width": beam_width, "sample": beam_sample}}
   start = time.perf_counter()
   tabular = tabular_fidelity(specs, gamma=gamma, width=beam_width, n=tabular_n, seed=seed)
-  print(f"tabular pair: exact TV of the first {tabular_n} tokens computed in {time.perf_counter() - start:.1f} s",
-        flush=True)
+  same = same_draft_table(taus, gamma=gamma, n=tabular_n, seed=seed)
+  print(f"tabular pair (V = 4, γ = {gamma}), the same sampled drafts under each rule, exactly: "
+        + "; ".join(f"{r['rule']} E[τ] {r['expected_accepted']:.4f} TV {r['tv']:.4f}" for r in same), flush=True)
   rows = prompts_lib.load_prompts(prompts_path, limit=num_prompts)
   compile_dir = jobs.enable_compilation_cache(compilation_cache)
   target_model = jobs.load_model(target, dtype, cache_dir)
@@ -250,7 +277,8 @@ def bench_lossy_job(target: str = "qwen2.5-coder-1.5b", drafter: str = "qwen2.5-
   report = dict(target=target, drafter=drafter, sprinter_head=sprinter_head, dtype=dtype, temperature=temperature,
                 gamma=gamma, cap=cap, beam_width=beam_width, beam_sample=beam_sample, max_new_tokens=max_new_tokens,
                 seed=seed, peak_rss_gb=rss_gb, seconds=time.perf_counter() - start,
-                prompts=[dict(id=r["id"], task=r["task"]) for r in rows], tabular_tv=tabular, results=results)
+                prompts=[dict(id=r["id"], task=r["task"]) for r in rows], tabular_tv=tabular,
+                tabular_same_drafts=same, results=results)
   if output_json:
     path = pathlib.Path(output_json)
     path.parent.mkdir(parents=True, exist_ok=True)
