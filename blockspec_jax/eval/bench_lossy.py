@@ -23,6 +23,7 @@ coarse (it is reported with its counts). Writes a JSON report and a speed-agains
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import pathlib
@@ -30,6 +31,8 @@ import sys
 import time
 
 import gin
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from blockspec_jax import jobs
@@ -114,24 +117,22 @@ def tabular_fidelity(specs, *, gamma: int, width: int, n: int = 3, vocab_size: i
   return out
 
 
+@functools.partial(jax.jit, static_argnames=("config",))
+def _generated_logp(params, tokens_BxT, positions_BxN, targets_BxN, *, config):
+  """f32 ``[B, N]``: the target's log-probability (T = 1) of ``targets_BxN`` at ``positions_BxN``."""
+  from blockspec_jax.train.distill import sequence_logits
+  logits_BxNxV = sequence_logits(config, params, tokens_BxT, positions_BxN)
+  logp_BxNxV = jax.nn.log_softmax(logits_BxNxV.astype(jnp.float32), axis=-1)
+  return jnp.take_along_axis(logp_BxNxV, targets_BxN[:, :, None], axis=-1)[:, :, 0]
+
+
 def target_loglik(target_model, prompt_ids, outputs, batch_size: int = 4) -> tuple[float, int, list[float]]:
   """``(Σ log p, number of tokens, per-sequence mean log p)`` of every generated token under the target at T = 1
-  (untransformed; teacher forcing over prompt + output, the LM head only at the generated positions)."""
-  import jax
-  import jax.numpy as jnp
-  from blockspec_jax.train.distill import sequence_logits
-
+  (untransformed; teacher forcing over prompt + output, the LM head only at the generated positions). One compiled
+  program per model config and shape (the parameters are an argument, never captured as constants)."""
   config, params = target_model.config, target_model.params["params"]
-  lengths = [len(p) + len(o) for p, o in zip(prompt_ids, outputs)]
-  width = max(lengths)
+  width = max(len(p) + len(o) for p, o in zip(prompt_ids, outputs))
   window = max(max(len(o) for o in outputs), 1)
-
-  @jax.jit
-  def score(params, tokens_BxT, positions_BxN, targets_BxN):  # params an argument: never captured as constants
-    logits_BxNxV = sequence_logits(config, params, tokens_BxT, positions_BxN)
-    logp_BxNxV = jax.nn.log_softmax(logits_BxNxV.astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(logp_BxNxV, targets_BxN[:, :, None], axis=-1)[:, :, 0]
-
   total, count, per_seq = 0.0, 0, []
   for start in range(0, len(prompt_ids), batch_size):
     rows = list(range(start, min(start + batch_size, len(prompt_ids))))
@@ -146,7 +147,7 @@ def target_loglik(target_model, prompt_ids, outputs, batch_size: int = 4) -> tup
       positions[r, :n_out] = len(prompt_ids[i]) - 1 + np.arange(n_out)
       targets[r, :n_out] = outputs[i]
       valid[r, :n_out] = True
-    logp = np.asarray(score(params, tokens, positions, targets), np.float64)
+    logp = np.asarray(_generated_logp(params, tokens, positions, targets, config=config), np.float64)
     for r, i in enumerate(rows):
       n_out = len(outputs[i])
       seq_sum = float(np.sum(logp[r][valid[r]]))
