@@ -33,7 +33,7 @@ import numpy as np
 from blockspec_jax import sampling
 from blockspec_jax.decoding.contracts import SAMPLING_BEAM, chain_draft
 from blockspec_jax.drafters.base import ModelDrafter, feed
-from blockspec_jax.drafters.trees import _is_int, _log1mexp  # RSD-S's helpers (integer check, stable log(1 − e^x))
+from blockspec_jax.drafters.trees import _is_int, conditioned_scores  # shared with RSD-S
 
 __all__ = ["BeamDrafter"]
 
@@ -41,24 +41,6 @@ __all__ = ["BeamDrafter"]
 def _log_probs(q_xV: jax.Array) -> jax.Array:
   """``log q`` with ``log 0 = −inf`` exactly (no NaN, no warning-prone ``log`` of 0 in the taken branch)."""
   return jnp.where(q_xV > 0, jnp.log(jnp.where(q_xV > 0, q_xV, 1.0)), -jnp.inf)
-
-
-def _conditioned(g_BxKxV: jax.Array, score_BxK: jax.Array) -> jax.Array:
-  """Kool et al.'s conditioned perturbed scores ``G̃ = −log(e^{−T_u} − e^{−Z_u} + e^{−g})`` in RSD-S's stable form
-  (``G̃ = T − max(v, 0) − log1p(e^{−|v|})``, ``v = T − g + log1mexp(g − Z)``), f32 ``[B, K, V]``.
-
-  ``g`` = perturbed log-probabilities of the continuations of beam ``u`` (score ``T_u``), ``Z_u = max g``. Dead
-  candidates (``g = −inf``: a zero-probability token or a dead parent, possible at T = 0 or under top-k / top-p)
-  get ``−inf`` without ever forming ``−inf − (−inf)``.
-  """
-  z_BxK = jnp.max(g_BxKxV, axis=-1)
-  alive_BxKxV = (g_BxKxV > -jnp.inf) & (score_BxK[:, :, None] > -jnp.inf)
-  g_BxKxV = jnp.where(alive_BxKxV, g_BxKxV, 0.0)
-  z_BxK = jnp.where(z_BxK > -jnp.inf, z_BxK, 0.0)
-  t_BxK = jnp.where(score_BxK > -jnp.inf, score_BxK, 0.0)
-  v_BxKxV = t_BxK[:, :, None] - g_BxKxV + _log1mexp(g_BxKxV - z_BxK[:, :, None])
-  cond_BxKxV = t_BxK[:, :, None] - jax.nn.relu(v_BxKxV) - jnp.log1p(jnp.exp(-jnp.abs(v_BxKxV)))
-  return jnp.where(alive_BxKxV, cond_BxKxV, -jnp.inf)
 
 
 def _take_rows(cache, rows_R: jax.Array):
@@ -117,7 +99,7 @@ class BeamDrafter(ModelDrafter):
     if self.sample:
       g_BxKxV = phi_BxKxV + jax.vmap(lambda k: jax.random.gumbel(k, (beams, vocab), jnp.float32))(key_B)
       # One parent (the root, or W = 1): the conditioning is monotone in g, the plain Gumbel-max is exact.
-      score_BxKxV = g_BxKxV if (root or self.width == 1) else _conditioned(g_BxKxV, score_BxK)
+      score_BxKxV = g_BxKxV if (root or self.width == 1) else conditioned_scores(g_BxKxV, score_BxK)
     else:
       score_BxKxV = phi_BxKxV
     best_BxW, flat_BxW = jax.lax.top_k(score_BxKxV.reshape(batch, beams * vocab), self.width)

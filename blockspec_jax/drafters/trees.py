@@ -71,6 +71,24 @@ def _log1mexp(x):
   return jnp.where(x > -0.6931472, jnp.log(-jnp.expm1(x)), jnp.log1p(-jnp.exp(x)))
 
 
+def conditioned_scores(g_BxKxV: jax.Array, score_BxK: jax.Array) -> jax.Array:
+  """Kool et al.'s conditioned perturbed scores ``G̃ = −log(e^{−T_u} − e^{−Z_u} + e^{−g})`` in a stable form
+  (``G̃ = T − max(v, 0) − log1p(e^{−|v|})``, ``v = T − g + log1mexp(g − Z)``), f32 ``[B, K, V]``.
+
+  ``g`` = perturbed log-probabilities of the continuations of beam ``u`` (score ``T_u``), ``Z_u = max g``. Dead
+  candidates (``g = −inf``: a zero-probability token or a dead parent, possible at T = 0 or under top-k / top-p)
+  get ``−inf`` without ever forming ``−inf − (−inf)``.
+  """
+  z_BxK = jnp.max(g_BxKxV, axis=-1)
+  alive_BxKxV = (g_BxKxV > -jnp.inf) & (score_BxK[:, :, None] > -jnp.inf)
+  g_BxKxV = jnp.where(alive_BxKxV, g_BxKxV, 0.0)
+  z_BxK = jnp.where(z_BxK > -jnp.inf, z_BxK, 0.0)
+  t_BxK = jnp.where(score_BxK > -jnp.inf, score_BxK, 0.0)
+  v_BxKxV = t_BxK[:, :, None] - g_BxKxV + _log1mexp(g_BxKxV - z_BxK[:, :, None])
+  cond_BxKxV = t_BxK[:, :, None] - jax.nn.relu(v_BxKxV) - jnp.log1p(jnp.exp(-jnp.abs(v_BxKxV)))
+  return jnp.where(alive_BxKxV, cond_BxKxV, -jnp.inf)
+
+
 @dataclasses.dataclass(frozen=True)
 class _TreeModelDrafter(ModelDrafter):
   """Shared machinery (the model, its declared sizes and its prefill come from :class:`ModelDrafter`): per-depth
@@ -295,10 +313,7 @@ class RSDStochasticBeamDrafter(_TreeModelDrafter):
     if depth == 1:
       cond_BxWxV = g_BxWxV  # one root beam: its unconditioned Gumbels (the root's score is their maximum)
     else:
-      z_BxW = jnp.max(g_BxWxV, axis=-1)
-      # G̃ = T − max(v, 0) − log1p(e^{−|v|}), v = T − g + log1mexp(g − Z) (Kool et al., appendix B).
-      v_BxWxV = score_BxW[:, :, None] - g_BxWxV + _log1mexp(g_BxWxV - z_BxW[:, :, None])
-      cond_BxWxV = score_BxW[:, :, None] - jax.nn.relu(v_BxWxV) - jnp.log1p(jnp.exp(-jnp.abs(v_BxWxV)))
+      cond_BxWxV = conditioned_scores(g_BxWxV, score_BxW)  # Kool et al., appendix B
     best_BxW, flat_BxW = jax.lax.top_k(cond_BxWxV.reshape(batch, beams * vocab), self.width)
     parent_BxW = (flat_BxW // vocab).astype(jnp.int32)
     # Group by parent; the sort is stable, so within a parent the order stays decreasing G̃ (its Gumbel order).
