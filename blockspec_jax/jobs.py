@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import json
 import os
 import pathlib
 import resource
@@ -32,7 +33,7 @@ __all__ = ["METHODS", "AUTOREGRESSIVE", "known_methods", "parse_method", "build_
            "check_gamma", "check_settings", "check_verifier_settings", "check_cache_room", "check_pair",
            "encode_prompts", "run_method", "method_gamma", "compiling", "enable_compilation_cache",
            "COMPILE_CACHE_ENV_VAR",
-           "peak_rss_gb", "cli_errors", "gin_main"]
+           "peak_rss_gb", "cli_errors", "gin_main", "write_report"]
 
 AUTOREGRESSIVE = "autoregressive"
 METHODS = (AUTOREGRESSIVE, "token", "block")  # the main job's default comparison
@@ -450,6 +451,14 @@ def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tok
     print(f"WARNING: {method} at T = {temperature:g}: {s['invalid_prob_rows']} probability rows were not "
           "distributions (NaN/inf logits or bad rows); its numbers are not trustworthy", file=sys.stderr)
   return summary, outputs
+
+
+def write_report(path, report: dict) -> pathlib.Path:
+  """Write a job's JSON report (indented) to ``path``, creating its folder; returns the path."""
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(report, indent=2))
+  return path
 
 
 def gin_main(prog: str, description: str, job, argv=None) -> int:

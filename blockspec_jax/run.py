@@ -19,8 +19,6 @@ text of one prompt is printed per method so a person can see it is real.
 
 from __future__ import annotations
 
-import json
-import pathlib
 import sys
 import time
 
@@ -150,10 +148,7 @@ def run_job(target: str = "qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b",
                 prompts=[dict(id=r["id"], task=r["task"], source=r["source"], licence=r["licence"]) for r in rows],
                 results=results, sample_text=texts)
   if output_json:
-    path = pathlib.Path(output_json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {path}")
+    print(f"\nwrote {jobs.write_report(output_json, report)}")
   return report
 
 

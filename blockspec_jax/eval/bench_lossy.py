@@ -24,7 +24,6 @@ coarse (it is reported with its counts). Writes a JSON report and a speed-agains
 from __future__ import annotations
 
 import functools
-import json
 import math
 import pathlib
 import sys
@@ -281,10 +280,7 @@ def bench_lossy_job(target: str = "qwen2.5-coder-1.5b", drafter: str = "qwen2.5-
                 prompts=[dict(id=r["id"], task=r["task"]) for r in rows], tabular_tv=tabular,
                 tabular_same_drafts=same, results=results)
   if output_json:
-    path = pathlib.Path(output_json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2))
-    print(f"wrote {path}")
+    print(f"wrote {jobs.write_report(output_json, report)}")
   if plot and _plot(results, pathlib.Path(plot), f"{drafter} → {target}, T = {temperature:g}, {len(rows)} prompts × "
                     f"{max_new_tokens} tokens"):
     print(f"wrote {plot}")
