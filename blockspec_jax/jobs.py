@@ -289,6 +289,10 @@ def compiling(label: str, stream=None):
     stream.flush()
 
 
+#: The persistent compilation cache's size limit (bytes): setting one turns on JAX's file lock for the directory.
+COMPILE_CACHE_MAX_BYTES = 8 << 30
+
+
 def enable_compilation_cache(directory: str | os.PathLike | None = None, min_compile_time_s: float = 0.5
                              ) -> pathlib.Path | None:
   """Turn on JAX's persistent compilation cache, so a second run of a job loads its compiled programs from disk.
@@ -296,6 +300,11 @@ def enable_compilation_cache(directory: str | os.PathLike | None = None, min_com
   ``directory``: explicit path; else ``$BLOCKSPEC_JAX_COMPILE_CACHE``; else ``<cache dir>/jax_compilation``. The
   strings ``""``, ``"0"`` and ``"off"`` (argument or variable) disable it. Programs that compile faster than
   ``min_compile_time_s`` are not written. Returns the directory in use, or None.
+
+  Several processes share the directory (two jobs, or test workers): JAX's cache writes an entry in place and reads
+  without a lock unless a size limit is set, so a reader could load a half-written program. A limit
+  (:data:`COMPILE_CACHE_MAX_BYTES`, least recently used entries evicted) makes every read and write hold the
+  directory's file lock.
   """
   import jax
   if directory is None:
@@ -309,6 +318,7 @@ def enable_compilation_cache(directory: str | os.PathLike | None = None, min_com
   jax.config.update("jax_compilation_cache_dir", str(path))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_MAX_BYTES)
   return path
 
 
@@ -343,13 +353,11 @@ def _phases(method: str, target, drafter, gamma: int, max_new_tokens: int, sampl
     return (lambda tokens, lens: spec.prefill_autoregressive(tp, tokens, lens, **common),
             lambda keys, state: spec.decode_autoregressive(tp, keys, state, sampler=sampler, stop_ids=stop_ids,
                                                            **common))
-  dp = drafter.params["params"]
   from blockspec_jax import verify
   gamma = method_gamma(rule, gamma, verifier_settings)
   rule = verify.get_verifier(rule, **dict((verifier_settings or {}).get(rule, {})))
   drafter_obj = build_drafter(drafter_name, target, drafter, drafter_settings, gamma)
-  if hasattr(drafter_obj, "acceptable_probs"):  # a drafter with SPRINTER's verifier head
-    dp = {"model": dp, "head": _load_head(drafter_obj, drafter)}
+  dp = drafter_params(drafter_obj, drafter, target)
   common = dict(target=target.config, drafter=drafter_obj, gamma=gamma, max_new_tokens=max_new_tokens)
   return (lambda tokens, lens: spec.prefill_speculative(tp, dp, tokens, lens, **common),
           lambda keys, state: spec.decode_speculative(tp, dp, keys, state, verifier=rule, sampler=sampler,
@@ -366,19 +374,18 @@ def method_gamma(rule: str, gamma: int, verifier_settings: dict | None = None) -
   return verifier.cap if verifier.skips_target else gamma
 
 
-def _load_head(drafter_obj, drafter_model):
-  """SPRINTER's head for a ``sprinter`` drafter: from its ``head`` setting (a head training run's work directory),
-  checked against the drafter's hidden size."""
-  if drafter_obj.head is None:
-    raise UsageError("drafter 'sprinter' needs a trained verifier head: train one with `python -m "
-                     "blockspec_jax.train --gin_file gin/train/sprinter_qwen.gin` and bind drafter_settings = "
-                     "{'sprinter': {'head': '<its work directory>'}}")
-  from blockspec_jax.train import sprinter as sprinter_train
+def drafter_params(drafter_obj, drafter_model, target_model):
+  """The parameters ``drafter_obj`` decodes with: the drafter model's own, or, for a drafter with trained parts
+  (SPRINTER's head, BPD heads, SD²'s steering map), what its ``load_params(drafter_model, target_model)`` assembles
+  from its settings (host side: it reads the training run's work directory). A missing or bad run is a UsageError
+  naming the drafter and the problem."""
+  load = getattr(drafter_obj, "load_params", None)
+  if load is None:
+    return drafter_model.params["params"]
   try:
-    head, _ = sprinter_train.load_head(drafter_obj.head, d_model=drafter_model.config.d_model)
-  except (FileNotFoundError, ValueError) as e:
-    raise UsageError(f"drafter 'sprinter': {e}") from None
-  return head
+    return load(drafter_model, target_model)
+  except (OSError, ValueError) as e:
+    raise UsageError(f"drafter {getattr(drafter_obj, 'name', type(drafter_obj).__name__)!r}: {e}") from None
 
 
 def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tokens, temperature, seed, stop_ids,

@@ -23,6 +23,8 @@ def example_env() -> dict:
   directory = env.get("BLOCKSPEC_JAX_COMPILE_CACHE", str(default_cache_dir() / "jax_compilation"))
   if directory.strip().lower() not in ("", "0", "off", "none"):
     env.setdefault("JAX_COMPILATION_CACHE_DIR", directory)
+    # a size limit makes JAX lock the shared directory (the other test worker may write to it at the same time)
+    env.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
   return env
 
 

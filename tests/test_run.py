@@ -124,12 +124,17 @@ f = jax.jit(lambda x, w: jnp.tanh(kernels.linear(x, w)) * 3)
 y = f(jnp.ones((2, 64)), jnp.ones((32, 64)))
 print("value", float(y.sum()))
 print("hits", sum(e == "/jax/compilation_cache/cache_hits" for e in events))
+from jax._src import compilation_cache
+print("locked", compilation_cache._cache.eviction_enabled, (cache_dir := compilation_cache._cache.path) / ".lockfile"
+      in set(cache_dir.iterdir()))
 """
 
 
 def test_persistent_compilation_cache_is_hit_by_a_second_process(tmp_path):
   """jobs.enable_compilation_cache: a second process loads the compiled program (custom CPU kernel included) from
-  disk instead of compiling it, and computes the same numbers."""
+  disk instead of compiling it, and computes the same numbers. Reads and writes hold the directory's file lock (a
+  size limit turns it on): without it a process could load a program another one is still writing, and XLA aborts
+  on the half-written executable (seen with two test workers sharing the default directory)."""
   import subprocess
   import sys
   cache = tmp_path / "jax_cache"
@@ -140,6 +145,7 @@ def test_persistent_compilation_cache_is_hit_by_a_second_process(tmp_path):
   assert outs[0]["dir"] == str(cache) and any(cache.iterdir())
   assert outs[0]["hits"] == "0" and int(outs[1]["hits"]) >= 1
   assert outs[0]["value"] == outs[1]["value"]
+  assert outs[0]["locked"] == outs[1]["locked"] == "True True"
   assert jobs.enable_compilation_cache("off") is None
 
 

@@ -199,4 +199,4 @@ def test_jobs_know_the_lossy_rules():
   for name in ("sprinter", "mtad", "lenient"):
     assert not verify.get_verifier(name).lossless_under(T1)
   with pytest.raises(jobs.UsageError, match="needs a trained verifier head"):
-    jobs._load_head(SprinterDrafter(dec.DecoderConfig.tiny()), None)
+    jobs.drafter_params(SprinterDrafter(dec.DecoderConfig.tiny()), None, None)

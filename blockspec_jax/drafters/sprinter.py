@@ -63,6 +63,21 @@ class SprinterDrafter(ModelDrafter):
   def propose(self, params, state, tokens_BxS, length_B, key_B, gamma, sampler):
     return super().propose(params["model"], state, tokens_BxS, length_B, key_B, gamma, sampler)
 
+  name = "sprinter"
+
+  def load_params(self, drafter_model, target_model):
+    """``{"model": the drafter's parameters, "head": the trained head}`` (host side): the head from the ``head``
+    work directory, checked against the drafter's hidden size. ``drafter_model`` / ``target_model``:
+    ``hub.LoadedModel``s."""
+    del target_model
+    if self.head is None:
+      raise ValueError("needs a trained verifier head: train one with `python -m blockspec_jax.train --gin_file "
+                       "gin/train/sprinter_qwen.gin` and bind drafter_settings = {'sprinter': {'head': '<its work "
+                       "directory>'}}")
+    from blockspec_jax.train import sprinter as sprinter_train  # host-side loading only
+    head, _ = sprinter_train.load_head(self.head, d_model=drafter_model.config.d_model)
+    return {"model": drafter_model.params["params"], "head": head}
+
   def acceptable_probs(self, params, hidden_BxD: jax.Array) -> jax.Array:
     """f32 ``[B]``: the head's probability that the token drawn at each row's context is acceptable."""
     return head_probs(params["head"], hidden_BxD)
