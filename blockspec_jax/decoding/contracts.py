@@ -32,7 +32,8 @@ from blockspec_jax import sampling
 
 __all__ = ["Draft", "Commit", "Scored", "TargetScorer", "Drafter", "chain_draft", "chain_parents_BxN",
            "ancestors", "node_depths", "tree_positions", "tree_attention_mask", "accepted_path", "path_slots",
-           "SAMPLING_CHAIN", "SAMPLING_BEAM", "check_drafter", "StepDrafter"]
+           "SAMPLING_CHAIN", "SAMPLING_BEAM", "check_drafter", "StepDrafter", "prompt_commit", "reads_target",
+           "target_layers"]
 
 #: A chain drafter's declared ``sibling_sampling``: one child per node, a draw both with and without replacement.
 SAMPLING_CHAIN = "chain"
@@ -101,6 +102,15 @@ class Commit:
                                                queries ``[last committed, path nodes]``: row ``i`` produced the target
                                                law that token ``i`` of the block was verified against (row τ: ``Y``'s).
                                                Rows beyond τ are unspecified.
+  ``taps_BxG1xLxD``     ``[B, G + 1, L', D]`` or ``None``: the residual stream after the target layers the drafter
+                                               declared (``target_layers``) at the same queries; ``None`` otherwise.
+
+  For a drafter that declares ``reads_target = True``, the prefill also ends with a commit (:func:`prompt_commit`):
+  the prompt as a block with ``τ = 0`` and ``Y`` = the last prompt token, row 0 holding the target's states at
+  position ``prompt_len − 2`` (zeros for a one-token prompt). So "the states at row ``τ``" mean: at the position
+  before the last committed token, the query that produced the law of the last committed token (for a row that
+  ends in this iteration, on a stop token or its budget, the block may be cut before ``τ``; such a row drafts no
+  more).
   """
   old_length_B: jax.Array
   new_length_B: jax.Array
@@ -108,14 +118,46 @@ class Commit:
   path_BxG: jax.Array
   tokens_BxG1: jax.Array
   hidden_BxG1xD: jax.Array
+  taps_BxG1xLxD: Optional[jax.Array] = None
+
+  def last_states(self):
+    """``(hidden_BxD, taps_BxLxD or None)``: the target's states at row τ (see the class docstring)."""
+    rows_B = jnp.arange(self.num_accepted_B.shape[0])
+    hidden_BxD = self.hidden_BxG1xD[rows_B, self.num_accepted_B]
+    taps_BxLxD = None if self.taps_BxG1xLxD is None else self.taps_BxG1xLxD[rows_B, self.num_accepted_B]
+    return hidden_BxD, taps_BxLxD
+
+
+def prompt_commit(hidden_BxPxD: jax.Array, taps_BxPxLxD: Optional[jax.Array], tokens_BxP: jax.Array,
+                  prompt_len_B: jax.Array, gamma: int) -> Commit:
+  """The commit that ends the prefill for drafters that read the target: the prompt as a block with ``τ = 0``, its
+  last token as ``Y``, and row 0 = the target's states at position ``prompt_len − 2`` (zeros when the prompt has one
+  token: no query produced its law). Rows 1..γ are zeros."""
+  batch = tokens_BxP.shape[0]
+  rows_B = jnp.arange(batch)
+  before_B = prompt_len_B - 2
+  has_B = before_B >= 0
+
+  def at_before(x_BxPx):
+    picked = x_BxPx[rows_B, jnp.maximum(before_B, 0)]
+    picked = jnp.where(has_B.reshape((batch,) + (1,) * (picked.ndim - 1)), picked, 0)
+    return jnp.zeros((batch, gamma + 1) + picked.shape[1:], picked.dtype).at[:, 0].set(picked)
+
+  tokens_BxG1 = jnp.zeros((batch, gamma + 1), jnp.int32).at[:, 0].set(tokens_BxP[rows_B, prompt_len_B - 1])
+  return Commit(old_length_B=prompt_len_B - 1, new_length_B=prompt_len_B,
+                num_accepted_B=jnp.zeros((batch,), jnp.int32), path_BxG=jnp.full((batch, gamma), -1, jnp.int32),
+                tokens_BxG1=tokens_BxG1, hidden_BxG1xD=at_before(hidden_BxPxD),
+                taps_BxG1xLxD=None if taps_BxPxLxD is None else at_before(taps_BxPxLxD))
 
 
 @struct.dataclass
 class Scored:
-  """A target pass: ``logits_BxTxV`` f32, ``hidden_BxTxD`` (final-norm output), and the updated cache."""
+  """A target pass: ``logits_BxTxV`` f32, ``hidden_BxTxD`` (final-norm output), the updated cache, and
+  ``taps_BxTxLxD`` (the residual stream after the layers the scorer taps; ``None`` when it taps none)."""
   logits_BxTxV: jax.Array
   hidden_BxTxD: jax.Array
   cache: Any
+  taps_BxTxLxD: Optional[jax.Array] = None
 
 
 @runtime_checkable
@@ -170,6 +212,12 @@ class Drafter(Protocol):
       exactly the laws the nodes were drawn from, after ``sampler``.
   ``commit(params, state, commit: Commit) -> state``: after verification (rollback point, accepted path, the target's
       hidden states at the accepted positions).
+
+  Optional declarations (absent = False / ``()``), for drafters that read the target (BPD heads, SD² steering):
+  ``reads_target``   the prefill ends with :func:`prompt_commit`, so the first draft already sees the target's
+                     states at the position before the last prompt token
+  ``target_layers``  layers whose residual stream the loop's target pass must return (``Commit.taps_BxG1xLxD``);
+                     the loop makes the scorer tap them (:func:`blockspec_jax.models.scorer.as_scorer`)
   """
 
   @property
@@ -222,6 +270,16 @@ def check_drafter(drafter) -> None:
   if missing:
     raise TypeError(f"{type(drafter).__name__} is not a Drafter: it lacks {', '.join(missing)} (see "
                     "blockspec_jax.decoding.contracts.Drafter)")
+
+
+def reads_target(drafter) -> bool:
+  """Whether ``drafter`` declares that it reads the target (and gets the prefill's :func:`prompt_commit`)."""
+  return bool(getattr(drafter, "reads_target", False))
+
+
+def target_layers(drafter) -> tuple[int, ...]:
+  """The target layers ``drafter`` reads (its ``target_layers``; ``()`` when it declares none)."""
+  return tuple(getattr(drafter, "target_layers", ()) or ())
 
 
 # --- tree layout, shared by the loop and by tree drafters ------------------------------------------------------------

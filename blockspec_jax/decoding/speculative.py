@@ -185,11 +185,12 @@ def _score_causal(target: TargetScorer, params, tokens_BxT, positions_BxT, cache
 
 
 def _init(target: TargetScorer, target_params, tokens_BxP, prompt_len_B, cache_len, cache_sharding=None):
+  """The token buffer and the target's prefill pass over the prompt width: ``(tokens_BxS, Scored)``."""
   batch, width = tokens_BxP.shape
   tokens_BxS = jnp.zeros((batch, cache_len), jnp.int32).at[:, :width].set(tokens_BxP)
   cache = constrain_caches(target.init_cache(batch, cache_len), cache_sharding)
   positions_BxP = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-  return tokens_BxS, _score_causal(target, target_params, tokens_BxP, positions_BxP, cache, cache_len).cache
+  return tokens_BxS, _score_causal(target, target_params, tokens_BxP, positions_BxP, cache, cache_len)
 
 
 def _output(state: DecodeState, max_new_tokens: int, pad_id: int, stopped_B) -> DecodeOutput:
@@ -233,8 +234,8 @@ def autoregressive_prefill(target_params, tokens_BxP, prompt_len_B, *, target, m
   cache_len = tokens_BxP.shape[1] + max_new_tokens + 1
   _check_common(target, tokens_BxP, prompt_len_B, max_new_tokens, cache_len)
   batch = tokens_BxP.shape[0]
-  tokens_BxS, cache = _init(target, target_params, tokens_BxP, prompt_len_B, cache_len, cache_sharding)
-  return DecodeState(tokens_BxS, prompt_len_B, jnp.zeros((batch,), bool), cache, None, jnp.int32(0),
+  tokens_BxS, scored = _init(target, target_params, tokens_BxP, prompt_len_B, cache_len, cache_sharding)
+  return DecodeState(tokens_BxS, prompt_len_B, jnp.zeros((batch,), bool), scored.cache, None, jnp.int32(0),
                      DecodeMetrics.zeros(batch, 0), prompt_len_B, prompt_width=tokens_BxP.shape[1])
 
 
@@ -325,8 +326,8 @@ def speculative_prefill(target_params, drafter_params, tokens_BxP, prompt_len_B,
   """Phase 1: checks (γ, vocabularies, cache room), then the target's and the drafter's forward over the prompt
   width into caches of ``S = P + max_new_tokens + N + 1`` slots (``N = drafter.num_nodes(γ)``). Returns the loop's
   initial state."""
-  target = as_scorer(target)
   draft_slots = _draft_slots(drafter, gamma)
+  target = as_scorer(target, contracts.target_layers(drafter))
   if drafter.vocab_size != target.vocab_size:
     raise ValueError(f"vocabulary mismatch between drafter (V = {drafter.vocab_size}) and target "
                      f"(V = {target.vocab_size}); both models must share one tokenizer")
@@ -336,10 +337,13 @@ def speculative_prefill(target_params, drafter_params, tokens_BxP, prompt_len_B,
     raise ValueError(f"prompt too long for the drafter's cache: needs {cache_len} positions, drafter max_len is "
                      f"{drafter.max_len}")
   batch = tokens_BxP.shape[0]
-  tokens_BxS, cache = _init(target, target_params, tokens_BxP, prompt_len_B, cache_len, cache_sharding)
+  tokens_BxS, scored = _init(target, target_params, tokens_BxP, prompt_len_B, cache_len, cache_sharding)
   drafter_state = constrain_caches(drafter.init_state(drafter_params, tokens_BxP, prompt_len_B, cache_len),
                                    cache_sharding)
-  return DecodeState(tokens_BxS, prompt_len_B, jnp.zeros((batch,), bool), cache, drafter_state, jnp.int32(0),
+  if contracts.reads_target(drafter):  # the prompt as a committed block: the first draft reads the target too
+    drafter_state = drafter.commit(drafter_params, drafter_state, contracts.prompt_commit(
+        scored.hidden_BxTxD, scored.taps_BxTxLxD, tokens_BxP, prompt_len_B, gamma))
+  return DecodeState(tokens_BxS, prompt_len_B, jnp.zeros((batch,), bool), scored.cache, drafter_state, jnp.int32(0),
                      DecodeMetrics.zeros(batch, gamma), prompt_len_B, prompt_width=tokens_BxP.shape[1])
 
 
@@ -354,6 +358,7 @@ class ScoredDraft:
   ``hidden_BxN1xD``   the target's last-layer hidden states at the same ``N + 1`` queries
   ``depth_BxN``       int32 ``[B, N]``: depth of every node (1 = child of the root)
   ``target_cache``    the target's cache with the draft's entries at slots ``length − 1 + [0..N]``
+  ``taps_BxN1xLxD``   the residual stream after the drafter's ``target_layers`` at the same queries (or None)
   """
   drafter_state: Any
   draft: Draft
@@ -361,6 +366,7 @@ class ScoredDraft:
   hidden_BxN1xD: jax.Array
   depth_BxN: jax.Array
   target_cache: Any
+  taps_BxN1xLxD: Any = None
 
 
 def draft_and_score(target_params, drafter_params, state: DecodeState, key_B, *, target, drafter: Drafter,
@@ -370,7 +376,7 @@ def draft_and_score(target_params, drafter_params, state: DecodeState, key_B, *,
   sit at their own positions under the causal mask). Pure: ``state`` is not consumed, so several drafts can be
   scored from one state (``blockspec_jax.eval.paired``).
   """
-  target = as_scorer(target)
+  target = as_scorer(target, contracts.target_layers(drafter))
   batch, cache_len = state.tokens_BxS.shape
   rows_B = jnp.arange(batch)
   drafter_state, draft = drafter.propose(drafter_params, state.drafter_state, state.tokens_BxS, state.length_B,
@@ -399,7 +405,7 @@ def draft_and_score(target_params, drafter_params, state: DecodeState, key_B, *,
     mask_BxN1xS = contracts.tree_attention_mask(state.length_B, ancestors_BxNxN, cache_len)
     scored = target.score(target_params, inputs_BxN1, positions_BxN1, slots_BxN1, mask_BxN1xS, state.target_cache)
   return ScoredDraft(drafter_state, draft, sampler.probs(scored.logits_BxTxV), scored.hidden_BxTxD, depth_BxN,
-                     scored.cache)
+                     scored.cache, scored.taps_BxTxLxD)
 
 
 def _iteration_keys(keys_B, iteration):
@@ -418,10 +424,14 @@ def _emitted_block(draft: Draft, verdict, batch: int, gamma: int):
   return block_BxG1.at[rows_B, verdict.num_accepted_B].set(verdict.next_token_B)
 
 
-def _path_hidden(hidden_BxN1xD, path_BxG):
-  """The target's hidden states at the queries ``[last committed, path nodes]``: ``[B, γ + 1, D]``."""
+def _path_hidden(hidden_BxN1x, path_BxG):
+  """The target's states at the queries ``[last committed, path nodes]``: ``[B, γ + 1, ...]`` (hidden states
+  ``[B, N + 1, D]`` or taps ``[B, N + 1, L', D]``; ``None`` stays ``None``)."""
+  if hidden_BxN1x is None:
+    return None
   query_BxG1 = jnp.concatenate([jnp.zeros_like(path_BxG[:, :1]), jnp.maximum(path_BxG, -1) + 1], axis=1)
-  return jnp.take_along_axis(hidden_BxN1xD, query_BxG1[:, :, None], axis=1)
+  index = query_BxG1.reshape(query_BxG1.shape + (1,) * (hidden_BxN1x.ndim - 2))
+  return jnp.take_along_axis(hidden_BxN1x, index, axis=1)
 
 
 def speculative_decode(target_params, drafter_params, keys_B, state: DecodeState, *, target,
@@ -431,7 +441,7 @@ def speculative_decode(target_params, drafter_params, keys_B, state: DecodeState
   """Phase 2: the speculative ``lax.while_loop`` from a state made by :func:`speculative_prefill` with the same
   ``target``, ``drafter``, ``gamma`` and ``max_new_tokens``. See the module docstring."""
   del cache_sharding  # the caches in ``state`` already carry their layout
-  target = as_scorer(target)
+  target = as_scorer(target, contracts.target_layers(drafter))
   verifier = get_verifier(verifier)
   draft_slots = _draft_slots(drafter, gamma)
   verifier.check_drafter(type(drafter).__name__, drafter)
@@ -462,7 +472,8 @@ def speculative_decode(target_params, drafter_params, keys_B, state: DecodeState
       cache = target.move_slots(cache, *contracts.path_slots(state.length_B, verdict.path_BxG, tau_B))
     commit = Commit(old_length_B=state.length_B, new_length_B=length_B, num_accepted_B=tau_B,
                     path_BxG=verdict.path_BxG, tokens_BxG1=block_BxG1,
-                    hidden_BxG1xD=_path_hidden(scored.hidden_BxN1xD, verdict.path_BxG))
+                    hidden_BxG1xD=_path_hidden(scored.hidden_BxN1xD, verdict.path_BxG),
+                    taps_BxG1xLxD=_path_hidden(scored.taps_BxN1xLxD, verdict.path_BxG))
     drafter_state = drafter.commit(drafter_params, scored.drafter_state, commit)
     active_B = ~state.done_B
     active_i = active_B.astype(jnp.int32)

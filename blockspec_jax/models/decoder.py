@@ -11,6 +11,11 @@ One forward serves prefill, single-token decoding, multi-token verification and 
     attn_mask_BxTxS  bool  [B, T, S]  True = query t of row b may attend cache slot s (after the write)
     logits_BxTxV     f32   [B, T, V]
     hidden_BxTxD     [B, T, D]        (``return_hidden=True``) the final-norm output, i.e. the LM head's input
+    taps_BxTxLxD     [B, T, L', D]    (``tap_layers=(i, …)``, a 4th output) the residual stream after layers i, …
+                                      (before any norm): the "several depths" drafters that read the target use
+    mlp_delta_LxBxTxF                 (optional input) added to every layer's MLP up-projection,
+                                      ``down(act(gate(x)) * (up(x) + delta[i]))``; ``T`` may be 1 (one delta per row,
+                                      broadcast over the new tokens). SD²'s steering biases; zeros change nothing.
 
 Rows are independent: each has its own positions, so ragged batches need no left padding. A row's positions are
 normally contiguous (p0..p0+T-1), but the write is a scatter, so any distinct slots work; slots >= S are dropped
@@ -309,11 +314,13 @@ class MLP(nn.Module):
   config: DecoderConfig
 
   @nn.compact
-  def __call__(self, x_BxTxD):
+  def __call__(self, x_BxTxD, delta_BxTxF=None):
     cfg = self.config
     dense = lambda feats, name: Linear(feats, False, cfg.dtype, cfg.matmul, name=name)
     gate_BxTxF = dense(cfg.ffn_dim, "gate")(x_BxTxD)
     up_BxTxF = dense(cfg.ffn_dim, "up")(x_BxTxD)
+    if delta_BxTxF is not None:  # steering bias inside the MLP (SD²); skipped entirely when absent
+      up_BxTxF = up_BxTxF + delta_BxTxF.astype(up_BxTxF.dtype)
     if cfg.mlp_activation == "gelu_tanh":
       act_BxTxF = jax.nn.gelu(gate_BxTxF, approximate=True)
     else:
@@ -327,7 +334,7 @@ class Block(nn.Module):
   sliding: bool = False
 
   @nn.compact
-  def __call__(self, x_BxTxD, positions_BxT, slots_BxT, k_BxSxKxH, v_BxSxKxH, attn_mask_BxTxS):
+  def __call__(self, x_BxTxD, positions_BxT, slots_BxT, k_BxSxKxH, v_BxSxKxH, attn_mask_BxTxS, mlp_delta_BxTxF=None):
     cfg = self.config
     norm = lambda name: RMSNorm(cfg.rms_eps, cfg.dtype, cfg.norm_plus_one, name=name)
     h_BxTxD = norm("attn_norm")(x_BxTxD)
@@ -337,7 +344,7 @@ class Block(nn.Module):
       attn_BxTxD = norm("post_attn_norm")(attn_BxTxD)
     x_BxTxD = x_BxTxD + attn_BxTxD
     h_BxTxD = norm("mlp_norm")(x_BxTxD)
-    mlp_BxTxD = MLP(cfg, name="mlp")(h_BxTxD)
+    mlp_BxTxD = MLP(cfg, name="mlp")(h_BxTxD, mlp_delta_BxTxF)
     if cfg.post_norms:
       mlp_BxTxD = norm("post_mlp_norm")(mlp_BxTxD)
     x_BxTxD = x_BxTxD + mlp_BxTxD
@@ -350,8 +357,9 @@ class Decoder(nn.Module):
 
   @nn.compact
   def __call__(self, tokens_BxT, positions_BxT, cache: KVCache, attn_mask_BxTxS, return_hidden: bool = False,
-               slots_BxT=None):
-    """Returns ``(logits_BxTxV f32, new_cache)`` or ``(logits_BxTxV, new_cache, hidden_BxTxD)``.
+               slots_BxT=None, tap_layers: tuple[int, ...] = (), mlp_delta_LxBxTxF=None):
+    """Returns ``(logits_BxTxV f32, new_cache)`` or ``(logits_BxTxV, new_cache, hidden_BxTxD)``; with
+    ``tap_layers`` also ``taps_BxTxLxD`` (the residual stream after each listed layer) as a 4th output.
 
     ``slots_BxT`` (default: ``positions_BxT``) are the cache slots the new keys/values go to; tree drafts write
     node ``n`` at its own slot while rotating it by its depth's position (see blockspec_jax.decoding.contracts).
@@ -370,6 +378,15 @@ class Decoder(nn.Module):
     if slots_BxT.shape != (b, t):
       raise ValueError(f"slots_BxT shape {slots_BxT.shape} != tokens shape {(b, t)}")
     attn_mask_BxTxS = attn_mask_BxTxS.astype(jnp.bool_)
+    tap_layers = tuple(tap_layers)
+    if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < cfg.num_layers for i in tap_layers):
+      raise ValueError(f"tap_layers must be layer indices in [0, {cfg.num_layers}), got {tap_layers}")
+    if mlp_delta_LxBxTxF is not None:
+      shape = mlp_delta_LxBxTxF.shape
+      if len(shape) != 4 or shape[0] != cfg.num_layers or shape[1] != b or shape[2] not in (1, t) \
+          or shape[3] != cfg.ffn_dim:
+        raise ValueError(f"mlp_delta_LxBxTxF must be [L = {cfg.num_layers}, B = {b}, T = {t} or 1, F = "
+                         f"{cfg.ffn_dim}], got {shape}")
 
     embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=jnp.float32,
                      embedding_init=nn.initializers.normal(stddev=0.02), name="embed")
@@ -377,11 +394,15 @@ class Decoder(nn.Module):
     if cfg.embed_scale:
       x_BxTxD = x_BxTxD * jnp.asarray(cfg.d_model ** 0.5, dtype=x_BxTxD.dtype)
     k_LxBxSxKxH, v_LxBxSxKxH = cache.k_LxBxSxKxH, cache.v_LxBxSxKxH
+    taps = {}
     for i in range(cfg.num_layers):
+      delta_BxTxF = None if mlp_delta_LxBxTxF is None else mlp_delta_LxBxTxF[i]
       x_BxTxD, k_BxSxKxH, v_BxSxKxH = Block(cfg, cfg.layer_type(i) == "sliding", name=f"layers_{i}")(
-          x_BxTxD, positions_BxT, slots_BxT, k_LxBxSxKxH[i], v_LxBxSxKxH[i], attn_mask_BxTxS)
+          x_BxTxD, positions_BxT, slots_BxT, k_LxBxSxKxH[i], v_LxBxSxKxH[i], attn_mask_BxTxS, delta_BxTxF)
       k_LxBxSxKxH = k_LxBxSxKxH.at[i].set(k_BxSxKxH)
       v_LxBxSxKxH = v_LxBxSxKxH.at[i].set(v_BxSxKxH)
+      if i in tap_layers:
+        taps[i] = x_BxTxD
     hidden_BxTxD = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.norm_plus_one, name="final_norm")(x_BxTxD)
     if cfg.tie_embeddings:  # the embedding table [V, D] is already an (out, in) weight
       logits_BxTxV = kernels.linear(hidden_BxTxD, embed.embedding, impl=cfg.matmul, dtype=cfg.dtype)
@@ -389,6 +410,9 @@ class Decoder(nn.Module):
       logits_BxTxV = Linear(cfg.vocab_size, False, cfg.dtype, cfg.matmul, name="lm_head")(hidden_BxTxD)
     new_cache = KVCache(k_LxBxSxKxH=k_LxBxSxKxH, v_LxBxSxKxH=v_LxBxSxKxH)
     logits_BxTxV = logits_BxTxV.astype(jnp.float32)
+    if tap_layers:
+      taps_BxTxLxD = jnp.stack([taps[i] for i in tap_layers], axis=2)
+      return logits_BxTxV, new_cache, hidden_BxTxD, taps_BxTxLxD
     if return_hidden:
       return logits_BxTxV, new_cache, hidden_BxTxD
     return logits_BxTxV, new_cache

@@ -31,9 +31,11 @@ class ConfigBacked:
 
 @dataclasses.dataclass(frozen=True)
 class DecoderScorer(ConfigBacked):
-  """:class:`~blockspec_jax.models.decoder.Decoder` as the loop's target."""
+  """:class:`~blockspec_jax.models.decoder.Decoder` as the loop's target. ``tap_layers``: layers whose residual
+  stream every pass also returns (``Scored.taps_BxTxLxD``), for drafters that read the target at several depths."""
 
   config: decoder_lib.DecoderConfig
+  tap_layers: tuple[int, ...] = ()
 
   @property
   def module(self) -> decoder_lib.Decoder:
@@ -43,18 +45,34 @@ class DecoderScorer(ConfigBacked):
     return decoder_lib.init_cache(self.config, batch, cache_len, self.config.dtype)
 
   def score(self, params, tokens_BxT, positions_BxT, slots_BxT, mask_BxTxS, cache) -> Scored:
-    logits_BxTxV, cache, hidden_BxTxD = self.module.apply(
-        {"params": params}, tokens_BxT, positions_BxT, cache, mask_BxTxS, return_hidden=True, slots_BxT=slots_BxT)
-    return Scored(logits_BxTxV.astype(jnp.float32), hidden_BxTxD, cache)
+    out = self.module.apply({"params": params}, tokens_BxT, positions_BxT, cache, mask_BxTxS, return_hidden=True,
+                            slots_BxT=slots_BxT, tap_layers=self.tap_layers)
+    taps_BxTxLxD = out[3] if self.tap_layers else None
+    return Scored(out[0].astype(jnp.float32), out[2], out[1], taps_BxTxLxD)
+
+  def with_taps(self, tap_layers: tuple[int, ...]) -> "DecoderScorer":
+    """This scorer also returning the residual stream after ``tap_layers`` (the union with its own taps is not
+    taken: a drafter asks for its layers in its order)."""
+    return dataclasses.replace(self, tap_layers=tuple(tap_layers))
 
   def move_slots(self, cache: decoder_lib.KVCache, src_BxM, dst_BxM, valid_BxM) -> decoder_lib.KVCache:
     return cache.move_slots(src_BxM, dst_BxM, valid_BxM)
 
 
-def as_scorer(target) -> "DecoderScorer":
-  """``target`` if it is already a scorer; a :class:`DecoderScorer` for a ``DecoderConfig``; else a TypeError."""
+def as_scorer(target, tap_layers: tuple[int, ...] = ()) -> "DecoderScorer":
+  """``target`` if it is already a scorer; a :class:`DecoderScorer` for a ``DecoderConfig``; else a TypeError.
+
+  ``tap_layers`` (what a drafter that reads the target at several depths declares as ``target_layers``): the scorer
+  returns those layers' residual streams; a scorer that cannot is a TypeError naming the layers.
+  """
   if isinstance(target, decoder_lib.DecoderConfig):
-    return DecoderScorer(target)
+    return DecoderScorer(target, tuple(tap_layers))
+  tap_layers = tuple(tap_layers)
+  if tap_layers and tuple(getattr(target, "tap_layers", ())) != tap_layers:
+    if not hasattr(target, "with_taps"):
+      raise TypeError(f"the drafter reads the target's layers {tap_layers}, but {type(target).__name__} has no "
+                      "with_taps(layers) to return them")
+    target = target.with_taps(tap_layers)
   missing = [name for name in ("vocab_size", "max_len", "init_cache", "score", "move_slots")
              if not hasattr(target, name)]
   if missing:
