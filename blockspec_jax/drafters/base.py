@@ -21,11 +21,14 @@ from blockspec_jax.models.scorer import ConfigBacked
 __all__ = ["Drafter", "ModelDrafter", "feed"]
 
 
-def feed(module, params, tokens_BxT, positions_BxT, cache, max_len: int, return_hidden: bool = False):
+def feed(module, params, tokens_BxT, positions_BxT, cache, max_len: int, return_hidden: bool = False,
+         mlp_delta_LxBxTxF=None):
   """One forward of ``tokens_BxT`` at ``positions_BxT`` against ``cache``: ``(logits_BxTxV f32, cache)``, and with
-  ``return_hidden`` also the last hidden states ``hidden_BxTxD`` (the final-norm output, the LM head's input)."""
+  ``return_hidden`` also the last hidden states ``hidden_BxTxD`` (the final-norm output, the LM head's input).
+  ``mlp_delta_LxBxTxF``: biases added to every layer's MLP up-projection (SD²'s steering; see ``models.decoder``)."""
   out = module.apply({"params": params}, tokens_BxT, positions_BxT, cache,
-                     decoder_lib.causal_mask(positions_BxT, max_len), return_hidden=return_hidden)
+                     decoder_lib.causal_mask(positions_BxT, max_len), return_hidden=return_hidden,
+                     mlp_delta_LxBxTxF=mlp_delta_LxBxTxF)
   if return_hidden:
     logits, cache, hidden = out
     return logits.astype(jnp.float32), cache, hidden
@@ -60,24 +63,30 @@ class ModelDrafter(ConfigBacked):
     _, cache = feed(self.module, params, tokens_BxP, positions_BxP, cache, max_len)
     return cache
 
+  def forward(self, params, state, tokens_BxT, positions_BxT):
+    """The one place the drafting loop runs the model: feed ``tokens_BxT`` at ``positions_BxT`` into the cache in
+    ``state``; returns ``(state, logits_BxTxV f32, hidden_BxTxD)``. Subclasses whose parameters or state wrap the
+    model's (SPRINTER's head, SD²'s steering biases) override this alone; ``begin``, ``step`` and ``propose``
+    follow."""
+    logits_BxTxV, cache, hidden_BxTxD = feed(self.module, params, tokens_BxT, positions_BxT, state, state.max_len,
+                                             return_hidden=True)
+    return cache, logits_BxTxV, hidden_BxTxD
+
   def begin(self, params, state, tokens_BxS, length_B, sampler):
     """Feed the last two committed tokens (positions ``length − 2``, ``length − 1``): when the previous block was
     fully accepted the drafter has not seen its last token; otherwise re-feeding position ``length − 2`` rewrites
     the same key/value (static shapes either way). Returns ``(state, q_BxV, hidden_BxD)``: the law of the token at
     position ``length`` (after ``sampler``) and the hidden state that produced it."""
-    batch, max_len = tokens_BxS.shape
-    rows_B = jnp.arange(batch)
+    rows_B = jnp.arange(tokens_BxS.shape[0])
     positions_Bx2 = jnp.maximum(length_B[:, None] + jnp.array([[-2, -1]]), 0)
     tokens_Bx2 = tokens_BxS[rows_B[:, None], positions_Bx2]
-    logits_Bx2xV, cache, hidden_Bx2xD = feed(self.module, params, tokens_Bx2, positions_Bx2, state, max_len,
-                                             return_hidden=True)
-    return cache, sampler.probs(logits_Bx2xV[:, -1]), hidden_Bx2xD[:, -1]
+    state, logits_Bx2xV, hidden_Bx2xD = self.forward(params, state, tokens_Bx2, positions_Bx2)
+    return state, sampler.probs(logits_Bx2xV[:, -1]), hidden_Bx2xD[:, -1]
 
   def step(self, params, state, x_B, position_B, sampler):
     """Feed token ``x_B`` at ``position_B``: ``(state, q_BxV, hidden_BxD)`` of the next position."""
-    logits_Bx1xV, cache, hidden_Bx1xD = feed(self.module, params, x_B[:, None], position_B[:, None], state,
-                                             state.max_len, return_hidden=True)
-    return cache, sampler.probs(logits_Bx1xV[:, 0]), hidden_Bx1xD[:, 0]
+    state, logits_Bx1xV, hidden_Bx1xD = self.forward(params, state, x_B[:, None], position_B[:, None])
+    return state, sampler.probs(logits_Bx1xV[:, 0]), hidden_Bx1xD[:, 0]
 
   def propose(self, params, state, tokens_BxS, length_B, key_B, gamma, sampler):
     keys_BxG = jax.vmap(lambda k: jax.random.split(k, gamma))(key_B)

@@ -54,16 +54,11 @@ class SprinterDrafter(ModelDrafter):
   def init_state(self, params, tokens_BxP, prompt_len_B, max_len):
     return super().init_state(params["model"], tokens_BxP, prompt_len_B, max_len)
 
-  def begin(self, params, state, tokens_BxS, length_B, sampler):
-    return super().begin(params["model"], state, tokens_BxS, length_B, sampler)
-
-  def step(self, params, state, x_B, position_B, sampler):
-    return super().step(params["model"], state, x_B, position_B, sampler)
-
-  def propose(self, params, state, tokens_BxS, length_B, key_B, gamma, sampler):
-    return super().propose(params["model"], state, tokens_BxS, length_B, key_B, gamma, sampler)
+  def forward(self, params, state, tokens_BxT, positions_BxT):
+    return super().forward(params["model"], state, tokens_BxT, positions_BxT)
 
   name = "sprinter"
+  run_setting = "head"  # the field naming the training run (jobs.trained_drafter_spec)
 
   def load_params(self, drafter_model, target_model):
     """``{"model": the drafter's parameters, "head": the trained head}`` (host side): the head from the ``head``

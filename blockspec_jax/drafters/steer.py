@@ -1,0 +1,282 @@
+"""SD²: a pretrained drafter steered by the target's hidden states (Berdoz, Rheinboldt, Wattenhofer, AAAI 2026,
+arXiv 2511.09844).
+
+After every verification the target's residual stream at the last accepted position (the query whose law produced
+the last committed token, :meth:`blockspec_jax.decoding.contracts.Commit.last_states`) is read at ``K`` depths
+(default :func:`default_target_layers`: low / middle / high = layers ``(2, L/2, L − 3)`` of the target's ``L``) and
+mapped to one bias per steered drafter layer, added inside that layer's MLP::
+
+    x_BxKD  = concat(taps_BxKxD)                                  [l, m, h]: K · Dt
+    u_BxD   = LayerNorm(W_hml x + b_hml)                          W_hml [Dt, K·Dt] starts as K concatenated
+                                                                  identities (the sum of the taps); LN scale / bias
+    v_BxnF  = W_guide u                                           W_guide [n·F, Dt], no bias, ZERO at initialisation
+                                                                  (or low rank: up [n·F, r] (zero) · down [r, Dt])
+    MLP_i(x) = down(act(gate(x)) * (up(x) + v[i]))                for the n steered layers i; 0 for the others
+
+``steering_deltas`` returns the biases of every drafter layer, f32 ``[L, B, 1, F]`` (zeros in unsteered layers),
+which :class:`~blockspec_jax.models.decoder.Decoder` takes as ``mlp_delta_LxBxTxF``. Parameters of the map
+(:func:`init_steer`; all float32, linear weights ``(out, in)`` as in the decoder)::
+
+    hml/weight [Dt, K·Dt]   hml/bias [Dt]   norm/scale [Dt]   norm/bias [Dt]
+    guide/weight [n·F, Dt]                                   (full rank, the paper's map)
+    guide/down [r, Dt] (Gaussian, std 1/√Dt), guide/up [n·F, r] (zeros)   (rank r)
+
+:class:`SteeredDrafter` is :class:`~blockspec_jax.drafters.base.ModelDrafter` with these biases: its state holds the
+drafter's cache and the current biases ``delta_LxBx1xF``; :meth:`SteeredDrafter.commit` recomputes them from the
+commit's taps, and every forward of the next draft (the re-fed last two committed tokens and each drafted token)
+uses them. Keys and values written under an earlier vector stay in the cache. The prompt is fed plain
+(``init_state``); the prefill's :func:`~blockspec_jax.decoding.contracts.prompt_commit` sets the first biases.
+
+Lossless: the biases depend only on the target's states at committed positions, fixed before the draft is drawn, and
+each drafted token is sampled from exactly the row ``q = sampler.probs(steered logits)`` the draft reports, so the
+draft is an ordinary chain draft and every lossless chain rule keeps the target's law. With ``W_guide = 0`` every
+bias is an exact zero (``u · 0``), ``up(x) + 0 = up(x)`` bit for bit, and the steered drafter IS the plain drafter.
+
+Parameters of the drafter: ``{"model": decoder params, "steer": the map}``; ``steer`` (a field) names the training
+run's work directory (:func:`blockspec_jax.train.steer.load_steer`), whose record also gives ``target_layers`` and
+``steered_layers`` when they are not set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from blockspec_jax.decoding.contracts import Commit
+from blockspec_jax.drafters.base import ModelDrafter, feed
+from blockspec_jax.models import decoder as decoder_lib
+
+__all__ = ["SteerState", "SteeredDrafter", "default_target_layers", "init_steer", "steer_dims", "steering_vectors",
+           "to_layers", "steering_deltas", "check_layers", "LAYER_NORM_EPS"]
+
+#: LayerNorm epsilon of the map (torch's ``nn.LayerNorm`` default, as in the authors' code).
+LAYER_NORM_EPS = 1e-5
+
+
+def default_target_layers(num_target_layers: int) -> tuple[int, ...]:
+  """The target layers SD² reads: low / middle / high = ``(2, L // 2, L − 3)``, each clamped to ``[0, L − 1]`` and
+  sorted (``(2, 14, 25)`` for a 28-layer target; a 4-layer one gives ``(1, 2, 2)``)."""
+  if isinstance(num_target_layers, bool) or not isinstance(num_target_layers, int) or num_target_layers < 1:
+    raise ValueError(f"num_target_layers must be an integer >= 1, got {num_target_layers!r}")
+  top = num_target_layers - 1
+  return tuple(sorted(min(max(i, 0), top) for i in (2, num_target_layers // 2, num_target_layers - 3)))
+
+
+def check_layers(layers, num_layers: int, what: str, allow_repeats: bool = False) -> tuple[int, ...]:
+  """``layers`` as a non-empty tuple of layer indices in ``[0, num_layers)`` (lists from JSON / gin accepted);
+  ValueError naming ``what`` otherwise. Without ``allow_repeats`` they must be strictly increasing."""
+  if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
+    raise ValueError(f"{what} must be a non-empty tuple of layer indices, got {layers!r}")
+  layers = tuple(layers)
+  if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers for i in layers):
+    raise ValueError(f"{what} must be layer indices in [0, {num_layers}), got {layers}")
+  if not allow_repeats and any(a >= b for a, b in zip(layers, layers[1:])):
+    raise ValueError(f"{what} must be strictly increasing, got {layers}")
+  return layers
+
+
+def init_steer(target_d_model: int, num_taps: int, drafter_config: decoder_lib.DecoderConfig,
+               steered_layers: Optional[Sequence[int]] = None, dtype=jnp.float32, rank: Optional[int] = None,
+               seed: int = 0) -> dict:
+  """The untrained map: ``W_hml`` = ``num_taps`` concatenated identities (bias 0), LayerNorm scale 1 / bias 0, and a
+  zero ``W_guide`` (so the steered drafter equals the plain one bit for bit).
+
+  ``steered_layers``: drafter layers that get a bias (None: all); ``rank``: None for the paper's full
+  ``[n·F, Dt]`` guide, else ``up [n·F, r]`` (zeros) after ``down [r, Dt]`` (Gaussian, std ``1/√Dt``, from
+  ``key(seed)``; LoRA's split: zero output, live gradients). ``dtype``: the parameters' dtype (float32 for training).
+  """
+  for name, value in (("target_d_model", target_d_model), ("num_taps", num_taps)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+  layers = tuple(range(drafter_config.num_layers)) if steered_layers is None else check_layers(
+      steered_layers, drafter_config.num_layers, "steered_layers")
+  width = len(layers) * drafter_config.ffn_dim
+  eye_DxD = jnp.eye(target_d_model, dtype=dtype)
+  steer = {"hml": {"weight": jnp.concatenate([eye_DxD] * num_taps, axis=1),
+                   "bias": jnp.zeros((target_d_model,), dtype)},
+           "norm": {"scale": jnp.ones((target_d_model,), dtype), "bias": jnp.zeros((target_d_model,), dtype)}}
+  if rank is None:
+    steer["guide"] = {"weight": jnp.zeros((width, target_d_model), dtype)}
+  else:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+      raise ValueError(f"rank must be an integer >= 1 (or None for the full map), got {rank!r}")
+    down_RxD = jax.random.normal(jax.random.key(seed), (rank, target_d_model), jnp.float32) / math.sqrt(target_d_model)
+    steer["guide"] = {"down": down_RxD.astype(dtype), "up": jnp.zeros((width, rank), dtype)}
+  return steer
+
+
+def steer_dims(steer) -> dict:
+  """``{"target_d_model", "num_taps", "width", "rank"}`` of a map (``width`` = n·F, ``rank`` None when full); a
+  ValueError when its tree or shapes are not a steering map's."""
+  try:
+    weight, bias = steer["hml"]["weight"], steer["hml"]["bias"]
+    scale, norm_bias = steer["norm"]["scale"], steer["norm"]["bias"]
+    guide = steer["guide"]
+  except (KeyError, TypeError) as e:
+    raise ValueError(f"not a steering map (hml / norm / guide): missing {e}") from None
+  d_model = bias.shape[0] if bias.ndim == 1 else -1
+  if bias.ndim != 1 or weight.ndim != 2 or weight.shape[0] != d_model or weight.shape[1] % max(d_model, 1) \
+      or weight.shape[1] == 0 or scale.shape != (d_model,) or norm_bias.shape != (d_model,):
+    raise ValueError(f"steering map: hml/weight {weight.shape}, hml/bias {bias.shape}, norm/scale {scale.shape} and "
+                     f"norm/bias {norm_bias.shape} are not [Dt, K·Dt], [Dt], [Dt], [Dt]")
+  if set(guide) == {"weight"}:
+    if guide["weight"].ndim != 2 or guide["weight"].shape[1] != d_model:
+      raise ValueError(f"steering map: guide/weight {guide['weight'].shape} is not [n·F, Dt = {d_model}]")
+    width, rank = guide["weight"].shape[0], None
+  elif set(guide) == {"down", "up"}:
+    down, up = guide["down"], guide["up"]
+    if down.ndim != 2 or up.ndim != 2 or down.shape[1] != d_model or up.shape[1] != down.shape[0]:
+      raise ValueError(f"steering map: guide/down {down.shape} and guide/up {up.shape} are not [r, Dt = {d_model}] "
+                       "and [n·F, r]")
+    width, rank = up.shape[0], down.shape[0]
+  else:
+    raise ValueError(f"steering map: guide holds {sorted(guide)}, expected ['weight'] or ['down', 'up']")
+  return {"target_d_model": int(d_model), "num_taps": int(weight.shape[1] // d_model), "width": int(width),
+          "rank": None if rank is None else int(rank)}
+
+
+def steering_vectors(steer, taps_XxKxD: jax.Array, ffn_dim: int) -> jax.Array:
+  """f32 ``[..., n, F]``: the map on the target's taps ``[..., K, Dt]`` (any leading shape; computed in float32)."""
+  x_XxKD = taps_XxKxD.astype(jnp.float32).reshape(taps_XxKxD.shape[:-2] + (-1,))
+  lead = (1,) * (x_XxKD.ndim - 1)
+  vector = lambda v_D: v_D.astype(jnp.float32).reshape(lead + v_D.shape)  # [D] at the rank of [..., D]
+  h_XxD = jnp.einsum("...i,oi->...o", x_XxKD, steer["hml"]["weight"].astype(jnp.float32)) \
+      + vector(steer["hml"]["bias"])
+  mean_Xx1 = jnp.mean(h_XxD, axis=-1, keepdims=True)
+  var_Xx1 = jnp.mean(jnp.square(h_XxD - mean_Xx1), axis=-1, keepdims=True)
+  u_XxD = (h_XxD - mean_Xx1) * jax.lax.rsqrt(var_Xx1 + LAYER_NORM_EPS) * vector(steer["norm"]["scale"]) \
+      + vector(steer["norm"]["bias"])
+  guide = steer["guide"]
+  if "weight" in guide:
+    v_XxW = jnp.einsum("...d,wd->...w", u_XxD, guide["weight"].astype(jnp.float32))
+  else:
+    z_XxR = jnp.einsum("...d,rd->...r", u_XxD, guide["down"].astype(jnp.float32))
+    v_XxW = jnp.einsum("...r,wr->...w", z_XxR, guide["up"].astype(jnp.float32))
+  width = v_XxW.shape[-1]
+  if width % ffn_dim:
+    raise ValueError(f"the steering map's output width {width} is not a multiple of the drafter's F = {ffn_dim}")
+  return v_XxW.reshape(v_XxW.shape[:-1] + (width // ffn_dim, ffn_dim))
+
+
+def to_layers(vectors_BxTxNxF: jax.Array, num_layers: int,
+              steered_layers: Optional[Sequence[int]] = None) -> jax.Array:
+  """f32 ``[L, B, T, F]``: the ``n`` steered layers' biases in their layers, zeros in the others (``steered_layers``
+  None: all ``L`` layers, in order)."""
+  n_steered = vectors_BxTxNxF.shape[2]
+  layers = tuple(range(num_layers)) if steered_layers is None else tuple(steered_layers)
+  if len(layers) != n_steered:
+    raise ValueError(f"the steering map has {n_steered} layer biases, but {len(layers)} drafter layers are steered "
+                     f"({layers})")
+  moved_NxBxTxF = jnp.moveaxis(vectors_BxTxNxF, 2, 0)
+  if layers == tuple(range(num_layers)):
+    return moved_NxBxTxF
+  zeros_LxBxTxF = jnp.zeros((num_layers,) + moved_NxBxTxF.shape[1:], moved_NxBxTxF.dtype)
+  return zeros_LxBxTxF.at[jnp.asarray(layers, jnp.int32)].set(moved_NxBxTxF)
+
+
+def steering_deltas(steer, taps_BxKxD: jax.Array, drafter_config: decoder_lib.DecoderConfig,
+                    steered_layers: Optional[Sequence[int]] = None) -> jax.Array:
+  """f32 ``[L_drafter, B, 1, F]``: every drafter layer's MLP bias for the target's taps ``[B, K, Dt]`` at one
+  position per row (zeros in the layers not in ``steered_layers``; None = all)."""
+  vectors_BxNxF = steering_vectors(steer, taps_BxKxD, drafter_config.ffn_dim)
+  return to_layers(vectors_BxNxF[:, None], drafter_config.num_layers, steered_layers)
+
+
+@struct.dataclass
+class SteerState:
+  """The steered drafter's loop state: its KV cache and the biases of the current draft, f32 ``[L, B, 1, F]``."""
+  cache: decoder_lib.KVCache
+  delta_LxBx1xF: jax.Array
+
+  @property
+  def max_len(self) -> int:
+    return self.cache.max_len
+
+
+@dataclasses.dataclass(frozen=True)
+class SteeredDrafter(ModelDrafter):
+  """:class:`~blockspec_jax.drafters.base.ModelDrafter` steered by the target (SD²; see the module docstring).
+
+  ``target_layers``   the target layers read (the loop taps them; order = the map's ``[l, m, h]``)
+  ``steered_layers``  drafter layers with a bias (None: all)
+  ``steer``           work directory of the trained map (``load_params`` reads it; not used under jit). When given,
+                      unset ``target_layers`` / ``steered_layers`` are taken from its record.
+  """
+
+  target_layers: tuple[int, ...] = ()
+  steered_layers: Optional[tuple[int, ...]] = None
+  steer: Optional[str] = None
+  reads_target = True
+  name = "steered"
+  run_setting = "steer"  # the field naming the training run (jobs.trained_drafter_spec)
+
+  def __post_init__(self):
+    target_layers, steered_layers = self.target_layers, self.steered_layers
+    if self.steer is not None and (not target_layers or steered_layers is None):
+      recorded = _recorded_layers(self.steer)
+      if recorded is not None:
+        target_layers = target_layers or recorded[0]
+        steered_layers = recorded[1] if steered_layers is None else steered_layers
+    target_layers = tuple(target_layers or ())
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in target_layers):
+      raise ValueError(f"target_layers must be layer indices >= 0, got {target_layers}")
+    if steered_layers is not None:
+      steered_layers = check_layers(steered_layers, self.config.num_layers, "steered_layers")
+    object.__setattr__(self, "target_layers", target_layers)
+    object.__setattr__(self, "steered_layers", steered_layers)
+
+  @property
+  def layers(self) -> tuple[int, ...]:
+    """The steered drafter layers (all of them when ``steered_layers`` is None)."""
+    return tuple(range(self.config.num_layers)) if self.steered_layers is None else self.steered_layers
+
+  def init_state(self, params, tokens_BxP, prompt_len_B, max_len):
+    cache = super().init_state(params["model"], tokens_BxP, prompt_len_B, max_len)  # the prompt, unsteered
+    delta_LxBx1xF = jnp.zeros((self.config.num_layers, tokens_BxP.shape[0], 1, self.config.ffn_dim), jnp.float32)
+    return SteerState(cache, delta_LxBx1xF)
+
+  def forward(self, params, state: SteerState, tokens_BxT, positions_BxT):
+    """One steered forward (the only place the biases enter the drafter; ``begin``, ``step`` and ``propose`` are
+    :class:`ModelDrafter`'s): the current draft's biases added to every MLP up-projection."""
+    logits_BxTxV, cache, hidden_BxTxD = feed(self.module, params["model"], tokens_BxT, positions_BxT, state.cache,
+                                             state.max_len, return_hidden=True, mlp_delta_LxBxTxF=state.delta_LxBx1xF)
+    return state.replace(cache=cache), logits_BxTxV, hidden_BxTxD
+
+  def commit(self, params, state: SteerState, commit: Commit):
+    """The next draft's biases from the target's taps at the last accepted position (``commit.last_states()``)."""
+    _, taps_BxKxD = commit.last_states()
+    if taps_BxKxD is None or not self.target_layers:
+      raise ValueError("SteeredDrafter reads the target's layers but got no taps: give target_layers (e.g. "
+                       "default_target_layers(target.num_layers)) or a trained map `steer` whose record names them")
+    delta_LxBx1xF = steering_deltas(params["steer"], taps_BxKxD, self.config, self.steered_layers)
+    return state.replace(delta_LxBx1xF=delta_LxBx1xF)
+
+  def load_params(self, drafter_model, target_model):
+    """``{"model": the drafter's parameters, "steer": the trained map}`` (host side): the map from the ``steer``
+    work directory, checked against both models' shapes and this drafter's layers. ``drafter_model`` /
+    ``target_model``: ``hub.LoadedModel``s."""
+    if self.steer is None:
+      raise ValueError("needs a trained steering map: train one with `python -m blockspec_jax.train --gin_file "
+                       "gin/train/steer_qwen.gin` and bind drafter_settings = {'steered': {'steer': '<its work "
+                       "directory>'}}")
+    from blockspec_jax.train import steer as steer_train  # host-side loading only
+    steer, _ = steer_train.load_steer(self.steer, target_config=target_model.config,
+                                      drafter_config=drafter_model.config, target_layers=self.target_layers or None,
+                                      steered_layers=self.layers)
+    return {"model": drafter_model.params["params"], "steer": steer}
+
+
+def _recorded_layers(workdir):
+  """``(target_layers, steered_layers)`` from a training run's record, or None when it cannot be read (then
+  :meth:`SteeredDrafter.load_params` reports the problem)."""
+  from blockspec_jax.train import steer as steer_train  # host-side, at construction
+  try:
+    info = steer_train.read_steer_info(workdir)
+    return tuple(info["target_layers"]), tuple(info["steered_layers"])
+  except (OSError, ValueError, KeyError, TypeError):
+    return None

@@ -1,0 +1,114 @@
+"""Helpers shared by the training entry points (``distill_job`` / ``sprinter_job`` in ``train/__main__.py``,
+``heads_job``, ``steer_job``) and their library modules: setting checks, the real-model prompt pool (held-out file +
+disjoint training pool, kept in the workdir and encoded into padded arrays), model labels for reports and the reader
+of cached collected data. No gin here: the jobs register themselves.
+
+Errors: a job's settings (``job`` given) raise :class:`blockspec_jax.jobs.UsageError` naming ``<job>.<setting>``;
+library arguments (no ``job``) raise ``ValueError`` naming the argument.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from typing import Callable
+
+import numpy as np
+
+from blockspec_jax import jobs
+from blockspec_jax.eval import prompts as prompts_lib
+
+__all__ = ["check_int", "check_number", "prompt_rows", "encode_pool", "model_name", "read_cached"]
+
+
+def check_int(value, name: str, low: int = 1, *, job: str | None = None) -> int:
+  """``value`` as an int when it is an integer >= ``low``. With ``job``: a job setting (``<job>.<name>`` in the
+  UsageError), which must be a Python int (it is recorded as JSON); without: a library argument (ValueError), a NumPy
+  integer allowed."""
+  kinds = int if job is not None else (int, np.integer)
+  if isinstance(value, bool) or not isinstance(value, kinds) or value < low:
+    if job is not None:
+      raise jobs.UsageError(f"{job}.{name} must be an integer >= {low}, got {value!r}")
+    raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+  return int(value)
+
+
+def check_number(value, name: str, low: float = 0.0, strict: bool = False, *, job: str | None = None) -> float:
+  """``value`` as a float when it is a finite number >= ``low`` (> when ``strict``); errors as :func:`check_int`."""
+  ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+  if not ok or value < low or (strict and value == low):
+    message = f"must be a finite number {'>' if strict else '>='} {low}, got {value!r}"
+    if job is not None:
+      raise jobs.UsageError(f"{job}.{name} {message}")
+    raise ValueError(f"{name} {message}")
+  return float(value)
+
+
+def prompt_rows(workdir, heldout_prompts: str, per_task: int, seed: int) -> tuple[list, list]:
+  """Held-out rows (the prompt file) and training rows (a pool from the same packages, disjoint from them), written
+  to ``workdir`` (``prompts_heldout.jsonl`` / ``prompts_train.jsonl``) on the first run and read back from there on
+  a resume (same prompts, no download)."""
+  workdir = pathlib.Path(workdir)
+  held_path, train_path = workdir / "prompts_heldout.jsonl", workdir / "prompts_train.jsonl"
+  if held_path.exists() and train_path.exists():
+    return prompts_lib.load_prompts(held_path), prompts_lib.load_prompts(train_path)
+  heldout = prompts_lib.load_prompts(heldout_prompts)
+  print(f"building the training prompt pool ({per_task} per task, disjoint from {heldout_prompts}) …", flush=True)
+  train = prompts_lib.build_training_pool(heldout, per_task=per_task, seed=seed)
+  for path, rows in ((held_path, heldout), (train_path, train)):
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+  return heldout, train
+
+
+def encode_pool(model, heldout_rows, train_rows, max_prompt_len: int, chat: bool, job: str):
+  """The training prompts then the held-out ones, encoded with ``model``'s tokenizer (chat-templated when ``chat``)
+  into ``(prompts_NxP int32, prompt_len_N, (train_idx, heldout_idx), by_task, dropped)``: training prompts longer
+  than ``max_prompt_len`` tokens are left out (``dropped`` of them; ``by_task`` counts the kept ones per task), a
+  held-out one that long is a UsageError naming ``<job>.max_prompt_len``."""
+  held_ids = jobs.encode_prompts(model, heldout_rows, chat)
+  too_long = [r["id"] for r, ids in zip(heldout_rows, held_ids) if len(ids) > max_prompt_len]
+  if too_long:
+    raise jobs.UsageError(f"held-out prompts {too_long} are longer than {job}.max_prompt_len = {max_prompt_len} "
+                          "tokens; raise it")
+  train_ids = jobs.encode_prompts(model, train_rows, chat)
+  kept = [i for i, ids in enumerate(train_ids) if len(ids) <= max_prompt_len]
+  by_task: dict[str, int] = {}
+  for i in kept:
+    by_task[train_rows[i]["task"]] = by_task.get(train_rows[i]["task"], 0) + 1
+  dropped = len(train_ids) - len(kept)
+  print(f"prompts: {len(kept)} for training {by_task} ({dropped} longer than {max_prompt_len} tokens left out), "
+        f"{len(held_ids)} held out", flush=True)
+  all_ids = [train_ids[i] for i in kept] + held_ids
+  prompts_NxP = np.zeros((len(all_ids), max_prompt_len), np.int32)
+  for i, ids in enumerate(all_ids):
+    prompts_NxP[i, :len(ids)] = ids
+  prompt_len_N = np.asarray([len(ids) for ids in all_ids], np.int32)
+  split = (np.arange(len(kept)), np.arange(len(kept), len(all_ids)))
+  return prompts_NxP, prompt_len_N, split, by_task, dropped
+
+
+def model_name(name, config, seed) -> str:
+  """A model's label in reports: its name, or (``name`` None) a random tiny decoder's shape and seed."""
+  if name is not None:
+    return str(name)
+  return f"random tiny decoder (seed {seed}, V = {config.vocab_size}, D = {config.d_model}, {config.num_layers} layers)"
+
+
+def read_cached(path: pathlib.Path, meta: dict, load: Callable, *, redo: str, compare_saved_keys: bool = True):
+  """The data in ``path`` (read by ``load(path) -> (data, saved_meta)``) when it exists and was collected with
+  ``meta``'s settings; None when absent. Settings that differ are a UsageError ending ``use a fresh workdir or delete
+  {redo}``; keys only the file records are compared too unless ``compare_saved_keys`` is False (files that also
+  record facts such as V and D)."""
+  if not path.exists():
+    return None
+  try:
+    data, saved = load(path)
+  except ValueError as e:
+    raise jobs.UsageError(str(e)) from None
+  keys = set(meta) | set(saved) if compare_saved_keys else set(meta)
+  changed = sorted(k for k in keys if meta.get(k) != saved.get(k))
+  if changed:
+    raise jobs.UsageError(f"{path} was collected with other settings ({', '.join(changed)} differ); use a fresh "
+                          f"workdir or delete {redo}")
+  return data

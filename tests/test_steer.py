@@ -1,0 +1,450 @@
+"""SD² (blockspec_jax.drafters.steer, blockspec_jax.train.steer, blockspec_jax.train.steer_job): a zero map is the
+plain drafter bit for bit through the loop, a random map keeps every lossless rule lossless (χ² against the exact law)
+and greedy decoding equal to the autoregressive tokens, the biases after a commit are the map of the target's taps at
+the last accepted position and drive every draft law, the loss trains the map alone, storage is checked, and the
+smoke job runs and resumes.
+
+Tiny random models only (V = 6 for the exact laws); every seed fixed."""
+
+import dataclasses
+import functools
+import itertools
+import json
+import os
+import types
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from blockspec_jax import jobs, sampling, theory, verify
+from blockspec_jax.decoding import contracts
+from blockspec_jax.decoding import speculative as spec
+from blockspec_jax.drafters import ModelDrafter
+from blockspec_jax.drafters.steer import (SteeredDrafter, default_target_layers, init_steer, steer_dims,
+                                          steering_deltas, steering_vectors)
+from blockspec_jax.models import decoder as dec
+from blockspec_jax.train import distill, divergences, steer as steer_lib, trainer
+from blockspec_jax.train.steer_job import steer_job
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+T1 = sampling.Sampler(temperature=1.0)
+GREEDY = sampling.Sampler(temperature=0.0)
+VOCAB = 6
+PROMPT = [1, 4]
+RAGGED = [[1, 2, 3, 4, 5, 0, 1], [3, 4], [5, 1, 2, 1], [2]]
+N_LAW = 16_000  # rows of PROMPT in the law batch (then the RAGGED rows)
+GAMMA_LAW, NEW_LAW = 2, 3  # 3 emitted tokens with γ = 2: the first block, then a block after a loop commit
+GAMMA_GREEDY, NEW_GREEDY = 3, 12
+
+
+@functools.lru_cache(maxsize=None)
+def target_sequence_law(n):
+  """The target's exact law of the ``n`` tokens after PROMPT at T = 1: all ``V^n`` continuations in one forward,
+  the product of their conditional probabilities (float64, renormalised)."""
+  target, tp, _, _ = pair()
+  conts = np.array(list(itertools.product(range(VOCAB), repeat=n)), np.int32)
+  logits, _ = full_forward(target, tp, [PROMPT + c for c in conts.tolist()])
+  logp = np.asarray(jax.nn.log_softmax(logits, axis=-1), np.float64)
+  p0 = len(PROMPT)
+  total = sum(logp[np.arange(len(conts)), p0 - 1 + j, conts[:, j]] for j in range(n))
+  probs = np.exp(total)
+  return {tuple(c): float(x) for c, x in zip(conts.tolist(), probs / probs.sum())}
+
+
+@functools.lru_cache(maxsize=None)
+def pair():
+  """A 4-layer target (read at default_target_layers(4) = (1, 2, 2)) and a smaller 2-layer drafter (D 16, F 32)."""
+  target = dec.DecoderConfig.tiny(vocab_size=VOCAB, num_layers=4)
+  drafter = dec.DecoderConfig.tiny(vocab_size=VOCAB, num_layers=2, d_model=16, num_heads=2, num_kv_heads=1,
+                                   ffn_dim=32)
+  return target, dec.init_params(target, 0), drafter, dec.init_params(drafter, 1)
+
+
+def random_map(target, drafter, seed=3, scale=1.0, steered_layers=None, rank=None):
+  """A nonzero map: every leaf of the untrained map plus Gaussian noise (the guide of std ``scale``: biases of
+  order ``scale`` on the drafter's up-projections)."""
+  steer = init_steer(target.d_model, 3, drafter, steered_layers, rank=rank)
+  paths, tree = jax.tree_util.tree_flatten_with_path(steer)
+  keys = jax.random.split(jax.random.key(seed), len(paths))
+  noisy = [x + (scale if path[0].key == "guide" else 0.1) * jax.random.normal(k, x.shape)
+           for (path, x), k in zip(paths, keys)]
+  return jax.tree.unflatten(tree, noisy)
+
+
+def steered_drafter(drafter, target):
+  return SteeredDrafter(drafter, target_layers=default_target_layers(target.num_layers))
+
+
+def law_batch():
+  """N_LAW rows of PROMPT then the RAGGED rows (right-padded to width 7)."""
+  return spec.prepare_prompts([PROMPT] * N_LAW + RAGGED)
+
+
+def run(target_params, drafter_params, prompts, keys, *, drafter, gamma, max_new, verifier="block", sampler=T1):
+  target = pair()[0]
+  tokens, lens = prompts
+  return spec.generate_speculative(target_params, drafter_params, keys, tokens, lens, target=target, drafter=drafter,
+                                   gamma=gamma, max_new_tokens=max_new, verifier=verifier, sampler=sampler)
+
+
+def assert_same_output(a, b):
+  np.testing.assert_array_equal(np.asarray(a.tokens_BxN), np.asarray(b.tokens_BxN))
+  np.testing.assert_array_equal(np.asarray(a.num_tokens_B), np.asarray(b.num_tokens_B))
+  for name, x, y in zip(spec.DecodeMetrics.__dataclass_fields__, jax.tree.leaves(a.metrics),
+                        jax.tree.leaves(b.metrics)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+
+
+@functools.partial(jax.jit, static_argnames=("drafter", "gamma", "sampler"))
+def one_iteration(target_params, drafter_params, tokens_BxP, prompt_len_B, key, *, drafter, gamma, sampler):
+  """The prefill, then one iteration of the loop's body for a chain drafter (block verification, no stop token or
+  budget cut): ``(prefill drafter state, ScoredDraft, verdict, emitted block [B, γ + 1], committed drafter state)``."""
+  target = pair()[0]
+  state = spec.speculative_prefill(target_params, drafter_params, tokens_BxP, prompt_len_B, target=target,
+                                   drafter=drafter, gamma=gamma, max_new_tokens=4 * gamma)
+  batch = tokens_BxP.shape[0]
+  draft_key_B, verify_key_B = jax.random.split(key, (2, batch))
+  scored = spec.draft_and_score(target_params, drafter_params, state, draft_key_B, target=target, drafter=drafter,
+                                gamma=gamma, sampler=sampler)
+  verdict = verify.get_verifier("block").verify_draft(verify_key_B, scored.draft, scored.p_BxN1xV, scored.depth_BxN,
+                                                       gamma)
+  tau_B = verdict.num_accepted_B
+  block_BxG1 = jnp.concatenate([scored.draft.tokens_BxN, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+  block_BxG1 = block_BxG1.at[jnp.arange(batch), tau_B].set(verdict.next_token_B)
+  # a chain's accepted path is its first τ nodes: the commit's rows are the queries [last committed, nodes] as scored
+  commit = contracts.Commit(old_length_B=state.length_B, new_length_B=state.length_B + tau_B + 1,
+                            num_accepted_B=tau_B, path_BxG=verdict.path_BxG, tokens_BxG1=block_BxG1,
+                            hidden_BxG1xD=scored.hidden_BxN1xD, taps_BxG1xLxD=scored.taps_BxN1xLxD)
+  committed = drafter.commit(drafter_params, scored.drafter_state, commit)
+  return state.drafter_state, scored, verdict, block_BxG1, committed
+
+
+@functools.partial(jax.jit, static_argnames=("config", "tap_layers"))
+def _forward(config, params, tokens_BxT, delta_LxBxTxF, *, tap_layers):
+  positions = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
+  out = dec.Decoder(config).apply({"params": params}, tokens_BxT, positions,
+                                  dec.init_cache(config, tokens_BxT.shape[0], tokens_BxT.shape[1]),
+                                  dec.causal_mask(positions, tokens_BxT.shape[1]), return_hidden=True,
+                                  tap_layers=tap_layers, mlp_delta_LxBxTxF=delta_LxBxTxF)
+  return out[0], (out[3] if tap_layers else None)
+
+
+def full_forward(config, params, rows, tap_layers=(), delta_from=None, delta_LxBx1xF=None):
+  """One causal pass over right-padded ``rows`` (f32 logits [B, T, V], taps [B, T, K, D] or None); with
+  ``delta_LxBx1xF`` the MLP biases on the positions ``t ≥ delta_from[b]`` of each row."""
+  width = max(len(r) for r in rows)
+  tokens = jnp.asarray([list(r) + [0] * (width - len(r)) for r in rows], jnp.int32)
+  delta = None
+  if delta_LxBx1xF is not None:
+    on_BxT = (np.arange(width)[None, :] >= np.asarray(delta_from)[:, None]).astype(np.float32)
+    delta = delta_LxBx1xF * jnp.asarray(on_BxT)[None, :, :, None]
+  return _forward(config, params, tokens, delta, tap_layers=tuple(tap_layers))
+
+
+# --- the zero map is the plain drafter --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sampler,prompts,gamma,max_new", [(T1, "law", GAMMA_LAW, NEW_LAW),
+                                                          (GREEDY, "ragged", GAMMA_GREEDY, NEW_GREEDY)])
+def test_a_zero_map_is_the_plain_drafter_bit_for_bit(sampler, prompts, gamma, max_new):
+  """W_guide = 0: tokens and every metric of the loop equal the plain ModelDrafter's exactly (T = 1: 16 004 rows,
+  ragged ones included; T = 0: the ragged batch)."""
+  target, tp, drafter, dp = pair()
+  batch = law_batch() if prompts == "law" else spec.prepare_prompts(RAGGED)
+  keys = jax.random.split(jax.random.key(5), batch[0].shape[0])
+  plain = run(tp, dp, batch, keys, drafter=ModelDrafter(drafter), gamma=gamma, max_new=max_new, sampler=sampler)
+  zero = {"model": dp, "steer": init_steer(target.d_model, 3, drafter)}
+  steered = run(tp, zero, batch, keys, drafter=steered_drafter(drafter, target), gamma=gamma, max_new=max_new,
+                sampler=sampler)
+  assert_same_output(plain, steered)
+  assert 0 < int(plain.metrics.num_accepted_tokens.sum()) < int(plain.metrics.num_draft_tokens.sum())
+
+
+def test_a_zero_map_drafts_the_plain_q_rows():
+  """The first draft after the prefill (ragged rows, one-token prompt included): the steered drafter's q rows, tokens
+  and the target's p rows equal the plain drafter's bit for bit."""
+  target, tp, drafter, dp = pair()
+  tokens, lens = spec.prepare_prompts(RAGGED)
+  zero = {"model": dp, "steer": init_steer(target.d_model, 3, drafter)}
+  _, plain, *_ = one_iteration(tp, dp, tokens, lens, jax.random.key(2), drafter=ModelDrafter(drafter),
+                               gamma=GAMMA_GREEDY, sampler=T1)
+  _, steered, *_ = one_iteration(tp, zero, tokens, lens, jax.random.key(2), drafter=steered_drafter(drafter, target),
+                                 gamma=GAMMA_GREEDY, sampler=T1)
+  np.testing.assert_array_equal(np.asarray(plain.draft.q_BxNxV), np.asarray(steered.draft.q_BxNxV))
+  np.testing.assert_array_equal(np.asarray(plain.draft.tokens_BxN), np.asarray(steered.draft.tokens_BxN))
+  np.testing.assert_array_equal(np.asarray(plain.p_BxN1xV), np.asarray(steered.p_BxN1xV))
+
+
+# --- a random map stays lossless --------------------------------------------------------------------------------------
+
+def test_a_random_map_changes_the_draft_law():
+  """The law test below is not vacuous: the random map moves the first draft law of PROMPT by TV > 0.1."""
+  target, tp, drafter, dp = pair()
+  steer = random_map(target, drafter)
+  _, taps = full_forward(target, tp, [PROMPT], default_target_layers(target.num_layers))
+  delta = steering_deltas(steer, taps[:, len(PROMPT) - 2], drafter)
+  plain, _ = full_forward(drafter, dp, [PROMPT])
+  steered, _ = full_forward(drafter, dp, [PROMPT], delta_from=[0], delta_LxBx1xF=delta)
+  tv = 0.5 * float(jnp.sum(jnp.abs(jax.nn.softmax(plain[0, -1]) - jax.nn.softmax(steered[0, -1]))))
+  assert tv > 0.1, tv
+
+
+@pytest.mark.parametrize("rule", ["block", "token"])
+def test_a_random_map_keeps_the_target_law(rule):
+  """T = 1, V = 6, γ = 2, a random map: the first 3 emitted tokens after PROMPT (a block after the prefill's commit,
+  then one after a loop commit) follow the target's exact law (χ², 16 000 seeded rows), for block and token
+  verification; no invalid probability row."""
+  target, tp, drafter, dp = pair()
+  params = {"model": dp, "steer": random_map(target, drafter)}
+  batch = law_batch()
+  out = run(tp, params, batch, jax.random.split(jax.random.key(11), batch[0].shape[0]),
+            drafter=steered_drafter(drafter, target), gamma=GAMMA_LAW, max_new=NEW_LAW, verifier=rule)
+  counts = {}
+  for row in map(tuple, np.asarray(out.tokens_BxN[:N_LAW]).tolist()):
+    counts[row] = counts.get(row, 0) + 1
+  res = theory.chi2_gof(counts, target_sequence_law(NEW_LAW))
+  print(f"{rule}: χ² p = {res.p_value:.4g} (dof {res.dof})")
+  assert res.p_value > 1e-3
+  assert int(np.sum(out.metrics.invalid_prob_rows)) == 0
+  assert int(np.sum(out.metrics.num_drafts[:N_LAW] > 1)) > N_LAW // 4  # many rows reach a loop commit
+
+
+def test_greedy_with_a_random_map_is_autoregressive():
+  """T = 0, a random map, the ragged batch: exactly the target's autoregressive tokens."""
+  target, tp, drafter, dp = pair()
+  params = {"model": dp, "steer": random_map(target, drafter)}
+  batch = spec.prepare_prompts(RAGGED)
+  keys = jax.random.split(jax.random.key(5), len(RAGGED))
+  out = run(tp, params, batch, keys, drafter=steered_drafter(drafter, target), gamma=GAMMA_GREEDY,
+            max_new=NEW_GREEDY, sampler=GREEDY)
+  ar = spec.generate_autoregressive(tp, keys, *batch, target=target, max_new_tokens=NEW_GREEDY, sampler=GREEDY)
+  np.testing.assert_array_equal(np.asarray(out.tokens_BxN), np.asarray(ar.tokens_BxN))
+  np.testing.assert_array_equal(np.asarray(out.num_tokens_B), [NEW_GREEDY] * len(RAGGED))
+
+
+# --- the steering a commit sets ---------------------------------------------------------------------------------------
+
+def test_steering_after_a_commit_is_the_map_of_the_last_accepted_position():
+  """Ragged rows (a one-token prompt included), a random map: after the prefill the biases are the map of a full
+  target forward's taps at position P − 2 (zero taps for P = 1), every q row of the first draft is the drafter's law
+  under those biases from position P − 2 on, and after a verified block of τ + 1 tokens the biases are the map of
+  the taps at new_length − 2."""
+  target, tp, drafter, dp = pair()
+  layers = default_target_layers(target.num_layers)
+  steer = random_map(target, drafter)
+  tokens, lens = spec.prepare_prompts(RAGGED)
+  prefill, scored, verdict, block, committed = one_iteration(
+      tp, {"model": dp, "steer": steer}, tokens, lens, jax.random.key(2), drafter=SteeredDrafter(drafter, layers),
+      gamma=GAMMA_GREEDY, sampler=T1)
+  _, taps = full_forward(target, tp, RAGGED, layers)
+  lens = np.asarray(lens)
+  at_BxKxD = jnp.stack([taps[b, p - 2] if p >= 2 else jnp.zeros_like(taps[b, 0]) for b, p in enumerate(lens)])
+  expected = steering_deltas(steer, at_BxKxD, drafter)
+  np.testing.assert_allclose(np.asarray(prefill.delta_LxBx1xF), np.asarray(expected), rtol=1e-5, atol=1e-5)
+  # every q row: the drafter over prompt + draft, biased from position P − 2 on (K/V and queries alike)
+  draft = np.asarray(scored.draft.tokens_BxN)
+  rows = [list(r) + draft[b].tolist() for b, r in enumerate(RAGGED)]
+  logits, _ = full_forward(drafter, dp, rows, delta_from=lens - 2, delta_LxBx1xF=expected)
+  for b, p in enumerate(lens):
+    q_GxV = jax.nn.softmax(logits[b, p - 1:p - 1 + GAMMA_GREEDY], axis=-1)
+    np.testing.assert_allclose(np.asarray(scored.draft.q_BxNxV[b]), np.asarray(q_GxV), rtol=1e-4, atol=1e-5)
+  # after the block: the taps at the query that produced the last committed token
+  tau = np.asarray(verdict.num_accepted_B)
+  committed_rows = [list(r) + np.asarray(block[b, :tau[b] + 1]).tolist() for b, r in enumerate(RAGGED)]
+  _, taps = full_forward(target, tp, committed_rows, layers)
+  at_BxKxD = jnp.stack([taps[b, len(r) - 2] for b, r in enumerate(committed_rows)])
+  np.testing.assert_allclose(np.asarray(committed.delta_LxBx1xF), np.asarray(steering_deltas(steer, at_BxKxD, drafter)),
+                             rtol=1e-5, atol=1e-5)
+  assert set(tau.tolist()) != {GAMMA_GREEDY}  # some rows were cut short: the position really depends on τ
+
+
+def test_map_shapes_subsets_and_low_rank():
+  """Unsteered layers get exact zeros; the initial W_hml sums the taps; a low-rank map starts at zero too."""
+  target, _, drafter, _ = pair()
+  taps = jax.random.normal(jax.random.key(0), (3, 3, target.d_model))
+  steer = random_map(target, drafter, steered_layers=(1,))
+  delta = steering_deltas(steer, taps, drafter, steered_layers=(1,))
+  assert delta.shape == (drafter.num_layers, 3, 1, drafter.ffn_dim) and delta.dtype == jnp.float32
+  assert np.all(np.asarray(delta[0]) == 0) and np.any(np.asarray(delta[1]) != 0)
+  np.testing.assert_array_equal(np.asarray(delta[1, :, 0]), np.asarray(steering_vectors(steer, taps,
+                                                                                         drafter.ffn_dim)[:, 0]))
+  with pytest.raises(ValueError, match="1 layer biases, but 2 drafter layers"):
+    steering_deltas(steer, taps, drafter)
+  zero = init_steer(target.d_model, 3, drafter)
+  np.testing.assert_allclose(np.asarray(zero["hml"]["weight"]) @ np.asarray(taps.reshape(3, -1)).T,
+                             np.asarray(taps.sum(axis=1)).T, rtol=1e-6, atol=1e-6)
+  low = init_steer(target.d_model, 3, drafter, rank=4, seed=1)
+  assert steer_dims(low) == {"target_d_model": 32, "num_taps": 3, "width": 64, "rank": 4}
+  assert np.all(np.asarray(steering_deltas(low, taps, drafter)) == 0)
+  assert default_target_layers(28) == (2, 14, 25) and default_target_layers(4) == (1, 2, 2)
+  assert default_target_layers(1) == (0, 0, 0)
+  with pytest.raises(ValueError, match="no taps"):
+    SteeredDrafter(drafter).commit({"steer": zero}, None, contracts.prompt_commit(
+        jnp.zeros((1, 2, 4)), None, jnp.zeros((1, 2), jnp.int32), jnp.asarray([2]), 2))
+
+
+# --- training ---------------------------------------------------------------------------------------------------------
+
+def tiny_batch(vocab, length=12, prompt=4, batch=8, seed=0):
+  """Random sequences (the loss is defined on any sequence; the teacher is the target's law there): prompts of
+  ``prompt`` tokens, all later positions in the loss window."""
+  tokens = np.random.default_rng(seed).integers(1, vocab, size=(batch, length)).astype(np.int32)
+  lens = np.full((batch,), prompt, np.int32)
+  mask = (np.arange(length)[None, :] >= prompt - 1).astype(np.float32) * np.ones((batch, 1), np.float32)
+  mask[:, -1] = 0.0
+  positions, mask_n = distill.loss_window(mask, lens, length - prompt)
+  return {"tokens_BxT": jnp.asarray(tokens), "prompt_len_B": jnp.asarray(lens),
+          "positions_BxN": jnp.asarray(positions), "mask_BxN": jnp.asarray(mask_n)}
+
+
+def test_training_lowers_the_loss_and_trains_the_map_only():
+  """60 Adam steps of the SD² loss on a fixed batch (offsets drawn per step): the loss at every offset drops; at
+  initialisation the steered loss IS the plain drafter's divergence; the gradient has exactly the map's leaves."""
+  target, tp, drafter, dp = pair()
+  layers = default_target_layers(target.num_layers)
+  loss_fn = steer_lib.SteerLoss(target, drafter, layers, gamma=3)
+  batch = tiny_batch(target.vocab_size)
+  frozen = {"target": tp, "drafter": dp}
+  steer0 = init_steer(target.d_model, 3, drafter)
+  by_offset = {}
+  for k in jax.random.split(jax.random.key(9), 16):  # a key for each offset 1..3
+    by_offset.setdefault(int(jax.random.randint(k, (), 1, 4)), k)
+  assert sorted(by_offset) == [1, 2, 3]
+
+  @jax.jit
+  def evaluate(steer, key):
+    loss, grads = jax.value_and_grad(lambda s: loss_fn(s, frozen, batch, key)[0])(steer)
+    target_logits, _ = steer_lib.target_window(target, tp, batch["tokens_BxT"], batch["positions_BxN"], layers)
+    plain_logits = steer_lib.steered_window_logits(drafter, dp, None, batch["tokens_BxT"], batch["positions_BxN"],
+                                                   batch["prompt_len_B"], None, None, None, None)
+    return loss, grads, divergences.token_divergence("fkl", target_logits, plain_logits, batch["mask_BxN"])
+
+  before = {}
+  for o, k in by_offset.items():
+    before[o], grads, plain = evaluate(steer0, k)
+    assert float(before[o]) == pytest.approx(float(plain), rel=1e-6)
+    assert jax.tree.structure(grads) == jax.tree.structure(steer0)
+    assert float(jnp.abs(grads["guide"]["weight"]).max()) > 0
+  optimizer = optax.adam(3e-3)  # the trainer's step is the smoke job's; here the compiled gradient above is reused
+
+  @jax.jit
+  def update(steer, grads, opt):
+    updates, opt = optimizer.update(grads, opt, steer)
+    return optax.apply_updates(steer, updates), opt
+
+  steer, opt = steer0, optimizer.init(steer0)
+  for i in range(60):  # a fresh offset every step, as in training
+    _, grads, _ = evaluate(steer, jax.random.fold_in(jax.random.key(1), i))
+    steer, opt = update(steer, grads, opt)
+  after = {o: float(evaluate(steer, k)[0]) for o, k in by_offset.items()}
+  print(f"loss by offset: { {o: float(v) for o, v in before.items()} } -> {after}")
+  assert all(after[o] < float(before[o]) - 0.01 for o in before)
+
+
+def test_window_sources_match_decoding():
+  """Training offsets: src(t) = max(t − o, P − 2); held-out tiling: the j-th window position reads the start of
+  its block of γ, offset (j mod γ) + 1; positions before P − 2 and after the window get no bias."""
+  lens = jnp.asarray([5, 1])
+  src, active = steer_lib.window_sources(lens, 12, 5, offset=2)
+  np.testing.assert_array_equal(np.asarray(active[0]), [t in range(3, 8) for t in range(12)])
+  np.testing.assert_array_equal(np.asarray(src[0, 3:8]), [0, 0, 0, 1, 2])  # positions 3..7 read 3, 3, 3, 4, 5
+  np.testing.assert_array_equal(np.asarray(active[1]), [t in range(0, 4) for t in range(12)])  # w0 = −1
+  src, _ = steer_lib.window_sources(lens, 12, 7, gamma=3)
+  np.testing.assert_array_equal(np.asarray(src[0, 3:10]), [0, 0, 0, 0, 3, 3, 3])  # offsets of t = 4..9: 1 2 3 1 2 3
+
+
+# --- storage ----------------------------------------------------------------------------------------------------------
+
+def record_for(target, drafter, layers, steered=None):
+  return {"target": "tiny", "drafter": "tiny", "target_layers": list(layers),
+          "steered_layers": list(steered or range(drafter.num_layers)), "drafter_layers": drafter.num_layers,
+          "ffn_dim": drafter.ffn_dim}
+
+
+def test_save_load_round_trip_and_errors(tmp_path):
+  """Bit-exact round trip (full and low rank) with the record; load_params gives {"model", "steer"} and the drafter
+  takes its layers from the record; a corrupted npz, a tampered record, other models or other layers are clear
+  errors, and a drafter without a map says how to train one."""
+  target, tp, drafter, dp = pair()
+  layers = default_target_layers(target.num_layers)
+  for rank in (None, 4):
+    steer = random_map(target, drafter, rank=rank, steered_layers=(1,))
+    workdir = tmp_path / f"rank_{rank}"
+    steer_lib.save_steer(workdir, steer, record_for(target, drafter, layers, (1,)))
+    loaded, info = steer_lib.load_steer(workdir, target_config=target, drafter_config=drafter)
+    for a, b in zip(jax.tree.leaves(steer), jax.tree.leaves(loaded)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert jax.tree.structure(steer) == jax.tree.structure(loaded)
+    assert info["rank"] == rank and info["target_layers"] == layers and info["steered_layers"] == (1,)
+  workdir = tmp_path / "rank_None"
+  model = lambda config, params: types.SimpleNamespace(config=config, params={"params": params})
+  d = SteeredDrafter(drafter, steer=str(workdir))
+  assert d.target_layers == layers and d.steered_layers == (1,) and d.name == "steered" and d.reads_target
+  params = d.load_params(model(drafter, dp), model(target, tp))
+  assert set(params) == {"model", "steer"} and params["model"] is dp
+  with pytest.raises(ValueError, match="steers drafter layers"):
+    SteeredDrafter(drafter, steered_layers=(0, 1), steer=str(workdir)).load_params(model(drafter, dp),
+                                                                                   model(target, tp))
+  with pytest.raises(ValueError, match="reads target states of Dt = 32"):
+    steer_lib.load_steer(workdir, target_config=dataclasses.replace(target, d_model=64, num_heads=8))
+  with pytest.raises(ValueError, match="MLP width"):
+    steer_lib.load_steer(workdir, drafter_config=dataclasses.replace(drafter, ffn_dim=16))
+  with pytest.raises(ValueError, match="trained on target layers"):
+    steer_lib.load_steer(workdir, target_layers=(0, 1, 2))
+  with pytest.raises(jobs.UsageError, match="needs a trained steering map"):
+    jobs.drafter_params(SteeredDrafter(drafter), model(drafter, dp), model(target, tp))
+  with pytest.raises(jobs.UsageError, match="does not exist"):
+    jobs.drafter_params(SteeredDrafter(drafter, steer=str(tmp_path / "nowhere")), model(drafter, dp),
+                        model(target, tp))
+  npz = workdir / steer_lib.STEER_NPZ
+  data = bytearray(npz.read_bytes())
+  data[len(data) // 2] ^= 0xFF
+  npz.write_bytes(bytes(data))
+  with pytest.raises(ValueError, match="corrupted: its SHA-256"):
+    steer_lib.load_steer(workdir)
+  with pytest.raises(jobs.UsageError, match="corrupted"):
+    jobs.drafter_params(d, model(drafter, dp), model(target, tp))
+  record = json.loads((tmp_path / "rank_4" / steer_lib.STEER_JSON).read_text())
+  record["width"] = 64
+  (tmp_path / "rank_4" / steer_lib.STEER_JSON).write_text(json.dumps(record))
+  with pytest.raises(ValueError, match="width"):
+    steer_lib.load_steer(tmp_path / "rank_4")
+  (tmp_path / "rank_4" / steer_lib.STEER_JSON).write_text("{not json")
+  with pytest.raises(ValueError, match="corrupted"):
+    steer_lib.load_steer(tmp_path / "rank_4")
+  with pytest.raises(ValueError, match="info must name"):
+    steer_lib.save_steer(tmp_path / "bad", steer, {"target_layers": [1, 2, 2]})
+
+
+# --- the smoke job ----------------------------------------------------------------------------------------------------
+
+def test_smoke_job_runs_and_resumes(tmp_path):
+  """gin/train/steer_smoke.gin (40 steps here): a run stopped after 20 steps writes only its checkpoints; run again
+  it resumes from step 20, and the held-out TV of the steered drafter drops below the plain drafter's (equal to the
+  untrained map's); the saved map loads into a SteeredDrafter that names its layers. (The trainer's resume is
+  bit-exact: tests/test_train.py.)"""
+  gin.clear_config()
+  try:
+    gin.parse_config_file(os.path.join(REPO, "gin/train/steer_smoke.gin"))
+    common = dict(num_steps=40, checkpoint_every=20, progress=False)
+    stopped = steer_job(tmp_path, stop_after=20, **common)
+    assert stopped["stopped_after"] == 20 and not (tmp_path / "steer.json").exists()
+    summary = steer_job(tmp_path, **common)
+  finally:
+    gin.clear_config()
+  assert summary["resumed_from"] == 20 and summary["steps"] == 40
+  assert [r["step"] for r in trainer.read_metrics(tmp_path / "metrics.jsonl")] == list(range(1, 41))
+  assert summary["heldout_tv_before"] == summary["heldout_tv_plain"]
+  assert summary["heldout_tv_after"] < summary["heldout_tv_before"] - 0.01
+  assert len(summary["heldout_tv_after_by_offset"]) == 4
+  assert json.loads((tmp_path / "metrics.json").read_text()) == summary
+  steer, info = steer_lib.load_steer(tmp_path)
+  assert info["steps"] == 40 and info["target_layers"] == (1, 2, 2) and info["rank"] is None
+  assert info["heldout_tv_after"] == summary["heldout_tv_after"]
+  d = SteeredDrafter(dec.DecoderConfig.tiny(vocab_size=128, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1,
+                                            ffn_dim=32, max_len=512), steer=str(tmp_path))
+  assert d.target_layers == (1, 2, 2) and d.layers == (0, 1)
+  assert steer_dims(steer) == {"target_d_model": 32, "num_taps": 3, "width": 64, "rank": None}
