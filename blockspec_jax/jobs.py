@@ -61,10 +61,17 @@ def _default_drafter(verifier) -> str:
   return "k_chains" if verifier.sibling_sampling == "with_replacement" else "rsd_c"
 
 
+def drafter_kind(drafter_name: str) -> str:
+  """The registered drafter of a drafter name: ``"heads/ngram"`` → ``"heads"``. A ``/<label>`` suffix names a
+  variant: its settings are ``drafter_settings["heads/ngram"]``, so one job can run several variants of one drafter
+  (raw and rescored BPD heads) side by side."""
+  return str(drafter_name).partition("/")[0]
+
+
 def parse_method(method: str) -> tuple[str, str | None]:
-  """``"autoregressive"`` → ``("autoregressive", None)``; ``"<verifier>[@<drafter>]"`` → ``(verifier, drafter)``
-  with the rule's default drafter filled in. Unknown names and drafters the rule cannot verify losslessly are a
-  :class:`UsageError` listing what is known."""
+  """``"autoregressive"`` → ``("autoregressive", None)``; ``"<verifier>[@<drafter>[/<variant>]]"`` → ``(verifier,
+  drafter)`` with the rule's default drafter filled in (a variant keeps its label: :func:`drafter_kind`). Unknown
+  names and drafters the rule cannot verify losslessly are a :class:`UsageError` listing what is known."""
   from blockspec_jax import drafters, verify
   if not isinstance(method, str):
     raise UsageError(f"a method is a string like 'block' or 'rrs_wor@rsd_c', got {method!r}")
@@ -76,10 +83,11 @@ def parse_method(method: str) -> tuple[str, str | None]:
                      f"drafter: '<verifier>@<drafter>', drafters: {', '.join(drafters.DRAFTERS)})")
   verifier = verify.get_verifier(rule)
   drafter_name = drafter_name or _default_drafter(verifier)
-  if drafter_name not in drafters.DRAFTERS:
-    raise UsageError(f"unknown drafter {drafter_name!r} in method {method!r}; known drafters: "
+  kind = drafter_kind(drafter_name)
+  if kind not in drafters.DRAFTERS:
+    raise UsageError(f"unknown drafter {kind!r} in method {method!r}; known drafters: "
                      f"{', '.join(drafters.DRAFTERS)}")
-  cls = drafters.DRAFTERS[drafter_name]
+  cls = drafters.DRAFTERS[kind]
   try:
     verifier.check_drafter(repr(drafter_name), cls)
   except ValueError as e:
@@ -90,16 +98,21 @@ def parse_method(method: str) -> tuple[str, str | None]:
 def build_drafter(drafter_name: str, target_model, drafter_model, settings: dict | None = None,
                   gamma: int | None = None):
   """The drafter object of a method: a registered drafter built on ``drafter_model`` (a ``hub.LoadedModel``; model-
-  free drafters take the target's vocabulary) with ``settings[drafter_name]`` (e.g. ``{"k_chains": {"k": 4}}``).
+  free drafters take the target's vocabulary; drafters with a ``build`` classmethod, the BPD heads, are built on the
+  target's config and the drafter model's) with ``settings[drafter_name]`` (e.g. ``{"k_chains": {"k": 4}}``).
   RSD-C without a ``branching`` setting gets ``(2, 1, …, 1)`` of depth ``gamma``. With ``gamma``, the drafter's
   shape is checked against it (``num_nodes``)."""
   from blockspec_jax import drafters
   own = dict((settings or {}).get(drafter_name, {}))
+  drafter_name = drafter_kind(drafter_name)
   if drafter_name == "rsd_c" and "branching" not in own and gamma is not None:
     own["branching"] = drafters.shape_for_budget("rsd_c", 2 * gamma)[0]["branching"]
   try:
-    drafter = drafters.make(drafter_name, config=drafter_model.config, vocab_size=target_model.config.vocab_size,
-                            **own)
+    if hasattr(drafters.DRAFTERS.get(drafter_name), "build"):  # drafters built on the target (BPD heads)
+      drafter = drafters.DRAFTERS[drafter_name].build(target_model.config, drafter_model.config, **own)
+    else:
+      drafter = drafters.make(drafter_name, config=drafter_model.config, vocab_size=target_model.config.vocab_size,
+                              **own)
     if gamma is not None:
       drafter.num_nodes(gamma)
     return drafter
@@ -124,6 +137,34 @@ def _trained_spec(name) -> tuple[str, int | str | None] | None:
   if recipe.is_trained_dir(text):
     return text, None
   return None
+
+
+def trained_drafter_spec(entry) -> tuple[str, dict] | None:
+  """``"<drafter>:<run dir>[?key=value&…]"`` → ``(drafter, settings)`` for a registered drafter with trained parts
+  (``heads:results/train/heads_qwen?rescore=pbest_ngram``, ``steered:results/train/steer_qwen``,
+  ``sprinter:results/train/sprinter_qwen``): the run directory goes to the drafter's ``run_setting`` field, the
+  query's values are numbers where they parse as numbers. None when ``entry`` names a model instead."""
+  from blockspec_jax import drafters
+  kind, sep, rest = str(entry).partition(":")
+  cls = drafters.DRAFTERS.get(kind)
+  if not sep or cls is None or not hasattr(cls, "run_setting"):
+    return None
+  workdir, _, query = rest.partition("?")
+  if not workdir:
+    raise UsageError(f"{entry!r}: give the training run's directory after '{kind}:'")
+  settings: dict = {cls.run_setting: workdir}
+  for item in filter(None, query.split("&")):
+    key, eq, value = item.partition("=")
+    if not eq:
+      raise UsageError(f"{entry!r}: settings after '?' are key=value pairs joined by '&', got {item!r}")
+    for parse in (int, float):
+      try:
+        value = parse(value)
+        break
+      except ValueError:
+        pass
+    settings[key] = value
+  return kind, settings
 
 
 def load_model(name, dtype: str = "float32", cache_dir=None, progress: bool = True):
@@ -155,7 +196,7 @@ def drafter_labels(names) -> list[str]:
 def check_model_name(name) -> None:
   """What :func:`load_model` would refuse at once (unknown names, missing paths, a bad ``@step``), without loading;
   a :class:`UsageError`."""
-  if _trained_spec(name) is not None:
+  if _trained_spec(name) is not None or trained_drafter_spec(name) is not None:
     return
   from blockspec_jax.models import hub
   try:
@@ -293,6 +334,21 @@ def compiling(label: str, stream=None):
 COMPILE_CACHE_MAX_BYTES = 8 << 30
 
 
+def _add_access_times(path: pathlib.Path) -> None:
+  """Give every entry of a cache directory written without a size limit (no ``-atime`` file beside it) the access
+  time JAX's eviction reads (its modification time); without it every later write fails. Under the directory's lock,
+  as JAX's own reads and writes."""
+  import filelock
+  with filelock.FileLock(path / ".lockfile"):
+    for entry in path.glob("*-cache"):
+      atime = path / (entry.name[:-len("-cache")] + "-atime")
+      if not atime.exists():
+        try:
+          atime.write_bytes(int(entry.stat().st_mtime_ns).to_bytes(8, "little"))
+        except OSError:
+          pass  # the entry went away meanwhile
+
+
 def enable_compilation_cache(directory: str | os.PathLike | None = None, min_compile_time_s: float = 0.5
                              ) -> pathlib.Path | None:
   """Turn on JAX's persistent compilation cache, so a second run of a job loads its compiled programs from disk.
@@ -315,6 +371,7 @@ def enable_compilation_cache(directory: str | os.PathLike | None = None, min_com
     return None
   path = pathlib.Path(directory).expanduser()
   path.mkdir(parents=True, exist_ok=True)
+  _add_access_times(path)
   jax.config.update("jax_compilation_cache_dir", str(path))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -200,3 +200,76 @@ def test_main_job_runs_the_lossy_rules_from_gin(tmp_path, capsys):
   assert rows["sprinter"]["num_cap_flags"] == rows["sprinter"]["target_calls"] >= 1
   assert rows["sprinter"]["num_head_flags"] == 0
   assert rows["mtad"]["lossy"] and not rows["block"]["lossy"]
+
+
+def test_method_variants_and_trained_drafter_entries():
+  """``<verifier>@<drafter>/<variant>`` runs a labelled variant of a registered drafter with its own settings, and
+  ``<drafter>:<run dir>?k=v`` names a drafter with trained parts (eval.paired --drafters)."""
+  import types
+
+  from blockspec_jax import drafters
+  from blockspec_jax.models.decoder import DecoderConfig
+  assert jobs.parse_method("block@heads/ngram") == ("block", "heads/ngram")
+  assert jobs.drafter_kind("heads/ngram") == "heads" and jobs.drafter_kind("model") == "model"
+  with pytest.raises(jobs.UsageError, match="unknown drafter 'lattice'"):
+    jobs.parse_method("block@lattice/ngram")
+  target = types.SimpleNamespace(config=DecoderConfig.tiny(vocab_size=64))
+  small = types.SimpleNamespace(config=DecoderConfig.tiny(vocab_size=64, num_layers=1))
+  settings = {"heads": {"num_heads": 4}, "heads/ngram": {"num_heads": 4, "rescore": "ngram", "top_k": 8}}
+  raw = jobs.build_drafter("heads", target, small, settings, gamma=4)
+  rescored = jobs.build_drafter("heads/ngram", target, small, settings, gamma=4)
+  assert isinstance(raw, drafters.HeadsDrafter) and raw.rescore == "none" and raw.target == target.config
+  assert rescored.rescore == "ngram" and rescored.top_k == 8 and rescored.lm_config is None
+  with pytest.raises(jobs.UsageError, match="gamma"):
+    jobs.build_drafter("heads", target, small, settings, gamma=5)
+  assert jobs.trained_drafter_spec("heads:runs/h?rescore=pbest_ngram&top_k=16&lm_weight=0.5") == (
+      "heads", {"heads": "runs/h", "rescore": "pbest_ngram", "top_k": 16, "lm_weight": 0.5})
+  assert jobs.trained_drafter_spec("steered:runs/s") == ("steered", {"steer": "runs/s"})
+  assert jobs.trained_drafter_spec("qwen2.5-coder-0.5b") is None and jobs.trained_drafter_spec("model:x") is None
+  for bad, message in (("heads:", "directory"), ("heads:d?rescore", "key=value")):
+    with pytest.raises(jobs.UsageError, match=message):
+      jobs.trained_drafter_spec(bad)
+  with pytest.raises(jobs.UsageError, match="needs trained BPD heads"):
+    jobs.drafter_params(raw, small, target)
+
+
+def test_main_job_runs_the_target_reading_drafters_from_gin(tmp_path, capsys):
+  """gin/runs/qwen_read_target.gin on SmolLM2 (drafter = target): untrained BPD heads (W2 = 0: each head is the
+  target's own next-token head) raw and rescored, and a zero SD² map (exactly the plain drafter, so block@steered
+  emits block's tokens), all loaded from run directories as trained parts are."""
+  import jax
+  import numpy as np
+  from blockspec_jax.drafters import heads as heads_lib, lattice, steer as steer_lib
+  from blockspec_jax.models import hub
+  from blockspec_jax.train import heads as heads_train, steer as steer_train
+  config = hub.load_model("smollm2-135m", progress=False).config
+  heads_dir, steer_dir = tmp_path / "heads", tmp_path / "steer"
+  heads_train.save_heads(heads_dir, heads_lib.init_heads(config.d_model, 4, jax.random.key(0)))
+  lattice.save_ngram(heads_dir, lattice.build_ngram([[1, 2, 3, 4, 5, 6] * 4], config.vocab_size, order=3))
+  layers = steer_lib.default_target_layers(config.num_layers)
+  steer_train.save_steer(steer_dir, steer_lib.init_steer(config.d_model, len(layers), config, rank=8),
+                         {"target_layers": list(layers), "steered_layers": list(range(config.num_layers)),
+                          "drafter_layers": config.num_layers,
+                          "ffn_dim": config.ffn_dim})
+  gin.clear_config()
+  try:
+    gin.parse_config_files_and_bindings(["gin/runs/qwen_read_target.gin"], [
+        'run_job.target = "smollm2-135m"', 'run_job.drafter = "smollm2-135m"', "run_job.num_prompts = 1",
+        "run_job.max_new_tokens = 8", f"run_job.output_json = '{tmp_path / 'run.json'}'",
+        # three of the file's methods (each compiles two 30-layer programs); the others are tested on tiny models
+        "run_job.methods = ('block', 'block@steered', 'block@heads/pbest_ngram')",
+        f"run_job.drafter_settings = {{'steered': {{'steer': '{steer_dir}'}}, 'heads': {{'heads': '{heads_dir}'}}, "
+        f"'heads/ngram': {{'heads': '{heads_dir}', 'rescore': 'ngram'}}, "
+        f"'heads/pbest_ngram': {{'heads': '{heads_dir}', 'rescore': 'pbest_ngram'}}, "
+        f"'heads/neural': {{'heads': '{heads_dir}', 'rescore': 'neural'}}}}"])
+    report = run.run_job(show_text=False)
+  finally:
+    gin.clear_config()
+  assert " lossy " not in capsys.readouterr().out.split("lossy: the rule")[0]  # no row is marked lossy
+  rows = {r["method"]: r for r in report["results"]}
+  assert set(rows) == {"block", "block@steered", "block@heads/pbest_ngram"}
+  assert report["sample_text"]["block@steered@T=1.0"] == report["sample_text"]["block@T=1.0"]
+  for key in ("block_efficiency", "tokens_generated", "target_calls"):
+    assert rows["block@steered"][key] == rows["block"][key]
+  assert all(rows[m]["invalid_prob_rows"] == 0 for m in rows)
+  assert all(rows[m]["tokens_generated"] == 8 for m in rows)

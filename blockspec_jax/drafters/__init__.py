@@ -4,7 +4,9 @@
 (RSD-C trees without replacement), ``"rsd_s"`` (RSD-S stochastic beam trees), ``"ngram"`` (prompt lookup, no model),
 ``"sprinter"`` (the model chain plus SPRINTER's verifier head; its setting ``head`` names the trained head's directory),
 ``"beam"`` (MJSD/MTAD: the best of ``width`` beams, sampled or deterministic; only ``mtad``, greedy and exact-match
-verify it).
+verify it), ``"heads"`` (BPD: heads on the target's hidden state, raw or with the top-k lattice rescored by an
+n-gram or a small neural LM, locally or by a global p-best search; built on the target's config), ``"steered"`` (SD²: the model chain steered by the target's hidden states; its setting ``steer`` names the
+trained map's directory).
 ``make(name, config=..., vocab_size=..., **settings)`` builds one.
 """
 
@@ -13,19 +15,22 @@ from __future__ import annotations
 from blockspec_jax.decoding.contracts import Drafter
 from blockspec_jax.drafters.base import ModelDrafter, feed
 from blockspec_jax.drafters.beam import BeamDrafter
+from blockspec_jax.drafters.heads import HeadsDrafter
 from blockspec_jax.drafters.ngram import NGramDrafter, lookup
 from blockspec_jax.drafters.sprinter import SprinterDrafter
+from blockspec_jax.drafters.steer import SteeredDrafter
 from blockspec_jax.drafters.trees import (KChainDrafter, RSDConstantDrafter, RSDStochasticBeamDrafter, gumbel_top_k,
                                           shape_for_budget)
 
 __all__ = ["Drafter", "ModelDrafter", "feed", "NGramDrafter", "lookup", "KChainDrafter", "RSDConstantDrafter",
-           "RSDStochasticBeamDrafter", "SprinterDrafter", "BeamDrafter", "gumbel_top_k", "shape_for_budget", "DRAFTERS",
+           "RSDStochasticBeamDrafter", "SprinterDrafter", "SteeredDrafter", "HeadsDrafter", "BeamDrafter", "gumbel_top_k", "shape_for_budget", "DRAFTERS",
            "make"]
 
 #: name -> drafter class (class attributes ``is_chain`` and ``sibling_sampling`` say which rules can verify it).
 DRAFTERS = {"model": ModelDrafter, "k_chains": KChainDrafter, "rsd_c": RSDConstantDrafter,
             "rsd_s": RSDStochasticBeamDrafter, "ngram": NGramDrafter,
-            "sprinter": SprinterDrafter, "beam": BeamDrafter}
+            "sprinter": SprinterDrafter, "beam": BeamDrafter, "heads": HeadsDrafter,
+            "steered": SteeredDrafter}
 
 _MODEL_FREE = ("ngram",)
 

@@ -65,7 +65,8 @@ def expected_accepted_table(target_params, drafter_params, keys_D, tokens_BxP, p
     row_keys_B = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(batch))
     scored = spec.draft_and_score(target_params, drafter_params, state, row_keys_B, target=target,
                                   drafter=drafter, gamma=gamma, sampler=sampler)
-    draft_BxG, q_BxGxV, p_BxG1xV = scored.draft.tokens_BxN, scored.draft.q_BxNxV, scored.p_BxN1xV
+    draft_BxG, p_BxG1xV = scored.draft.tokens_BxN, scored.p_BxN1xV
+    q_BxGxV = scored.draft.q_rows(p_BxG1xV.shape[-1])  # point-mass drafts (n-gram, p-best lattices) give None
     # acceptance_probs do not depend on the verifier's uniforms: any key gives the same table.
     per_rule = [jnp.stack([jnp.sum(rule.batch(row_keys_B, draft_BxG[:, :g], q_BxGxV[:, :g],
                                               p_BxG1xV[:, :g + 1]).acceptance_probs, axis=1)
@@ -182,6 +183,23 @@ def _trees_main(args, target, drafter_model, prompt_ids, start) -> int:
   return 0
 
 
+def _paired_drafter(name, target, args):
+  """``(drafter, its parameters)`` for one ``--drafters`` entry: a model (name, path, training run) as a chain
+  drafter, or ``<drafter>:<run dir>[?settings]`` (:func:`blockspec_jax.jobs.trained_drafter_spec`: BPD heads, SD²)
+  built on ``--drafter``'s model (the steered base, the heads' neural rescorer)."""
+  from blockspec_jax import jobs
+  spec_ = jobs.trained_drafter_spec(name)
+  if spec_ is None:
+    drafter = jobs.load_model(name, args.dtype, progress=False)
+    jobs.check_pair(target, drafter)
+    return ModelDrafter(drafter.config), drafter.params["params"]
+  kind, settings = spec_
+  base = jobs.load_model(args.drafter, args.dtype, progress=False)
+  jobs.check_pair(target, base)
+  drafter = jobs.build_drafter(kind, target, base, {kind: settings}, args.gamma)
+  return drafter, jobs.drafter_params(drafter, base, target)
+
+
 def _drafters_main(args, target, prompt_rows, prompt_ids, start) -> int:
   """``--drafters A,B,…``: every drafter on the same contexts at every temperature; resumable (``--json``)."""
   from blockspec_jax import jobs
@@ -206,15 +224,14 @@ def _drafters_main(args, target, prompt_rows, prompt_ids, start) -> int:
         owners: list = []
         contexts = sampled_contexts(target, prompt_ids, temperature, args, owners)
         tasks = [prompt_rows[i]["task"] for i in owners]
-      drafter = jobs.load_model(name, args.dtype, progress=False)
-      jobs.check_pair(target, drafter)
+      drafter_obj, drafter_params = _paired_drafter(name, target, args)
       draws = 1 if temperature == 0 else args.draws  # greedy drafts are the same in every draw
       t0 = time.perf_counter()
       with jobs.compiling(f"T = {temperature:g}, drafter {label} ({len(contexts)} contexts × {draws} drafts)"):
-        table = paired_acceptance(target.params["params"], drafter.params["params"], contexts,
-                                  target=target.config, drafter=ModelDrafter(drafter.config), gamma=args.gamma,
+        table = paired_acceptance(target.params["params"], drafter_params, contexts,
+                                  target=target.config, drafter=drafter_obj, gamma=args.gamma,
                                   temperature=temperature, draws=draws, seed=args.seed, verifiers=rules)
-      del drafter
+      del drafter_obj, drafter_params
       results.append(dict(temperature=temperature, drafter=label, name=name, tasks=tasks,
                           seconds=time.perf_counter() - t0, table=table.tolist()))
       be = 1 + table.mean(axis=(0, 1))
@@ -292,8 +309,10 @@ def main(argv=None) -> int:
   ap.add_argument("--temperatures", default=None,
                   help="--trees (default 1,0.6) and --drafters (default 1,0): temperatures")
   ap.add_argument("--drafters", default=None,
-                  help="comma-separated drafters (names, paths, training work directories, '<dir>@init') compared on "
-                       "the same contexts, the first as reference; resumable")
+                  help="comma-separated drafters (names, paths, training work directories, '<dir>@init', or "
+                       "'<drafter>:<run dir>[?key=value&…]' for drafters with trained parts: "
+                       "heads:results/train/heads_qwen?rescore=pbest_ngram, steered:results/train/steer_qwen, built "
+                       "on --drafter's model) compared on the same contexts, the first as reference; resumable")
   ap.add_argument("--verify-draws", type=int, default=16, help="--trees: verifier keys per draft for tree rules")
   args = ap.parse_args(argv)
   if args.json is None:

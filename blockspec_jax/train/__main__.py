@@ -32,7 +32,7 @@ from blockspec_jax import jobs, parallel, sampling
 from blockspec_jax.eval import prompts as prompts_lib
 from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.train import distill, divergences, params as params_lib, recipe as recipe_lib, trainer
-from blockspec_jax.train import sprinter as sprinter_lib
+from blockspec_jax.train import pools, sprinter as sprinter_lib
 
 make_optimizer = gin.external_configurable(trainer.make_optimizer, "make_optimizer")
 
@@ -58,12 +58,6 @@ def drafter_recipe(base: str = gin.REQUIRED, layers=None, lora_rank: int = 0,
                                     seed=seed)
   except ValueError as e:
     raise jobs.UsageError(str(e)) from None
-
-
-def _check_int(value, name: str, low: int = 1, job: str = "distill_job") -> int:
-  if isinstance(value, bool) or not isinstance(value, int) or value < low:
-    raise jobs.UsageError(f"{job}.{name} must be an integer >= {low}, got {value!r}")
-  return value
 
 
 @dataclasses.dataclass
@@ -93,51 +87,10 @@ def _random_setup(target_config, drafter_config, *, target_seed, drafter_seed, t
   return _Setup(target_config, target_params, drafter_config, parts, prompts_NxP, prompt_len_N, None, (), {})
 
 
-def _prompt_rows(workdir: pathlib.Path, heldout_prompts: str, per_task: int, seed: int):
-  """Held-out rows (the prompt file) and training rows (a pool from the same packages, disjoint from them), written
-  to the workdir on the first run and read back from there on a resume (same prompts, no download)."""
-  held_path, train_path = workdir / "prompts_heldout.jsonl", workdir / "prompts_train.jsonl"
-  if held_path.exists() and train_path.exists():
-    return prompts_lib.load_prompts(held_path), prompts_lib.load_prompts(train_path)
-  heldout = prompts_lib.load_prompts(heldout_prompts)
-  print(f"building the training prompt pool ({per_task} per task, disjoint from {heldout_prompts}) …", flush=True)
-  train = prompts_lib.build_training_pool(heldout, per_task=per_task, seed=seed)
-  for path, rows in ((held_path, heldout), (train_path, train)):
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-  return heldout, train
-
-
-def _encode_pool(target, heldout_rows, train_rows, max_prompt_len, chat, job: str = "distill_job"):
-  """The training prompts then the held-out ones, encoded with ``target``'s tokenizer (chat-templated when
-  ``chat``) into ``(prompts_NxP int32, prompt_len_N, split, by_task, dropped)``: training prompts longer than
-  ``max_prompt_len`` tokens are left out (``dropped`` of them), a held-out one that long is a UsageError."""
-  held_ids = jobs.encode_prompts(target, heldout_rows, chat)
-  too_long = [r["id"] for r, ids in zip(heldout_rows, held_ids) if len(ids) > max_prompt_len]
-  if too_long:
-    raise jobs.UsageError(f"held-out prompts {too_long} are longer than {job}.max_prompt_len = "
-                          f"{max_prompt_len} tokens; raise it")
-  train_ids = jobs.encode_prompts(target, train_rows, chat)
-  kept = [i for i, ids in enumerate(train_ids) if len(ids) <= max_prompt_len]
-  dropped = len(train_ids) - len(kept)
-  train_ids = [train_ids[i] for i in kept]
-  by_task = {}
-  for i in kept:
-    by_task[train_rows[i]["task"]] = by_task.get(train_rows[i]["task"], 0) + 1
-  print(f"prompts: {len(train_ids)} for training {by_task} ({dropped} longer than {max_prompt_len} tokens left "
-        f"out), {len(held_ids)} held out", flush=True)
-  all_ids = train_ids + held_ids
-  prompts_NxP = np.zeros((len(all_ids), max_prompt_len), np.int32)
-  for i, ids in enumerate(all_ids):
-    prompts_NxP[i, :len(ids)] = ids
-  prompt_len_N = np.asarray([len(ids) for ids in all_ids], np.int32)
-  split = (np.arange(len(train_ids)), np.arange(len(train_ids), len(all_ids)))
-  return prompts_NxP, prompt_len_N, split, by_task, dropped
-
-
 def _model_setup(workdir, target_name, recipe, *, dtype, heldout_prompts, train_prompts_per_task, max_prompt_len,
                  chat, seed) -> _Setup:
   from blockspec_jax.models import hub
-  heldout_rows, train_rows = _prompt_rows(pathlib.Path(workdir), heldout_prompts, train_prompts_per_task, seed)
+  heldout_rows, train_rows = pools.prompt_rows(workdir, heldout_prompts, train_prompts_per_task, seed)
   prompts_lib.check_disjoint(train_rows, heldout_rows)
   t0 = time.perf_counter()
   target = hub.load_model(target_name, dtype)
@@ -149,8 +102,8 @@ def _model_setup(workdir, target_name, recipe, *, dtype, heldout_prompts, train_
   print(f"loaded {target_name} (target) and {recipe.base} (drafter base, {drafter_config.num_layers} layers) in "
         f"{time.perf_counter() - t0:.1f} s; trainable parameters {params_lib.count_params(parts.trainable):,}",
         flush=True)
-  prompts_NxP, prompt_len_N, split, by_task, dropped = _encode_pool(target, heldout_rows, train_rows,
-                                                                    max_prompt_len, chat)
+  prompts_NxP, prompt_len_N, split, by_task, dropped = pools.encode_pool(target, heldout_rows, train_rows,
+                                                                         max_prompt_len, chat, "distill_job")
   recipe_lib.save_recipe(workdir, recipe)
   info = {"target": target_name, "drafter_recipe": recipe.to_json(), "dtype": dtype,
           "train_prompts_by_task": by_task, "train_prompts_dropped_long": dropped}
@@ -192,7 +145,7 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
                            ("num_steps", num_steps, 1), ("checkpoint_every", checkpoint_every, 1),
                            ("max_to_keep", max_to_keep, 1), ("train_prompts_per_task", train_prompts_per_task, 1),
                            ("max_prompt_len", max_prompt_len, 1), ("eval_every", eval_every, 0)):
-    _check_int(value, name, low)
+    pools.check_int(value, name, low, job="distill_job")
   models_given = (target is not None, drafter is not None)
   configs_given = (target_config is not None, drafter_config is not None)
   real = all(models_given)
@@ -274,13 +227,6 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
   return summary
 
 
-def _model_name(name, config, seed) -> str:
-  """A model's label in reports: its name, or a random tiny decoder's shape and seed."""
-  if name is not None:
-    return str(name)
-  return f"random tiny decoder (seed {seed}, V = {config.vocab_size}, D = {config.d_model}, {config.num_layers} layers)"
-
-
 def _sprinter_setup(workdir, *, real, target, drafter, target_config, drafter_config, target_seed, drafter_seed,
                     num_prompts, prompt_len, heldout_fraction, heldout_prompts, train_prompts_per_task,
                     max_prompt_len, chat, dtype, seed) -> dict:
@@ -291,7 +237,7 @@ def _sprinter_setup(workdir, *, real, target, drafter, target_config, drafter_co
                 drafter_config=drafter_config, drafter_params=decoder_lib.init_params(drafter_config, drafter_seed),
                 prompts_NxP=prompts_NxP, prompt_len_N=prompt_len_N,
                 split=distill.split_prompts(num_prompts, heldout_fraction, seed), stop_ids=(), info={})
-  heldout_rows, train_rows = _prompt_rows(pathlib.Path(workdir), heldout_prompts, train_prompts_per_task, seed)
+  heldout_rows, train_rows = pools.prompt_rows(workdir, heldout_prompts, train_prompts_per_task, seed)
   prompts_lib.check_disjoint(train_rows, heldout_rows)
   t0 = time.perf_counter()
   target_model = jobs.load_model(target, dtype)
@@ -299,27 +245,12 @@ def _sprinter_setup(workdir, *, real, target, drafter, target_config, drafter_co
   jobs.check_pair(target_model, drafter_model)
   print(f"loaded {target} (target) and {drafter} (drafter, D = {drafter_model.config.d_model}) in "
         f"{time.perf_counter() - t0:.1f} s", flush=True)
-  prompts_NxP, prompt_len_N, split, by_task, dropped = _encode_pool(target_model, heldout_rows, train_rows,
-                                                                    max_prompt_len, chat, "sprinter_job")
+  prompts_NxP, prompt_len_N, split, by_task, dropped = pools.encode_pool(target_model, heldout_rows, train_rows,
+                                                                         max_prompt_len, chat, "sprinter_job")
   return dict(target_config=target_model.config, target_params=target_model.params["params"],
               drafter_config=drafter_model.config, drafter_params=drafter_model.params["params"],
               prompts_NxP=prompts_NxP, prompt_len_N=prompt_len_N, split=split, stop_ids=target_model.stop_ids,
               info={"train_prompts_by_task": by_task, "train_prompts_dropped_long": dropped})
-
-
-def _cached_labels(path: pathlib.Path, meta: dict):
-  """The labels in ``path`` when it exists and was collected with ``meta``'s settings; None when absent."""
-  if not path.exists():
-    return None
-  try:
-    data, saved = sprinter_lib.load_labels(path)
-  except ValueError as e:
-    raise jobs.UsageError(str(e)) from None
-  changed = sorted(k for k in set(meta) | set(saved) if meta.get(k) != saved.get(k))
-  if changed:
-    raise jobs.UsageError(f"{path} was collected with other settings ({', '.join(changed)} differ); use a fresh "
-                          "workdir or delete the labels_*.npz files (and checkpoints/) to collect them again")
-  return data
 
 
 def _label_counts(data: dict) -> dict:
@@ -366,9 +297,9 @@ def sprinter_job(workdir, *, target=None, drafter=None, target_config=None, draf
                            ("checkpoint_every", checkpoint_every, 1), ("max_to_keep", max_to_keep, 1),
                            ("train_prompts_per_task", train_prompts_per_task, 1),
                            ("max_prompt_len", max_prompt_len, 1), ("eval_every", eval_every, 0)):
-    _check_int(value, name, low, job)
+    pools.check_int(value, name, low, job=job)
   if stop_after is not None:
-    _check_int(stop_after, "stop_after", 1, job)
+    pools.check_int(stop_after, "stop_after", 1, job=job)
   models_given = (target is not None, drafter is not None)
   configs_given = (target_config is not None, drafter_config is not None)
   real = all(models_given)
@@ -396,8 +327,8 @@ def sprinter_job(workdir, *, target=None, drafter=None, target_config=None, draf
       distill.check_pair(target_config, drafter_config)
   except ValueError as e:
     raise jobs.UsageError(str(e)) from None
-  target_name = _model_name(target, target_config, target_seed)
-  drafter_name = _model_name(drafter, drafter_config, drafter_seed)
+  target_name = pools.model_name(target, target_config, target_seed)
+  drafter_name = pools.model_name(drafter, drafter_config, drafter_seed)
   meta = {"target": target_name, "drafter": drafter_name, "temperature": float(temperature),
           "max_new_tokens": max_new_tokens, "seed": seed, "dtype": dtype,
           "target_config": None if real else repr(target_config),
@@ -414,7 +345,9 @@ def sprinter_job(workdir, *, target=None, drafter=None, target_config=None, draf
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   paths = {"train": workdir / "labels_train.npz", "heldout": workdir / "labels_heldout.npz"}
-  labels = {split: _cached_labels(path, {**meta, "split": split}) for split, path in paths.items()}
+  redo = "the labels_*.npz files (and checkpoints/) to collect them again"
+  labels = {split: pools.read_cached(path, {**meta, "split": split}, sprinter_lib.load_labels, redo=redo)
+            for split, path in paths.items()}
   cached = all(v is not None for v in labels.values())
   info = {}
   collect_seconds = 0.0
@@ -499,16 +432,23 @@ def default_workdir(gin_files) -> pathlib.Path:
   return pathlib.Path("results") / "train" / pathlib.Path(gin_files[-1]).stem
 
 
-JOBS = ("distill_job", "sprinter_job")
+def _jobs() -> dict:
+  """Every training job by its gin name (the BPD heads' and SD²'s jobs live in their own entry-point modules)."""
+  from blockspec_jax.train.heads_job import heads_job
+  from blockspec_jax.train.steer_job import steer_job
+  return {"distill_job": distill_job, "sprinter_job": sprinter_job, "heads_job": heads_job, "steer_job": steer_job}
+
+
+JOBS = ("distill_job", "sprinter_job", "heads_job", "steer_job")
 
 
 def selected_job():
-  """The job the parsed gin files configure: ``sprinter_job`` when it has bindings, else ``distill_job`` (also when
-  nothing is bound: its own checks then say what is missing); both configured is a UsageError."""
+  """The job the parsed gin files configure (the one with bindings), else ``distill_job`` (also when nothing is
+  bound: its own checks then say what is missing); two configured jobs are a UsageError."""
   configured = [name for name in JOBS if gin.get_bindings(name)]
   if len(configured) > 1:
     raise jobs.UsageError(f"the gin files configure {' and '.join(configured)}; a run trains one job")
-  return sprinter_job if configured == ["sprinter_job"] else distill_job
+  return _jobs()[configured[0] if configured else "distill_job"]
 
 
 def main(argv=None) -> int:
@@ -522,6 +462,7 @@ def main(argv=None) -> int:
     if not args.gin_file:
       raise jobs.UsageError("give a job with --gin_file gin/train/<job>.gin")
     add_gin_search_path()
+    _jobs()  # every job's configurables registered before the files are parsed
     gin.parse_config_files_and_bindings(args.gin_file, args.gin_param)
     workdir = pathlib.Path(args.workdir) if args.workdir else default_workdir(args.gin_file)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -535,9 +476,12 @@ def main(argv=None) -> int:
     print(f"held-out head at threshold {at['threshold']:g}: accuracy {at['accuracy']:.4f}, eta_fp {at['eta_fp']}, "
           f"eta_fn {at['eta_fn']}, accept rate {at['accept_rate']:.4f} over {at['num']} tokens after "
           f"{summary['steps']} steps ({summary['seconds']:.1f} s); outputs in {workdir}")
-  else:
+  elif "heldout_tv_before" in summary:
     print(f"held-out TV {summary['heldout_tv_before']:.4f} -> {summary['heldout_tv_after']:.4f} after "
           f"{summary['steps']} steps ({summary['seconds']:.1f} s); outputs in {workdir}")
+  else:
+    print(f"{getattr(job, '__name__', 'job')}: {summary.get('steps')} steps ({summary.get('seconds', 0.0):.1f} s); "
+          f"outputs in {workdir}")
   return 0
 
 

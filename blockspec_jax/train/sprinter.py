@@ -50,7 +50,7 @@ from blockspec_jax import sampling
 from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.drafters.sprinter import head_logits, head_probs, init_head
 from blockspec_jax.models import decoder as decoder_lib
-from blockspec_jax.train import distill, trainer
+from blockspec_jax.train import distill, pools, trainer
 
 __all__ = ["LABEL_FIELDS", "REPORT_FIELDS", "HEAD_JSON", "HEAD_NPZ", "collect_labels", "save_labels",
            "load_labels", "head_loss", "standardization", "fold_standardization", "batch_indices", "train_head",
@@ -78,12 +78,6 @@ def _label_pass(target_params, drafter_params, tokens_BxT, positions_BxN, *, tar
   return hidden_BxNxD.astype(jnp.float32), q_tok_BxN, p_tok_BxN
 
 
-def _check_int(value, name: str, low: int = 1) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-    raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-  return int(value)
-
-
 def collect_labels(target_config: decoder_lib.DecoderConfig, target_params, drafter_config: decoder_lib.DecoderConfig,
                    drafter_params, tokens_BxP, prompt_len_B, *, max_new_tokens: int, temperature: float,
                    key: jax.Array, batch_size: int, progress: bool = True, rows=None, stop_ids: tuple[int, ...] = (),
@@ -104,8 +98,8 @@ def collect_labels(target_config: decoder_lib.DecoderConfig, target_params, draf
   """
   from blockspec_jax import jobs  # the "compiling …" announcements
   distill.check_pair(target_config, drafter_config)
-  _check_int(max_new_tokens, "max_new_tokens")
-  _check_int(batch_size, "batch_size")
+  pools.check_int(max_new_tokens, "max_new_tokens")
+  pools.check_int(batch_size, "batch_size")
   sampling.Sampler(temperature)  # validates it (T = 0: greedy continuations, one-hot laws)
   tokens_BxP, prompt_len_B = np.asarray(tokens_BxP, np.int32), np.asarray(prompt_len_B, np.int32)
   if tokens_BxP.ndim != 2 or prompt_len_B.shape != tokens_BxP.shape[:1]:
@@ -301,8 +295,8 @@ def train_head(features_NxD, labels_N, *, workdir, num_steps: int, batch_size: i
   """
   features_NxD, labels_N = _check_examples(features_NxD, labels_N, "training set")
   num, d_model = features_NxD.shape
-  _check_int(batch_size, "batch_size")
-  _check_int(eval_every, "eval_every", 0)
+  pools.check_int(batch_size, "batch_size")
+  pools.check_int(eval_every, "eval_every", 0)
   if pos_weight is not None and not (isinstance(pos_weight, (int, float)) and pos_weight > 0):
     raise ValueError(f"pos_weight must be a number > 0 (or None), got {pos_weight!r}")
   if standardize:
