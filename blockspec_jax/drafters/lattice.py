@@ -43,12 +43,7 @@ entries from there: ``probe`` = the longest run of equal hashes in any table) is
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
-import os
 import pathlib
-import zipfile
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -56,14 +51,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from blockspec_jax import sampling
+from blockspec_jax import artifacts, sampling
 
 __all__ = ["NGramTable", "NGramLM", "NGRAM_JSON", "NGRAM_NPZ", "hash_rows", "build_ngram", "ngram_logprob",
            "context_window", "save_ngram", "load_ngram", "LatticeLM", "lattice_candidates", "ngram_lattice_lm",
            "local_rescore", "pbest_search", "path_scores"]
 
 NGRAM_JSON, NGRAM_NPZ = "ngram.json", "ngram.npz"
-_FORMAT = 1
+_NGRAM = artifacts.Artifact(
+    NGRAM_NPZ, NGRAM_JSON, what="n-gram LM",
+    absent="holds no n-gram LM (the BPD heads training job writes one: python -m blockspec_jax.train --gin_file "
+    "gin/train/heads_*.gin)", remedy="rebuild the n-gram LM")
 _TABLE_FIELDS = ("key_hash_M", "key_tokens_MxK", "count_M", "ctx_hash_C", "ctx_tokens_CxJ", "ctx_total_C",
                  "ctx_types_C")
 _DISCOUNT_RANGE = (0.1, 0.9)
@@ -264,36 +262,18 @@ def context_window(tokens_BxS: jax.Array, length_B: jax.Array, width: int, bos: 
 
 # --- storage ----------------------------------------------------------------------------------------------------------
 
-def _atomic_write(path: pathlib.Path, data: bytes) -> None:
-  tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-  with open(tmp, "wb") as f:
-    f.write(data)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
-
-
 def save_ngram(directory, lm: NGramLM, info: dict | None = None) -> pathlib.Path:
   """Write ``lm`` to ``<directory>/ngram.npz`` (the tables) and ``<directory>/ngram.json`` (``info``, JSON-able,
   plus the order, vocabulary, probe length, discounts, table sizes and the npz's SHA-256, checked on load), both
   atomically, the npz first. Returns the json's path."""
-  directory = pathlib.Path(directory)
-  directory.mkdir(parents=True, exist_ok=True)
   arrays = {"discount_N": np.asarray(lm.discount_N, np.float32)}
   for k, table in enumerate(lm.tables, start=1):
     for field in _TABLE_FIELDS:
       arrays[f"k{k}_{field}"] = np.asarray(getattr(table, field))
-  buffer = io.BytesIO()
-  np.savez(buffer, **arrays)
-  data = buffer.getvalue()
-  _atomic_write(directory / NGRAM_NPZ, data)
-  record = {**(info or {}), "format": _FORMAT, "order": lm.order, "vocab_size": lm.vocab_size, "probe": lm.probe,
-            "discounts": [float(d) for d in np.asarray(lm.discount_N)],
-            "num_ngrams": [int(t.key_hash_M.shape[0]) for t in lm.tables],
-            "ngram_file": NGRAM_NPZ, "ngram_sha256": hashlib.sha256(data).hexdigest()}
-  path = directory / NGRAM_JSON
-  _atomic_write(path, (json.dumps(record, indent=2) + "\n").encode())
-  return path
+  return _NGRAM.save(directory, arrays, info,
+                     {"order": lm.order, "vocab_size": lm.vocab_size, "probe": lm.probe,
+                      "discounts": [float(d) for d in np.asarray(lm.discount_N)],
+                      "num_ngrams": [int(t.key_hash_M.shape[0]) for t in lm.tables]})
 
 
 def load_ngram(directory, vocab_size: int | None = None) -> tuple[NGramLM, dict]:
@@ -301,35 +281,16 @@ def load_ngram(directory, vocab_size: int | None = None) -> tuple[NGramLM, dict]
   ValueError for a corrupted or tampered file (SHA-256, shapes, the sort order and the probe length are checked) or,
   with ``vocab_size``, an LM of another vocabulary."""
   directory = pathlib.Path(directory).expanduser()
-  if not directory.is_dir():
-    raise FileNotFoundError(f"n-gram LM directory {directory} does not exist")
-  path = directory / NGRAM_JSON
-  if not path.is_file():
-    raise FileNotFoundError(f"{path} not found: {directory} holds no n-gram LM (the BPD heads training job writes "
-                            "one: python -m blockspec_jax.train --gin_file gin/train/heads_*.gin)")
-  try:
-    info = json.loads(path.read_text())
-    if not isinstance(info, dict):
-      raise ValueError("not a JSON object")
-    npz_name, digest = info["ngram_file"], info["ngram_sha256"]
-    order, vocab, probe = int(info["order"]), int(info["vocab_size"]), int(info["probe"])
-  except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-    raise ValueError(f"{path} is corrupted ({type(e).__name__}: {e}); rebuild the n-gram LM") from None
-  npz_path = directory / pathlib.Path(str(npz_name)).name
-  if not npz_path.is_file():
-    raise FileNotFoundError(f"{npz_path} not found (named by {path}); rebuild the n-gram LM")
-  data = npz_path.read_bytes()
-  if hashlib.sha256(data).hexdigest() != digest:
-    raise ValueError(f"{npz_path} is corrupted: its SHA-256 does not match the one in {path}")
+  info = _NGRAM.read_record(directory, convert={"order": int, "vocab_size": int, "probe": int})
+  order, vocab, probe = info["order"], info["vocab_size"], info["probe"]
+  path, npz_path = _NGRAM.paths(directory, info)
   if vocab_size is not None and int(vocab_size) != vocab:
     raise ValueError(f"the n-gram LM in {directory} has V = {vocab}; the target has V = {vocab_size} (vocabulary "
                      "mismatch: build it with the target's tokenizer)")
-  try:
-    with np.load(io.BytesIO(data), allow_pickle=False) as z:
-      discount_N = np.asarray(z["discount_N"], np.float32)
-      raw = [{field: np.asarray(z[f"k{k}_{field}"]) for field in _TABLE_FIELDS} for k in range(1, order + 1)]
-  except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
-    raise ValueError(f"{npz_path} is corrupted ({type(e).__name__}: {e})") from None
+  names = ["discount_N"] + [f"k{k}_{field}" for k in range(1, order + 1) for field in _TABLE_FIELDS]
+  arrays = _NGRAM.read_arrays(directory, info, names=names)
+  discount_N = arrays["discount_N"].astype(np.float32)
+  raw = [{field: arrays[f"k{k}_{field}"] for field in _TABLE_FIELDS} for k in range(1, order + 1)]
   if discount_N.shape != (order,) or not np.all((discount_N > 0) & (discount_N < 1)):
     raise ValueError(f"{npz_path}: discounts must be {order} numbers in (0, 1), got {discount_N.tolist()}")
   tables, longest = [], 1

@@ -26,7 +26,6 @@ import functools
 import hashlib
 import io
 import json
-import os
 import pathlib
 import zipfile
 
@@ -34,13 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blockspec_jax import sampling
+from blockspec_jax import artifacts, sampling
 from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.drafters import heads as heads_lib
 from blockspec_jax.drafters import lattice
 from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.train import distill, pools, trainer
-from blockspec_jax.train.sprinter import batch_indices
 
 __all__ = ["HIDDEN_FIELDS", "HEADS_JSON", "HEADS_NPZ", "LM_HEAD_NPY", "collect_hidden", "head_labels",
            "save_hidden", "load_hidden", "save_lm_head", "load_lm_head", "lm_head_config", "HeadsLoss", "train_heads",
@@ -48,7 +46,10 @@ __all__ = ["HIDDEN_FIELDS", "HEADS_JSON", "HEADS_NPZ", "LM_HEAD_NPY", "collect_h
 
 HIDDEN_FIELDS = ("features_MxD", "seq_M", "position_M", "tokens_NxT", "length_N", "prompt_len_N", "row_N")
 HEADS_JSON, HEADS_NPZ, LM_HEAD_NPY = "heads.json", "heads.npz", "lm_head.npy"
-_FORMAT = 1
+_HEADS = artifacts.Artifact(
+    HEADS_NPZ, HEADS_JSON, what="BPD heads",
+    absent="is not the work directory of a finished BPD heads training run (python -m blockspec_jax.train "
+    "--gin_file gin/train/heads_*.gin)", remedy="rerun the heads' training job")
 
 
 def lm_head_config(vocab_size: int, d_model: int) -> decoder_lib.DecoderConfig:
@@ -160,15 +161,6 @@ def head_labels(data: dict, num_heads: int) -> np.ndarray:
   return np.where(valid_MxH, picked_MxH, -1).astype(np.int32)
 
 
-def _atomic_write(path: pathlib.Path, data: bytes) -> None:
-  tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-  with open(tmp, "wb") as f:
-    f.write(data)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
-
-
 def save_hidden(path, data: dict, meta: dict) -> pathlib.Path:
   """Write :func:`collect_hidden`'s arrays and ``meta`` (JSON-able: how they were collected) to ``path`` (.npz),
   atomically."""
@@ -179,7 +171,7 @@ def save_hidden(path, data: dict, meta: dict) -> pathlib.Path:
   buffer = io.BytesIO()
   np.savez(buffer, meta=np.asarray(json.dumps(meta, sort_keys=True)),
            **{k: np.asarray(data[k]) for k in HIDDEN_FIELDS})
-  _atomic_write(path, buffer.getvalue())
+  artifacts.atomic_write(path, buffer.getvalue())
   return path
 
 
@@ -214,9 +206,9 @@ def save_lm_head(workdir, weight_VxD) -> pathlib.Path:
   buffer = io.BytesIO()
   np.save(buffer, weight, allow_pickle=False)
   data = buffer.getvalue()
-  _atomic_write(workdir / LM_HEAD_NPY, data)
+  artifacts.atomic_write(workdir / LM_HEAD_NPY, data)
   record = {"shape": list(weight.shape), "sha256": hashlib.sha256(data).hexdigest()}
-  _atomic_write(workdir / "lm_head.json", (json.dumps(record) + "\n").encode())
+  artifacts.atomic_write(workdir / "lm_head.json", (json.dumps(record) + "\n").encode())
   return workdir / LM_HEAD_NPY
 
 
@@ -295,17 +287,17 @@ def train_heads(features_MxD, labels_MxH, lm_head_VxD, *, target_config: decoder
                 num_steps: int, batch_size: int, learning_rate: float = 1e-3, seed: int = 0, heldout=None,
                 eval_every: int = 0, optimizer=None, checkpoint_every: int = 100, max_to_keep: int = 2,
                 progress: bool = True, stop_after: int | None = None):
-  """Train ``H = labels_MxH.shape[1]`` heads with :func:`trainer.fit` in ``workdir`` (``checkpoints/``,
+  """Train ``H = labels_MxH.shape[1]`` heads with :func:`trainer.fit_examples` in ``workdir`` (``checkpoints/``,
   ``metrics.jsonl``, ``loss.png``; resumed from its newest checkpoint). Returns ``(heads, fit_result)``.
 
-  Step ``s`` reads positions ``sprinter.batch_indices(M, batch_size, seed, s)``. The heads start at
+  Step ``s`` reads positions ``trainer.batch_indices(M, batch_size, seed, s)``. The heads start at
   :func:`~blockspec_jax.drafters.heads.init_heads` (key ``fold_in(key(seed), 1)``). ``optimizer``: default
   ``trainer.make_optimizer("adamw", learning_rate, "cosine", total_steps=num_steps)``. ``heldout = (features,
   labels)`` with ``eval_every > 0``: ``eval_heldout_ce`` / ``eval_heldout_top1`` every ``eval_every`` steps and after
   the last. ``stop_after``: as in :func:`trainer.fit`.
   """
   features_MxD, labels_MxH = _check_data(features_MxD, labels_MxH, "training set")
-  num, d_model = features_MxD.shape
+  d_model = features_MxD.shape[1]
   num_heads = labels_MxH.shape[1]
   pools.check_int(batch_size, "batch_size")
   pools.check_int(eval_every, "eval_every", 0)
@@ -315,14 +307,6 @@ def train_heads(features_MxD, labels_MxH, lm_head_VxD, *, target_config: decoder
   if labels_MxH.max() >= target_config.vocab_size:
     raise ValueError(f"labels hold ids >= V = {target_config.vocab_size}")
   heads0 = heads_lib.init_heads(d_model, num_heads, jax.random.fold_in(jax.random.key(seed), 1))
-  if optimizer is None:
-    optimizer = trainer.make_optimizer("adamw", learning_rate, "cosine", total_steps=num_steps)
-
-  def batch_fn(step, trainable):
-    del trainable
-    idx = batch_indices(num, batch_size, seed, step)
-    return {"features_BxD": jnp.asarray(features_MxD[idx]), "labels_BxH": jnp.asarray(labels_MxH[idx])}
-
   eval_fn = None
   if heldout is not None and eval_every:
     held_MxD, held_MxH = _check_data(*heldout, "held-out set")
@@ -334,11 +318,12 @@ def train_heads(features_MxD, labels_MxH, lm_head_VxD, *, target_config: decoder
 
     eval_fn = heldout_eval
 
-  result = trainer.fit(loss_fn=HeadsLoss(target_config, num_heads), optimizer=optimizer, trainable=heads0,
-                       frozen={"lm_head": lm_head_VxD}, batch_fn=batch_fn, num_steps=num_steps,
-                       key=jax.random.key(seed), workdir=workdir, checkpoint_every=checkpoint_every,
-                       max_to_keep=max_to_keep, eval_fn=eval_fn, eval_every=eval_every, progress=progress,
-                       label="BPD heads train step", stop_after=stop_after)
+  result = trainer.fit_examples({"features_BxD": features_MxD, "labels_BxH": labels_MxH}, batch_size=batch_size,
+                                seed=seed, num_steps=num_steps, learning_rate=learning_rate, optimizer=optimizer,
+                                loss_fn=HeadsLoss(target_config, num_heads), trainable=heads0,
+                                frozen={"lm_head": lm_head_VxD}, workdir=workdir, checkpoint_every=checkpoint_every,
+                                max_to_keep=max_to_keep, eval_fn=eval_fn, eval_every=eval_every, progress=progress,
+                                label="BPD heads train step", stop_after=stop_after)
   return result.state.trainable, result
 
 
@@ -457,21 +442,11 @@ def save_heads(workdir, heads, info: dict | None = None) -> pathlib.Path:
   """Write the heads to ``<workdir>/heads.npz`` and ``<workdir>/heads.json`` (``info``, JSON-able, plus
   ``num_heads``, ``d_model``, the npz's name and SHA-256, checked on load), atomically, the npz first. Returns the
   json's path."""
-  workdir = pathlib.Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
   arrays = {k: np.asarray(jax.device_get(v), np.float32) for k, v in heads.items()}
   num_heads, d_model = heads_lib.check_heads(arrays)
   if not all(np.all(np.isfinite(v)) for v in arrays.values()):
     raise ValueError("save_heads: the heads hold NaN or infinite values")
-  buffer = io.BytesIO()
-  np.savez(buffer, **arrays)
-  data = buffer.getvalue()
-  _atomic_write(workdir / HEADS_NPZ, data)
-  record = {**(info or {}), "format": _FORMAT, "num_heads": num_heads, "d_model": d_model, "heads_file": HEADS_NPZ,
-            "heads_sha256": hashlib.sha256(data).hexdigest()}
-  path = workdir / HEADS_JSON
-  _atomic_write(path, (json.dumps(record, indent=2) + "\n").encode())
-  return path
+  return _HEADS.save(workdir, arrays, info, {"num_heads": num_heads, "d_model": d_model})
 
 
 def load_heads(workdir, d_model: int | None = None, num_heads: int | None = None):
@@ -481,31 +456,9 @@ def load_heads(workdir, d_model: int | None = None, num_heads: int | None = None
   first ``num_heads`` are returned (ValueError when the checkpoint has fewer). FileNotFoundError for a missing
   directory or file; ValueError for a corrupted or tampered file (SHA-256 checked)."""
   workdir = pathlib.Path(workdir).expanduser()
-  if not workdir.is_dir():
-    raise FileNotFoundError(f"BPD heads directory {workdir} does not exist")
-  path = workdir / HEADS_JSON
-  if not path.is_file():
-    raise FileNotFoundError(f"{path} not found: {workdir} is not the work directory of a finished BPD heads "
-                            "training run (python -m blockspec_jax.train --gin_file gin/train/heads_*.gin)")
-  try:
-    info = json.loads(path.read_text())
-    if not isinstance(info, dict):
-      raise ValueError("not a JSON object")
-    npz_name, digest = info["heads_file"], info["heads_sha256"]
-    saved_heads, saved_width = int(info["num_heads"]), int(info["d_model"])
-  except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-    raise ValueError(f"{path} is corrupted ({type(e).__name__}: {e}); rerun the heads' training job") from None
-  npz_path = workdir / pathlib.Path(str(npz_name)).name
-  if not npz_path.is_file():
-    raise FileNotFoundError(f"{npz_path} not found (named by {path}); rerun the heads' training job")
-  data = npz_path.read_bytes()
-  if hashlib.sha256(data).hexdigest() != digest:
-    raise ValueError(f"{npz_path} is corrupted: its SHA-256 does not match the one in {path}")
-  try:
-    with np.load(io.BytesIO(data), allow_pickle=False) as z:
-      heads = {k: np.asarray(z[k], np.float32) for k in z.files}
-  except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
-    raise ValueError(f"{npz_path} is corrupted ({type(e).__name__}: {e})") from None
+  heads, info = _HEADS.load(workdir, convert={"num_heads": int, "d_model": int}, dtype=np.float32)
+  saved_heads, saved_width = info["num_heads"], info["d_model"]
+  path, npz_path = _HEADS.paths(workdir, info)
   try:
     found_heads, found_width = heads_lib.check_heads(heads)
   except ValueError as e:

@@ -33,11 +33,9 @@ standardised-space head, from which the folded one is recomputed exactly on a re
 from __future__ import annotations
 
 import functools
-import hashlib
 import io
 import json
 import math
-import os
 import pathlib
 import zipfile
 from typing import Sequence
@@ -46,11 +44,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blockspec_jax import sampling
+from blockspec_jax import artifacts, sampling
 from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.drafters.sprinter import head_logits, head_probs, init_head
 from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.train import distill, pools, trainer
+from blockspec_jax.train.trainer import batch_indices
 
 __all__ = ["LABEL_FIELDS", "REPORT_FIELDS", "HEAD_JSON", "HEAD_NPZ", "collect_labels", "save_labels",
            "load_labels", "head_loss", "standardization", "fold_standardization", "batch_indices", "train_head",
@@ -59,7 +58,10 @@ __all__ = ["LABEL_FIELDS", "REPORT_FIELDS", "HEAD_JSON", "HEAD_NPZ", "collect_la
 LABEL_FIELDS = ("features_NxD", "labels_N", "q_tok_N", "p_tok_N", "token_N", "row_N", "position_N")
 REPORT_FIELDS = ("threshold", "accuracy", "eta_fp", "eta_fn", "accept_rate", "positive_rate", "num")
 HEAD_JSON, HEAD_NPZ = "head.json", "head.npz"
-_FORMAT = 1
+_HEAD = artifacts.Artifact(
+    HEAD_NPZ, HEAD_JSON, what="SPRINTER head",
+    absent="is not the work directory of a finished SPRINTER head training run (python -m blockspec_jax.train "
+    "--gin_file gin/train/sprinter_*.gin)", remedy="rerun the head's training job")
 
 
 # --- labels ---------------------------------------------------------------------------------------------------------
@@ -173,7 +175,7 @@ def save_labels(path, data: dict, meta: dict) -> pathlib.Path:
     raise ValueError(f"labels lack {sorted(missing)}")
   buffer = io.BytesIO()
   np.savez(buffer, meta=np.asarray(json.dumps(meta, sort_keys=True)), **{k: np.asarray(data[k]) for k in LABEL_FIELDS})
-  _atomic_write(path, buffer.getvalue())
+  artifacts.atomic_write(path, buffer.getvalue())
   return path
 
 
@@ -238,18 +240,6 @@ def fold_standardization(head, mean_D, inv_scale_D):
   return {"w_D": jnp.asarray(w_D, jnp.float32), "b": jnp.asarray(b, jnp.float32)}
 
 
-def batch_indices(num: int, batch_size: int, seed: int, step: int) -> np.ndarray:
-  """int64 [batch_size]: the example indices of step ``step``'s minibatch. Epoch ``e`` visits the examples in the
-  order of ``numpy.random.default_rng([seed, e]).permutation(num)``; a batch may straddle two epochs."""
-  flat = step * batch_size + np.arange(batch_size, dtype=np.int64)
-  epochs, offsets = flat // num, flat % num
-  out = np.empty_like(flat)
-  for e in np.unique(epochs):
-    perm = np.random.default_rng([seed, int(e)]).permutation(num)
-    out[epochs == e] = perm[offsets[epochs == e]]
-  return out
-
-
 def _check_examples(features_NxD, labels_N, name: str) -> tuple[np.ndarray, np.ndarray]:
   features_NxD, labels_N = np.asarray(features_NxD, np.float32), np.asarray(labels_N)
   if features_NxD.ndim != 2 or labels_N.shape != features_NxD.shape[:1]:
@@ -281,9 +271,9 @@ def train_head(features_NxD, labels_N, *, workdir, num_steps: int, batch_size: i
                seed: int = 0, heldout=None, eval_every: int = 0, optimizer=None, pos_weight: float | None = None,
                standardize: bool = True, checkpoint_every: int = 100, max_to_keep: int = 2, progress: bool = True,
                stop_after: int | None = None):
-  """Train the head by :func:`trainer.fit` in ``workdir`` (``checkpoints/``, ``metrics.jsonl``, ``loss.png``;
-  resumed from its newest checkpoint). Returns ``(head, fit_result)``: ``head`` folded to raw features (f32 ``w_D``
-  [D], ``b`` []).
+  """Train the head by :func:`trainer.fit_examples` in ``workdir`` (``checkpoints/``, ``metrics.jsonl``,
+  ``loss.png``; resumed from its newest checkpoint). Returns ``(head, fit_result)``: ``head`` folded to raw features
+  (f32 ``w_D`` [D], ``b`` []).
 
   ``features_NxD`` f32 [N, D], ``labels_N`` 0/1 [N]. Step ``s`` reads the examples :func:`batch_indices` ``(N,
   batch_size, seed, s)``. The head starts at ``w = 0`` and ``b = logit(positive rate)``. ``optimizer``: an optax
@@ -294,7 +284,7 @@ def train_head(features_NxD, labels_N, *, workdir, num_steps: int, batch_size: i
   the map into the returned head. ``pos_weight``: see :func:`head_loss`. ``stop_after``: as in :func:`trainer.fit`.
   """
   features_NxD, labels_N = _check_examples(features_NxD, labels_N, "training set")
-  num, d_model = features_NxD.shape
+  d_model = features_NxD.shape[1]
   pools.check_int(batch_size, "batch_size")
   pools.check_int(eval_every, "eval_every", 0)
   if pos_weight is not None and not (isinstance(pos_weight, (int, float)) and pos_weight > 0):
@@ -308,14 +298,6 @@ def train_head(features_NxD, labels_N, *, workdir, num_steps: int, batch_size: i
     frozen["pos_weight"] = jnp.float32(pos_weight)
   rate = min(max(float(labels_N.mean()), 1e-4), 1.0 - 1e-4)
   head0 = init_head(d_model, bias=math.log(rate / (1.0 - rate)))
-  if optimizer is None:
-    optimizer = trainer.make_optimizer("adamw", learning_rate, "cosine", total_steps=num_steps)
-
-  def batch_fn(step, trainable):
-    del trainable
-    idx = batch_indices(num, batch_size, seed, step)
-    return {"features_BxD": jnp.asarray(features_NxD[idx]), "labels_B": jnp.asarray(labels_N[idx])}
-
   eval_fn = None
   if heldout is not None and eval_every:
     held_NxD, held_N = _check_examples(*heldout, "held-out set")
@@ -327,11 +309,12 @@ def train_head(features_NxD, labels_N, *, workdir, num_steps: int, batch_size: i
       loss, accuracy = _eval_loss(trainable, frozen, held_NxD, held_N)
       return {"heldout_loss": float(loss), "heldout_accuracy": float(accuracy)}
 
-  result = trainer.fit(loss_fn=head_loss, optimizer=optimizer, trainable=head0, frozen=frozen, batch_fn=batch_fn,
-                       num_steps=num_steps, key=jax.random.key(seed), workdir=workdir,
-                       checkpoint_every=checkpoint_every, max_to_keep=max_to_keep, eval_fn=eval_fn,
-                       eval_every=eval_every, progress=progress, label="SPRINTER head train step",
-                       stop_after=stop_after)
+  result = trainer.fit_examples({"features_BxD": features_NxD, "labels_B": labels_N}, batch_size=batch_size, seed=seed,
+                                num_steps=num_steps, learning_rate=learning_rate, optimizer=optimizer,
+                                loss_fn=head_loss, trainable=head0, frozen=frozen, workdir=workdir,
+                                checkpoint_every=checkpoint_every, max_to_keep=max_to_keep, eval_fn=eval_fn,
+                                eval_every=eval_every, progress=progress, label="SPRINTER head train step",
+                                stop_after=stop_after)
   return fold_standardization(result.state.trainable, mean_D, inv_scale_D), result
 
 
@@ -374,15 +357,6 @@ def head_report(head, features_NxD, labels_N, thresholds: Sequence[float] = (0.3
 
 # --- storage --------------------------------------------------------------------------------------------------------
 
-def _atomic_write(path: pathlib.Path, data: bytes) -> None:
-  tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-  with open(tmp, "wb") as f:
-    f.write(data)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
-
-
 def _check_head(w_D: np.ndarray, b: np.ndarray, where: str) -> None:
   if w_D.ndim != 1 or w_D.shape[0] < 1 or np.shape(b) != ():
     raise ValueError(f"{where}: a head is w_D [D] and b [], got shapes {w_D.shape} and {np.shape(b)}")
@@ -394,20 +368,11 @@ def save_head(workdir, head, info: dict | None = None) -> pathlib.Path:
   """Write the head to ``<workdir>/head.npz`` (``w_D`` f32 [D], ``b`` f32 []) and ``<workdir>/head.json``: ``info``
   (JSON-able: drafter, target, temperature, the held-out report, …) plus ``d_model``, ``b``, ``w_norm``, the npz's
   name and SHA-256 (checked on load). Both written atomically, the npz first. Returns the json's path."""
-  workdir = pathlib.Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
   w_D, b = np.asarray(head["w_D"], np.float32), np.asarray(head["b"], np.float32)
   _check_head(w_D, b, "save_head")
-  buffer = io.BytesIO()
-  np.savez(buffer, w_D=w_D, b=b)
-  data = buffer.getvalue()
-  _atomic_write(workdir / HEAD_NPZ, data)
-  record = {**(info or {}), "format": _FORMAT, "d_model": int(w_D.shape[0]), "b": float(b),
-            "w_norm": float(np.linalg.norm(w_D.astype(np.float64))), "head_file": HEAD_NPZ,
-            "head_sha256": hashlib.sha256(data).hexdigest()}
-  path = workdir / HEAD_JSON
-  _atomic_write(path, (json.dumps(record, indent=2) + "\n").encode())
-  return path
+  return _HEAD.save(workdir, {"w_D": w_D, "b": b}, info,
+                    {"d_model": int(w_D.shape[0]), "b": float(b),
+                     "w_norm": float(np.linalg.norm(w_D.astype(np.float64)))})
 
 
 def load_head(workdir, d_model: int | None = None):
@@ -415,30 +380,9 @@ def load_head(workdir, d_model: int | None = None):
   json's dict. FileNotFoundError for a missing directory or file, ValueError for a corrupted or tampered file (the
   SHA-256 recorded in the json must match the npz) or, with ``d_model``, a head of another width."""
   workdir = pathlib.Path(workdir).expanduser()
-  if not workdir.is_dir():
-    raise FileNotFoundError(f"SPRINTER head directory {workdir} does not exist")
-  path = workdir / HEAD_JSON
-  if not path.is_file():
-    raise FileNotFoundError(f"{path} not found: {workdir} is not the work directory of a finished SPRINTER head "
-                            "training run (python -m blockspec_jax.train --gin_file gin/train/sprinter_*.gin)")
-  try:
-    info = json.loads(path.read_text())
-    if not isinstance(info, dict):
-      raise ValueError("not a JSON object")
-    npz_name, digest, width = info["head_file"], info["head_sha256"], int(info["d_model"])
-  except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-    raise ValueError(f"{path} is corrupted ({type(e).__name__}: {e}); rerun the head's training job") from None
-  npz_path = workdir / pathlib.Path(str(npz_name)).name
-  if not npz_path.is_file():
-    raise FileNotFoundError(f"{npz_path} not found (named by {path}); rerun the head's training job")
-  data = npz_path.read_bytes()
-  if hashlib.sha256(data).hexdigest() != digest:
-    raise ValueError(f"{npz_path} is corrupted: its SHA-256 does not match the one in {path}")
-  try:
-    with np.load(io.BytesIO(data), allow_pickle=False) as z:
-      w_D, b = np.asarray(z["w_D"], np.float32), np.asarray(z["b"], np.float32)
-  except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
-    raise ValueError(f"{npz_path} is corrupted ({type(e).__name__}: {e})") from None
+  arrays, info = _HEAD.load(workdir, convert={"d_model": int}, names=("w_D", "b"), dtype=np.float32)
+  w_D, b, width = arrays["w_D"], arrays["b"], info["d_model"]
+  path, npz_path = _HEAD.paths(workdir, info)
   _check_head(w_D, b, str(npz_path))
   if w_D.shape[0] != width:
     raise ValueError(f"{npz_path} holds a head of D = {w_D.shape[0]}, {path} says d_model = {width}")

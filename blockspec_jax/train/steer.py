@@ -39,19 +39,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import io
-import json
-import os
 import pathlib
-import zipfile
 from typing import Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blockspec_jax import sampling
+from blockspec_jax import artifacts, sampling
 from blockspec_jax.drafters.steer import check_layers, steer_dims, steering_vectors, to_layers
 from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.train import distill, divergences
@@ -61,7 +56,10 @@ __all__ = ["STEER_JSON", "STEER_NPZ", "SteerLoss", "window_sources", "target_win
            "check_steer_setup"]
 
 STEER_JSON, STEER_NPZ = "steer.json", "steer.npz"
-_FORMAT = 1
+_STEER = artifacts.Artifact(
+    STEER_NPZ, STEER_JSON, what="SD² steering map",
+    absent="is not the work directory of a finished SD² training run (python -m blockspec_jax.train --gin_file "
+    "gin/train/steer_*.gin)", remedy="rerun the SD² training job")
 
 
 def check_steer_setup(target: decoder_lib.DecoderConfig, drafter: decoder_lib.DecoderConfig, target_layers,
@@ -328,15 +326,6 @@ def _unflatten(flat: Mapping) -> dict:
   return tree
 
 
-def _atomic_write(path: pathlib.Path, data: bytes) -> None:
-  tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-  with open(tmp, "wb") as f:
-    f.write(data)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
-
-
 def save_steer(workdir, steer, info: Optional[dict] = None) -> pathlib.Path:
   """Write the map to ``<workdir>/steer.npz`` (float32 leaves by path, e.g. ``guide/weight``) and
   ``<workdir>/steer.json``: ``info`` (JSON-able; must name ``target_layers``, ``steered_layers`` and the drafter's
@@ -351,18 +340,9 @@ def save_steer(workdir, steer, info: Optional[dict] = None) -> pathlib.Path:
   if not all(np.all(np.isfinite(v)) for v in flat.values()):
     raise ValueError("save_steer: the map holds NaN or infinite values")
   _check_record({**info, **dims}, "save_steer")
-  workdir = pathlib.Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
-  buffer = io.BytesIO()
-  np.savez(buffer, **flat)
-  data = buffer.getvalue()
-  _atomic_write(workdir / STEER_NPZ, data)
-  record = {**info, **dims, "format": _FORMAT, "target_layers": [int(i) for i in info["target_layers"]],
-            "steered_layers": [int(i) for i in info["steered_layers"]], "steer_file": STEER_NPZ,
-            "steer_sha256": hashlib.sha256(data).hexdigest()}
-  path = workdir / STEER_JSON
-  _atomic_write(path, (json.dumps(record, indent=2) + "\n").encode())
-  return path
+  return _STEER.save(workdir, flat, {**info, **dims},
+                     {"target_layers": [int(i) for i in info["target_layers"]],
+                      "steered_layers": [int(i) for i in info["steered_layers"]]})
 
 
 def _check_record(record: Mapping, where: str) -> None:
@@ -382,26 +362,12 @@ def _check_record(record: Mapping, where: str) -> None:
 def read_steer_info(workdir) -> dict:
   """The record (``steer.json``) of a finished SD² training run; FileNotFoundError when absent, ValueError when it is
   not a readable record."""
-  workdir = pathlib.Path(workdir).expanduser()
-  if not workdir.is_dir():
-    raise FileNotFoundError(f"SD² steering map directory {workdir} does not exist")
-  path = workdir / STEER_JSON
-  if not path.is_file():
-    raise FileNotFoundError(f"{path} not found: {workdir} is not the work directory of a finished SD² training run "
-                            "(python -m blockspec_jax.train --gin_file gin/train/steer_*.gin)")
-  try:
-    info = json.loads(path.read_text())
-    if not isinstance(info, dict):
-      raise ValueError("not a JSON object")
-    for key in ("steer_file", "steer_sha256", "target_layers", "steered_layers", "drafter_layers", "ffn_dim",
-                "target_d_model", "num_taps", "width"):
-      if key not in info:
-        raise KeyError(key)
-    info["target_layers"] = tuple(int(i) for i in info["target_layers"])
-    info["steered_layers"] = tuple(int(i) for i in info["steered_layers"])
-  except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-    raise ValueError(f"{path} is corrupted ({type(e).__name__}: {e}); rerun the SD² training job") from None
-  return info
+  return _STEER.read_record(workdir, required=("drafter_layers", "ffn_dim", "target_d_model", "num_taps", "width"),
+                            convert={"target_layers": _int_tuple, "steered_layers": _int_tuple})
+
+
+def _int_tuple(values) -> tuple:
+  return tuple(int(i) for i in values)
 
 
 def load_steer(workdir, *, target_config: Optional[decoder_lib.DecoderConfig] = None,
@@ -415,17 +381,8 @@ def load_steer(workdir, *, target_config: Optional[decoder_lib.DecoderConfig] = 
   """
   info = read_steer_info(workdir)
   workdir = pathlib.Path(workdir).expanduser()
-  npz_path = workdir / pathlib.Path(str(info["steer_file"])).name
-  if not npz_path.is_file():
-    raise FileNotFoundError(f"{npz_path} not found (named by {workdir / STEER_JSON}); rerun the SD² training job")
-  data = npz_path.read_bytes()
-  if hashlib.sha256(data).hexdigest() != info["steer_sha256"]:
-    raise ValueError(f"{npz_path} is corrupted: its SHA-256 does not match the one in {workdir / STEER_JSON}")
-  try:
-    with np.load(io.BytesIO(data), allow_pickle=False) as z:
-      flat = {name: np.asarray(z[name], np.float32) for name in z.files}
-  except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
-    raise ValueError(f"{npz_path} is corrupted ({type(e).__name__}: {e})") from None
+  json_path, npz_path = _STEER.paths(workdir, info)
+  flat = _STEER.read_arrays(workdir, info, dtype=np.float32)
   steer = _unflatten(flat)
   try:
     dims = steer_dims(steer)
@@ -435,8 +392,8 @@ def load_steer(workdir, *, target_config: Optional[decoder_lib.DecoderConfig] = 
     raise ValueError(f"{npz_path}: the map holds NaN or infinite values")
   for key, value in dims.items():
     if info.get(key) != value:
-      raise ValueError(f"{npz_path} holds a map with {key} = {value}, {workdir / STEER_JSON} says {info.get(key)}")
-  _check_record(info, str(workdir / STEER_JSON))
+      raise ValueError(f"{npz_path} holds a map with {key} = {value}, {json_path} says {info.get(key)}")
+  _check_record(info, str(json_path))
   trained_on = f"(trained for target {info.get('target', '?')}, drafter {info.get('drafter', '?')})"
   if target_config is not None:
     if target_config.d_model != dims["target_d_model"]:

@@ -46,7 +46,8 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 __all__ = ["TrainState", "OPTIMIZERS", "SCHEDULES", "make_schedule", "make_optimizer", "init_state", "train_step",
-           "make_train_step", "FitResult", "fit", "read_metrics", "plot_losses", "restore_latest"]
+           "make_train_step", "FitResult", "fit", "batch_indices", "fit_examples", "read_metrics", "plot_losses",
+           "restore_latest"]
 
 LossFn = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, dict]]
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -339,6 +340,40 @@ def fit(*, loss_fn: LossFn, optimizer: optax.GradientTransformation, trainable, 
   if plot:
     plot_losses(read_metrics(metrics_path), workdir / "loss.png")
   return FitResult(state=state, history=history, resumed_from=resumed_from, seconds=time.perf_counter() - t0)
+
+
+def batch_indices(num: int, batch_size: int, seed: int, step: int) -> np.ndarray:
+  """int64 [batch_size]: the example indices of step ``step``'s minibatch. Epoch ``e`` visits the examples in the
+  order of ``numpy.random.default_rng([seed, e]).permutation(num)``; a batch may straddle two epochs."""
+  flat = step * batch_size + np.arange(batch_size, dtype=np.int64)
+  epochs, offsets = flat // num, flat % num
+  out = np.empty_like(flat)
+  for e in np.unique(epochs):
+    perm = np.random.default_rng([seed, int(e)]).permutation(num)
+    out[epochs == e] = perm[offsets[epochs == e]]
+  return out
+
+
+def fit_examples(examples: dict, *, batch_size: int, seed: int, num_steps: int, learning_rate: float,
+                 optimizer: optax.GradientTransformation | None = None, **fit_kwargs) -> FitResult:
+  """:func:`fit` on examples held in memory (numpy arrays of one leading size ``N``, keyed by their names in the
+  batch): step ``s``'s batch is ``{name: jnp.asarray(array[batch_indices(N, batch_size, seed, s)])}``, the run's
+  key ``jax.random.key(seed)``; ``optimizer`` defaults to ``make_optimizer("adamw", learning_rate, "cosine",
+  total_steps=num_steps)``. ``fit_kwargs``: :func:`fit`'s other arguments (``loss_fn``, ``trainable``, ``frozen``,
+  ``workdir``, …)."""
+  sizes = {int(np.shape(array)[0]) for array in examples.values()}
+  if len(sizes) != 1:
+    raise ValueError(f"the examples must share their leading size, got {sorted(sizes)}")
+  num = sizes.pop()
+  if optimizer is None:
+    optimizer = make_optimizer("adamw", learning_rate, "cosine", total_steps=num_steps)
+
+  def batch_fn(step, trainable):
+    del trainable
+    idx = batch_indices(num, batch_size, seed, step)
+    return {name: jnp.asarray(array[idx]) for name, array in examples.items()}
+
+  return fit(optimizer=optimizer, batch_fn=batch_fn, num_steps=num_steps, key=jax.random.key(seed), **fit_kwargs)
 
 
 def _standard_save(state: TrainState):
