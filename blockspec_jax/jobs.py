@@ -6,7 +6,9 @@ benchmarks import these helpers from here, so no job imports another.
 * a drafter/target pair check (:func:`check_pair`), prompt encoding (:func:`encode_prompts`);
 * one method's timed decode over a prompt set (:func:`run_method`), with the first call's compilation announced
   (:func:`compiling`);
-* JAX's persistent compilation cache (:func:`enable_compilation_cache`), peak memory (:func:`peak_rss_gb`);
+* JAX's persistent compilation cache (:func:`enable_compilation_cache`), peak memory (:func:`peak_rss_gb`), and the
+  release of compiled programs before a long-lived process runs out of memory mappings
+  (:func:`release_programs_if_near_map_limit`);
 * a command-line wrapper that turns a user's mistake into one line instead of a traceback (:func:`cli_errors`).
 """
 
@@ -31,9 +33,10 @@ from blockspec_jax.paths import default_cache_dir
 __all__ = ["METHODS", "AUTOREGRESSIVE", "known_methods", "parse_method", "build_drafter", "UsageError", "load_model",
            "check_model_name", "drafter_labels",
            "check_gamma", "check_settings", "check_verifier_settings", "check_cache_room", "check_pair",
-           "encode_prompts", "run_method", "method_gamma", "compiling", "enable_compilation_cache",
+           "encode_prompts", "load_models", "check_methods_fit", "run_method", "method_gamma", "compiling", "enable_compilation_cache",
            "COMPILE_CACHE_ENV_VAR",
-           "peak_rss_gb", "cli_errors", "gin_main", "write_report"]
+           "peak_rss_gb", "mapped_regions", "max_mapped_regions", "release_programs_if_near_map_limit",
+           "cli_errors", "join_multihost_from_env", "is_main_process", "add_gin_search_path", "MULTIHOST_ENV_VAR", "gin_main", "write_report"]
 
 AUTOREGRESSIVE = "autoregressive"
 METHODS = (AUTOREGRESSIVE, "token", "block")  # the main job's default comparison
@@ -265,6 +268,30 @@ def check_cache_room(prompt_width: int, max_new_tokens: int, draft_nodes: int, *
   return needed
 
 
+def load_models(target: str, drafters: Sequence[str], dtype: str = "float32", cache_dir=None):
+  """The target and each drafter (``hub.LoadedModel``, via :func:`load_model`), every drafter checked against the
+  target (:func:`check_pair`); returns ``(target_model, [drafter_model, …], seconds)``."""
+  start = time.perf_counter()
+  target_model = load_model(target, dtype, cache_dir)
+  drafter_models = [load_model(d, dtype, cache_dir) for d in drafters]
+  for drafter_model in drafter_models:
+    check_pair(target_model, drafter_model)
+  return target_model, drafter_models, time.perf_counter() - start
+
+
+def check_methods_fit(methods: Iterable[str], gammas: Iterable[int], target_model, drafter_models, width: int,
+                      max_new_tokens: int, drafter_settings=None, verifier_settings=None) -> int:
+  """Build every method's drafter at every γ (drafter settings are checked there) and check that the longest prompt
+  (``width``), ``max_new_tokens`` and the largest draft fit every cache (:func:`check_cache_room`); before any
+  compilation. Returns the slots needed."""
+  specs = [parse_method(m) for m in methods if m != AUTOREGRESSIVE]
+  built = [(build_drafter(name, target_model, dm, drafter_settings, g), g)
+           for rule, name in specs for g in {method_gamma(rule, gamma, verifier_settings) for gamma in gammas}
+           for dm in drafter_models]
+  draft_nodes = max([d.num_nodes(g) for d, g in built], default=0)
+  return check_cache_room(width, max_new_tokens, draft_nodes, target_model.config, *(d for d, _ in built))
+
+
 def check_pair(target, drafter) -> None:
   """Drafter and target (``hub.LoadedModel``) must share one tokenizer: same vocabulary size and the same ids for the
   same text."""
@@ -298,6 +325,48 @@ def encode_prompts(model, rows, chat: bool = True) -> list[list[int]]:
 def peak_rss_gb() -> float:
   """Peak resident memory of this process in GB (10^9 bytes); Linux reports ``ru_maxrss`` in KiB."""
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def mapped_regions() -> int | None:
+  """How many memory mappings this process holds (lines of ``/proc/self/maps``); None where there is no such file."""
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      return f.read().count(b"\n")
+  except OSError:
+    return None
+
+
+def max_mapped_regions() -> int | None:
+  """The kernel's per-process limit on memory mappings (``vm.max_map_count``, 65,530 by default); None if unknown."""
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      return int(f.read().split()[0])
+  except (OSError, ValueError, IndexError):
+    return None
+
+
+def release_programs_if_near_map_limit(fraction: float = 0.25) -> bool:
+  """Drop every compiled program (``jax.clear_caches()``) once this process holds more than ``fraction`` of the
+  kernel's limit on memory mappings; True if it did.
+
+  Why: XLA's CPU backend loads each compiled executable's code and data as separate anonymous mappings (about ten for
+  a small program, more for a decoding loop), and the jit caches keep every executable alive for the life of the
+  process. A process that compiles thousands of programs (a test worker, a sweep over many shapes and settings) grows
+  towards ``vm.max_map_count``; when a mapping is refused there, XLA aborts or segfaults inside the next compilation
+  or executable load, far from the cause. Released programs are simply compiled again when next called (same
+  results), so a process that stays under the limit never pays anything but the ``/proc/self/maps`` read.
+  """
+  if not 0 < fraction <= 1:
+    raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+  count, limit = mapped_regions(), max_mapped_regions()
+  if count is None or limit is None or count <= fraction * limit:
+    return False
+  import gc
+
+  import jax
+  jax.clear_caches()
+  gc.collect()
+  return True
 
 
 @contextlib.contextmanager
@@ -446,7 +515,7 @@ def drafter_params(drafter_obj, drafter_model, target_model):
 
 
 def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tokens, temperature, seed, stop_ids,
-               drafter_settings=None, verifier_settings=None):
+               drafter_settings=None, verifier_settings=None, top_k: int = 0, top_p: float = 1.0):
   """Decode every prompt at batch 1 with ``method`` ("autoregressive", a verifier name, or
   ``"<verifier>@<drafter>"``, see :func:`parse_method`; ``drafter_settings`` as in :func:`build_drafter`); returns
   the summary row and the generated token lists.
@@ -454,11 +523,13 @@ def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tok
   Prefill and decode phase are compiled and timed apart (each ends in ``block_until_ready``): ``wall_s`` is their
   sum, ``prefill_s`` the prompt forwards (target, and drafter for speculative methods), ``decode_s`` the loop, which
   is the phase the ideal speedup BE / (1 + γ·c) describes. The first prompt is run once untimed to compile.
+  ``temperature``, ``top_k`` and ``top_p`` make the sampler both models decode with (``sampling.Sampler``).
   """
   import jax
   from blockspec_jax import sampling
   from blockspec_jax.decoding import speculative as spec
-  sampler = sampling.Sampler(temperature=temperature)
+  release_programs_if_near_map_limit()  # a long sweep of methods and shapes in one process
+  sampler = sampling.Sampler(temperature=temperature, top_k=top_k, top_p=top_p)
   prefill, decode = _phases(method, target, drafter, gamma, max_new_tokens, sampler, stop_ids, drafter_settings,
                             verifier_settings)
   padded = [(ids + [0] * (width - len(ids))) for ids in prompt_ids]
@@ -536,9 +607,52 @@ def gin_main(prog: str, description: str, job, argv=None) -> int:
   parser.add_argument("--gin_param", action="append", default=[])
   args = parser.parse_args(argv)
   with cli_errors(parser.prog):
+    join_multihost_from_env()
+    add_gin_search_path()
     gin.parse_config_files_and_bindings(args.gin_file, args.gin_param)
     job()
   return 0
+
+
+def add_gin_search_path() -> None:
+  """Let ``include 'gin/…'`` and ``--gin_file gin/…`` resolve from any working directory (the repository root, when
+  the package sits in it, as with an editable install), besides the working directory itself."""
+  import gin
+  root = pathlib.Path(__file__).resolve().parents[1]
+  if (root / "gin").is_dir() and str(root) not in gin.config._LOCATION_PREFIXES:
+    gin.add_config_file_search_path(str(root))
+
+
+MULTIHOST_ENV_VAR = "BLOCKSPEC_JAX_MULTIHOST"
+
+
+def join_multihost_from_env() -> bool:
+  """With ``$BLOCKSPEC_JAX_MULTIHOST=1`` (set on every worker by ``launch/tpu_vm.sh`` and ``launch/gpu_vm.sh`` for a
+  slice of several hosts), join the multi-host run (``parallel.initialize_multihost``: ``jax.distributed`` reads the
+  coordinator from the TPU environment, or from ``$JAX_COORDINATOR_ADDRESS``, ``$JAX_NUM_PROCESSES`` and
+  ``$JAX_PROCESS_ID`` on GPU hosts) before any computation; True if it did. Unset or ``0``: nothing (one host)."""
+  value = os.environ.get(MULTIHOST_ENV_VAR, "0").strip()
+  if value in ("", "0"):
+    return False
+  if value != "1":
+    raise UsageError(f"${MULTIHOST_ENV_VAR} must be 0 or 1, got {value!r}")
+  from blockspec_jax import parallel
+  kwargs = {}
+  for name, key, cast in (("JAX_COORDINATOR_ADDRESS", "coordinator_address", str),
+                          ("JAX_NUM_PROCESSES", "num_processes", int), ("JAX_PROCESS_ID", "process_id", int)):
+    if os.environ.get(name):
+      try:
+        kwargs[key] = cast(os.environ[name])
+      except ValueError:
+        raise UsageError(f"${name} must be an integer, got {os.environ[name]!r}") from None
+  parallel.initialize_multihost(**kwargs)
+  return True
+
+
+def is_main_process() -> bool:
+  """Whether this process writes the run's files: always on one host, process 0 of a multi-host run."""
+  import jax
+  return jax.process_index() == 0
 
 
 @contextlib.contextmanager

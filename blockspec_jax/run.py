@@ -20,7 +20,6 @@ text of one prompt is printed per method so a person can see it is real.
 from __future__ import annotations
 
 import sys
-import time
 
 import gin
 import jax
@@ -93,24 +92,15 @@ def run_job(target: str = "qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b",
   if not rows:
     raise jobs.UsageError(f"no prompts in {prompts_path}")
   compile_dir = jobs.enable_compilation_cache(compilation_cache)
-  start = time.perf_counter()
-  target_model = jobs.load_model(target, dtype, cache_dir)
-  drafter_models = [jobs.load_model(d, dtype, cache_dir) for d in drafter_names]
+  target_model, drafter_models, load_s = jobs.load_models(target, drafter_names, dtype, cache_dir)
   labels = jobs.drafter_labels(drafter_names)
-  for drafter_model in drafter_models:
-    jobs.check_pair(target_model, drafter_model)
-  print(f"loaded {', '.join(map(str, drafter_names))} → {target} ({dtype}) in {time.perf_counter() - start:.1f} s; "
+  print(f"loaded {', '.join(map(str, drafter_names))} → {target} ({dtype}) in {load_s:.1f} s; "
         f"{len(rows)} prompts; jax {jax.__version__} on {jax.devices()[0].platform}; compilation cache "
         f"{compile_dir or 'off'}", flush=True)
   prompt_ids = jobs.encode_prompts(target_model, rows, chat)
   width = max(len(p) for p in prompt_ids)
-  speculative = [jobs.parse_method(m) for m in methods if m != jobs.AUTOREGRESSIVE]
-  gammas = [jobs.method_gamma(r, gamma, verifier_settings) for r, _ in speculative]
-  drafter_objs = [jobs.build_drafter(d, target_model, dm, drafter_settings, g) for (_, d), g in zip(speculative, gammas)
-                  for dm in drafter_models]
-  draft_nodes = max([d.num_nodes(g) for d, g in zip(drafter_objs, [g for g in gammas for _ in drafter_models])],
-                    default=0)
-  jobs.check_cache_room(width, max_new_tokens, draft_nodes, target_model.config, *drafter_objs)
+  jobs.check_methods_fit(methods, (gamma,), target_model, drafter_models, width, max_new_tokens, drafter_settings,
+                         verifier_settings)
   stop_ids = target_model.stop_ids
   several = len(drafter_models) > 1
   results, texts = [], {}

@@ -3,6 +3,8 @@
 import dataclasses
 import json
 
+import jax
+import numpy as np
 import pytest
 
 import gin
@@ -149,6 +151,27 @@ def test_persistent_compilation_cache_is_hit_by_a_second_process(tmp_path):
   assert jobs.enable_compilation_cache("off") is None
 
 
+def test_compiled_programs_are_released_near_the_map_limit(monkeypatch):
+  """jobs.release_programs_if_near_map_limit: XLA's CPU executables live in anonymous mappings for as long as the jit
+  caches hold them; past a quarter of vm.max_map_count every compiled program is dropped (the mappings go back), below
+  it nothing is touched, and the results of a recompiled program are the same."""
+  import jax.numpy as jnp
+  fs = [jax.jit(lambda x, i=i: jnp.tanh(x @ x.T + i).sum(0)) for i in range(30)]
+  x = jnp.ones((8, 8))
+  before = [np.asarray(f(x)) for f in fs]
+  held = jobs.mapped_regions()
+  assert held is not None and jobs.max_mapped_regions() is not None
+  monkeypatch.setattr(jobs, "max_mapped_regions", lambda: 4 * held + 4)  # just under the threshold: kept
+  assert not jobs.release_programs_if_near_map_limit() and fs[0]._cache_size() == 1
+  monkeypatch.setattr(jobs, "max_mapped_regions", lambda: 2 * held)  # held > a quarter of it: released
+  assert jobs.release_programs_if_near_map_limit()
+  assert all(f._cache_size() == 0 for f in fs)
+  assert jobs.mapped_regions() < held - 2 * len(fs)  # each small program held a few mappings
+  np.testing.assert_array_equal(np.stack(before), np.stack([np.asarray(f(x)) for f in fs]))
+  with pytest.raises(ValueError, match="fraction"):
+    jobs.release_programs_if_near_map_limit(0)
+
+
 def test_methods_name_every_registered_rule_and_drafter():
   import types
 
@@ -273,3 +296,31 @@ def test_main_job_runs_the_target_reading_drafters_from_gin(tmp_path, capsys):
     assert rows["block@steered"][key] == rows["block"][key]
   assert all(rows[m]["invalid_prob_rows"] == 0 for m in rows)
   assert all(rows[m]["tokens_generated"] == 8 for m in rows)
+
+
+def test_multihost_is_joined_only_when_asked(monkeypatch):
+  """jobs.join_multihost_from_env (every gin entry point runs it first): $BLOCKSPEC_JAX_MULTIHOST=1 joins with the
+  coordinator, process count and id from $JAX_* when given (the GPU launcher sets them; TPU slices auto-detect),
+  unset or 0 does nothing, anything else is a one-line usage error."""
+  from blockspec_jax import parallel
+  calls = []
+  monkeypatch.setattr(parallel, "initialize_multihost", lambda **kw: calls.append(kw))
+  for name in ("BLOCKSPEC_JAX_MULTIHOST", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    monkeypatch.delenv(name, raising=False)
+  assert not jobs.join_multihost_from_env()
+  monkeypatch.setenv("BLOCKSPEC_JAX_MULTIHOST", "0")
+  assert not jobs.join_multihost_from_env() and calls == []
+  monkeypatch.setenv("BLOCKSPEC_JAX_MULTIHOST", "1")
+  assert jobs.join_multihost_from_env() and calls == [{}]
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "gpu-0:8476")
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+  monkeypatch.setenv("JAX_PROCESS_ID", "1")
+  assert jobs.join_multihost_from_env()
+  assert calls[-1] == dict(coordinator_address="gpu-0:8476", num_processes=2, process_id=1)
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
+  with pytest.raises(jobs.UsageError, match="JAX_NUM_PROCESSES must be an integer"):
+    jobs.join_multihost_from_env()
+  monkeypatch.setenv("BLOCKSPEC_JAX_MULTIHOST", "yes")
+  with pytest.raises(jobs.UsageError, match="must be 0 or 1"):
+    jobs.join_multihost_from_env()
+  assert jobs.is_main_process()

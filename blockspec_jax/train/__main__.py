@@ -419,14 +419,6 @@ def sprinter_job(workdir, *, target=None, drafter=None, target_config=None, draf
   return summary
 
 
-def add_gin_search_path() -> None:
-  """Let ``include 'gin/…'`` resolve from any working directory (the repository root, when the package sits in
-  it, as with an editable install), besides the working directory itself."""
-  root = pathlib.Path(__file__).resolve().parents[2]
-  if (root / "gin").is_dir() and str(root) not in gin.config._LOCATION_PREFIXES:
-    gin.add_config_file_search_path(str(root))
-
-
 def default_workdir(gin_files) -> pathlib.Path:
   """``results/train/<stem of the last gin file>`` (relative to the working directory)."""
   return pathlib.Path("results") / "train" / pathlib.Path(gin_files[-1]).stem
@@ -461,7 +453,8 @@ def main(argv=None) -> int:
   with jobs.cli_errors(parser.prog):
     if not args.gin_file:
       raise jobs.UsageError("give a job with --gin_file gin/train/<job>.gin")
-    add_gin_search_path()
+    jobs.join_multihost_from_env()
+    jobs.add_gin_search_path()
     _jobs()  # every job's configurables registered before the files are parsed
     gin.parse_config_files_and_bindings(args.gin_file, args.gin_param)
     workdir = pathlib.Path(args.workdir) if args.workdir else default_workdir(args.gin_file)
