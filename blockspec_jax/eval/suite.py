@@ -1,0 +1,351 @@
+"""Evaluation suites: methods × γ × temperature over the task categories of a prompt set, in one gin-configured run.
+
+    python -m blockspec_jax.eval.suite --gin_file gin/eval/block_vs_token.gin [--gin_param "suite.gammas = (2, 4)"]
+
+A suite decodes every prompt of every category (``task`` of the prompt rows: code, chat, math, …) with each method
+(``"autoregressive"``, any registered verifier, ``"<verifier>@<drafter>"``; see ``jobs.parse_method``) at each γ and
+temperature, on one target and drafter, at batch 1, through the same timed phases as the main job
+(``jobs.run_method``). Prompts of all categories are padded to one width rounded up to ``width_bucket`` tokens, so a
+suite compiles one program per (method, γ, temperature), whatever its categories, and suites whose prompts fall in
+the same bucket share compiled programs (with the persistent compilation cache). Every category of a method starts
+from the same seed, so methods are compared on the same prompts and keys.
+
+Each run writes a directory (``suite.out_dir``; default ``results/suites/<name>-<UTC time>``):
+
+* ``config.gin``: the resolved gin configuration (every binding in force, defaults included);
+* ``results.json``: settings, environment, prompts (id, task, source, licence) and one row per category × method ×
+  γ × temperature (``ROW_FIELDS`` and the per-position acceptance), plus an ``all`` row over every category;
+* ``results.csv``: the same rows, one line each (per-position acceptance as ``;``-separated numbers);
+* ``be_vs_gamma.png``, ``speedup_vs_gamma.png`` (one panel per category, a line per method and temperature),
+  ``acceptance_per_position.png`` (per category, each method at its largest γ), with matplotlib;
+* ``report.md``: the settings, a table per category and the plots, for a person to read.
+
+Only process 0 of a multi-host run writes (``jobs.is_main_process``).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import math
+import pathlib
+import platform
+import sys
+import time
+
+import gin
+import jax
+import numpy as np
+
+from blockspec_jax import jobs
+from blockspec_jax.eval import prompts as prompts_lib
+
+__all__ = ["suite_job", "ROW_FIELDS", "write_csv", "write_plots", "write_markdown", "bucket_width", "main"]
+
+#: The columns of ``results.csv`` (and of every row of ``results.json``), in order.
+ROW_FIELDS = ("task", "method", "gamma", "draft_nodes", "temperature", "top_k", "top_p", "lossy", "prompts", "tokens_generated",
+              "target_calls", "target_calls_per_token", "block_efficiency", "draft_acceptance_rate", "wall_s",
+              "tokens_per_s", "speedup", "prefill_s", "decode_tokens_per_s", "decode_speedup", "peak_rss_gb",
+              "acceptance_per_position")
+ALL_TASKS = "all"
+#: Names of the shipped prompt files (``suite.prompts``); anything else is a path.
+SHIPPED_PROMPTS = {"six": prompts_lib.SIX_TASK_PROMPTS, "default": prompts_lib.DEFAULT_PROMPTS}
+
+
+def bucket_width(width: int, bucket: int) -> int:
+  """``width`` rounded up to a multiple of ``bucket`` (the padded prompt width every program of a suite shares)."""
+  if bucket < 1:
+    raise jobs.UsageError(f"width_bucket must be >= 1, got {bucket}")
+  return -(-width // bucket) * bucket
+
+
+def _pooled(rows: list[dict]) -> dict:
+  """One row over several categories' rows of one method, γ and temperature: sums of tokens, calls and times, and
+  their ratios (tokens-weighted, as if the categories had been one prompt set)."""
+  out = {k: rows[0][k] for k in ("method", "gamma", "temperature", "top_k", "top_p", "lossy", "draft_nodes")
+         if k in rows[0]}
+  out["task"] = ALL_TASKS
+  for k in ("prompts", "tokens_generated", "target_calls", "wall_s", "prefill_s", "decode_s"):
+    out[k] = sum(r[k] for r in rows)
+  out["target_calls_per_token"] = out["target_calls"] / max(out["tokens_generated"], 1)
+  out["tokens_per_s"] = out["tokens_generated"] / out["wall_s"]
+  out["decode_tokens_per_s"] = out["tokens_generated"] / out["decode_s"]
+  out["peak_rss_gb"] = max(r["peak_rss_gb"] for r in rows)
+  if "block_efficiency" in rows[0]:
+    drafts = [r["target_calls"] for r in rows]  # one target call per draft
+    out["block_efficiency"] = sum(r["block_efficiency"] * d for r, d in zip(rows, drafts)) / max(sum(drafts), 1)
+    drafted = [r["target_calls"] * r["draft_nodes"] for r in rows]
+    out["draft_acceptance_rate"] = (sum(r["draft_acceptance_rate"] * d for r, d in zip(rows, drafted))
+                                    / max(sum(drafted), 1))
+    out["acceptance_per_position"] = [
+        sum(r["acceptance_per_position"][i] * d for r, d in zip(rows, drafts)) / max(sum(drafts), 1)
+        for i in range(len(rows[0]["acceptance_per_position"]))]
+  return out
+
+
+def _with_speedups(rows: list[dict]) -> None:
+  """``speedup`` / ``decode_speedup``: tokens/s over autoregressive decoding of the same category, temperature and
+  sampler (NaN where the suite has no autoregressive row)."""
+  base = {(r["task"], r["temperature"]): r for r in rows if r["method"] == jobs.AUTOREGRESSIVE}
+  for r in rows:
+    b = base.get((r["task"], r["temperature"]))
+    r["speedup"] = r["tokens_per_s"] / b["tokens_per_s"] if b else float("nan")
+    r["decode_speedup"] = r["decode_tokens_per_s"] / b["decode_tokens_per_s"] if b else float("nan")
+
+
+def write_csv(rows: list[dict], path) -> pathlib.Path:
+  """``rows`` as CSV with the ``ROW_FIELDS`` columns (missing fields empty, lists ``;``-joined)."""
+  path = pathlib.Path(path)
+  with open(path, "w", newline="") as f:
+    writer = csv.writer(f)
+    writer.writerow(ROW_FIELDS)
+    for r in rows:
+      cells = []
+      for k in ROW_FIELDS:
+        v = r.get(k)
+        if isinstance(v, (list, tuple)):
+          v = ";".join(f"{x:.6g}" for x in v)
+        elif isinstance(v, float):
+          v = f"{v:.6g}"
+        cells.append("" if v is None else v)
+      writer.writerow(cells)
+  return path
+
+
+def _label(r: dict, temperatures) -> str:
+  return r["method"] + (f" T={r['temperature']:g}" if len(temperatures) > 1 else "")
+
+
+def write_plots(rows: list[dict], out_dir) -> list[pathlib.Path]:
+  """PNG plots of a suite's rows (see the module docstring); [] without matplotlib."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+  except ImportError:
+    return []
+  out_dir = pathlib.Path(out_dir)
+  tasks = list(dict.fromkeys(r["task"] for r in rows))
+  temperatures = sorted({r["temperature"] for r in rows})
+  written = []
+
+  def panels(title):
+    cols = min(len(tasks), 4)
+    fig, axes = plt.subplots(math.ceil(len(tasks) / cols), cols, figsize=(4.2 * cols, 3.4 * math.ceil(len(tasks) / cols)),
+                             squeeze=False)
+    for ax in axes.flat[len(tasks):]:
+      ax.set_visible(False)
+    fig.suptitle(title)
+    return fig, axes.flat
+
+  for field, name, ylabel in (("block_efficiency", "be_vs_gamma.png", "block efficiency (tokens / target call)"),
+                              ("speedup", "speedup_vs_gamma.png", "speedup over autoregressive (tok/s)")):
+    fig, axes = panels(ylabel)
+    for ax, task in zip(axes, tasks):
+      series: dict[str, list] = {}
+      for r in rows:
+        if r["task"] == task and r["gamma"] is not None and r.get(field) is not None and np.isfinite(r[field]):
+          series.setdefault(_label(r, temperatures), []).append((r["gamma"], r[field]))
+      for label, points in series.items():
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+      if field == "speedup":
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+      ax.set_title(task)
+      ax.set_xlabel("γ")
+      ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+      ax.grid(alpha=0.3)
+      if series:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / name, dpi=110)
+    plt.close(fig)
+    written.append(out_dir / name)
+
+  fig, axes = panels("acceptance per position (each method at its largest γ)")
+  for ax, task in zip(axes, tasks):
+    top = {}
+    for r in rows:
+      if r["task"] == task and r.get("acceptance_per_position"):
+        key = _label(r, temperatures)
+        if key not in top or r["gamma"] > top[key]["gamma"]:
+          top[key] = r
+    for label, r in top.items():
+      acc = r["acceptance_per_position"]
+      ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{label} γ={r['gamma']}")
+    ax.set_title(task)
+    ax.set_xlabel("draft position i")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    if top:
+      ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(out_dir / "acceptance_per_position.png", dpi=110)
+  plt.close(fig)
+  written.append(out_dir / "acceptance_per_position.png")
+  return written
+
+
+def _fmt(v, spec: str) -> str:
+  return "–" if v is None or (isinstance(v, float) and not np.isfinite(v)) else format(v, spec)
+
+
+def write_markdown(report: dict, rows: list[dict], plots: list[pathlib.Path], path) -> pathlib.Path:
+  """A Markdown report of a suite: settings, one table per category, the plots."""
+  s = report["settings"]
+  lines = [f"# Suite `{report['name']}`", "",
+           f"{s['target']} (target) with {s['drafter']} (drafter), {s['dtype']}; γ ∈ {list(s['gammas'])}, "
+           f"T ∈ {list(s['temperatures'])}, top-k {s['top_k']}, top-p {s['top_p']}; {s['max_new_tokens']} new tokens "
+           f"per prompt; seed {s['seed']}.", "",
+           f"Prompts: `{s['prompts']}`, {len(report['prompts'])} rows "
+           f"({', '.join(f'{t}: {n}' for t, n in report['prompts_per_task'].items())}); padded width "
+           f"{report['prompt_width']} tokens.", "",
+           f"Ran {report['environment']['date']} on {report['environment']['platform']} "
+           f"({report['environment']['devices']}), jax {report['environment']['jax']}, "
+           f"{report['wall_s'] / 60:.1f} min, peak resident memory {report['peak_rss_gb']:.2f} GB.", "",
+           "N: draft nodes per target call (γ for a chain); BE: block efficiency (tokens per target call); accept: draft acceptance rate; calls/token: target calls "
+           "per emitted token; speedup: tokens/s over autoregressive decoding of the same category and temperature, "
+           "end to end (prefill + decode); dec: the decode phase alone. Timings are one run on this machine.", ""]
+  for task in dict.fromkeys(r["task"] for r in rows):
+    lines += [f"## {task}", "",
+              "| method | γ | N | T | BE | accept | calls/token | tok/s | speedup | dec speedup |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+      if r["task"] != task:
+        continue
+      name = r["method"] + (" (lossy)" if r.get("lossy") else "")
+      lines.append(f"| {name} | {_fmt(r['gamma'], 'd')} | {_fmt(r.get('draft_nodes'), 'd')} | {r['temperature']:g} | "
+                   f"{_fmt(r.get('block_efficiency'), '.3f')} | {_fmt(r.get('draft_acceptance_rate'), '.3f')} | "
+                   f"{r['target_calls_per_token']:.3f} | {r['tokens_per_s']:.2f} | {_fmt(r['speedup'], '.2f')}× | "
+                   f"{_fmt(r['decode_speedup'], '.2f')}× |")
+    lines.append("")
+  for p in plots:
+    lines += [f"![{p.stem}]({p.name})", ""]
+  path = pathlib.Path(path)
+  path.write_text("\n".join(lines))
+  return path
+
+
+def _default_out_dir(name: str) -> pathlib.Path:
+  stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+  return pathlib.Path("results") / "suites" / f"{name}-{stamp}"
+
+
+@gin.configurable("suite")
+def suite_job(name: str = "suite", target: str = "qwen2.5-coder-1.5b", drafter: str = "qwen2.5-coder-0.5b",
+              prompts: str = "six", tasks=None, prompts_per_task: int | None = None,
+              methods=jobs.METHODS, gammas=(4,), temperatures=(1.0,), top_k: int = 0, top_p: float = 1.0,
+              max_new_tokens: int = 64, dtype: str = "float32", seed: int = 0, chat: bool = True,
+              drafter_settings: dict | None = None, verifier_settings: dict | None = None,
+              method_gammas: dict | None = None, width_bucket: int = 64, out_dir: str | None = None, cache_dir: str | None = None,
+              compilation_cache: str | None = None, plots: bool = True, progress: bool = True) -> dict:
+  """Run a suite (see the module docstring) and write its directory; returns the report (also ``results.json``).
+
+  ``prompts``: ``"six"`` (the shipped file with all six categories: code, chat, math, summarization, translation,
+  qa; 4 prompts each), ``"default"`` (the main job's file: code, chat, math) or the path of a prompt JSONL file
+  (``eval.prompts.load_prompts``: a user's own rows need only ``task`` and ``text``); ``tasks``:
+  the categories to run (default: every category in the file, in file order); ``prompts_per_task``: the first N
+  prompts of each. ``methods`` / ``gammas`` / ``temperatures`` / ``top_k`` / ``top_p``: the grid and the sampler
+  (both models sample through the same transform); ``method_gammas`` overrides ``gammas`` for the methods it names,
+  e.g. ``{"block": (8,), "traversal@rsd_c": (4,)}`` to compare a chain and trees at one budget of draft nodes. ``drafter_settings`` / ``verifier_settings`` as in the main job.
+  Every setting is checked before a model is loaded.
+  """
+  methods, gammas, temperatures = tuple(methods), tuple(gammas), tuple(temperatures)
+  if not methods or not gammas or not temperatures:
+    raise jobs.UsageError("suite: methods, gammas and temperatures must each name at least one value")
+  method_gammas = {m: tuple(g) for m, g in (method_gammas or {}).items()}
+  stray = [m for m in method_gammas if m not in methods]
+  if stray:
+    raise jobs.UsageError(f"suite: method_gammas names {stray}, which are not among the methods {list(methods)}")
+  all_gammas = tuple(dict.fromkeys(gammas + tuple(g for gs in method_gammas.values() for g in gs)))
+  jobs.check_settings(gammas=all_gammas, methods=methods, temperatures=temperatures, max_new_tokens=max_new_tokens,
+                      num_prompts=prompts_per_task, dtype=dtype, models=(target, drafter))
+  jobs.check_verifier_settings(verifier_settings)
+  try:
+    from blockspec_jax import sampling
+    sampling.Sampler(temperature=1.0, top_k=top_k, top_p=top_p)
+  except ValueError as e:
+    raise jobs.UsageError(f"suite: {e}") from None
+  rows = prompts_lib.load_prompts(SHIPPED_PROMPTS.get(prompts, prompts))
+  present = list(dict.fromkeys(r["task"] for r in rows))
+  tasks = present if tasks is None else list(tasks)
+  unknown = [t for t in tasks if t not in present]
+  if unknown:
+    raise jobs.UsageError(f"suite: tasks {unknown} are not in {prompts} (it has {', '.join(present)})")
+  by_task = {t: [r for r in rows if r["task"] == t][:prompts_per_task] for t in tasks}
+  bucket_width(1, width_bucket)
+  out = pathlib.Path(out_dir) if out_dir else _default_out_dir(name)
+
+  compile_dir = jobs.enable_compilation_cache(compilation_cache)
+  target_model, (drafter_model,), load_s = jobs.load_models(target, (drafter,), dtype, cache_dir)
+  ids = {t: jobs.encode_prompts(target_model, task_rows, chat) for t, task_rows in by_task.items()}
+  width = bucket_width(max(len(p) for task_ids in ids.values() for p in task_ids), width_bucket)
+  jobs.check_methods_fit(methods, all_gammas, target_model, [drafter_model], width, max_new_tokens, drafter_settings,
+                         verifier_settings)
+  print(f"suite {name}: loaded {drafter} → {target} ({dtype}) in {load_s:.1f} s; "
+        f"{sum(map(len, by_task.values()))} prompts in {len(tasks)} categories, width {width}; jax {jax.__version__} "
+        f"on {jax.devices()[0].platform}; compilation cache {compile_dir or 'off'}", flush=True)
+
+  # Runs: autoregressive once per temperature (γ does not apply), every other method at every γ; categories
+  # innermost, so one compiled program serves them all.
+  runs = [(t, m, g) for t in temperatures for m in methods
+          for g in ((None,) if m == jobs.AUTOREGRESSIVE else method_gammas.get(m, gammas))]
+  from tqdm.auto import tqdm
+  bar = tqdm(total=len(runs) * len(tasks), desc=f"suite {name}", unit="run", disable=not progress, file=sys.stderr)
+  start = time.perf_counter()
+  results = []
+  for temperature, method, gamma in runs:
+    per_task = []
+    for task in tasks:
+      bar.set_postfix_str(f"{method} γ={gamma} T={temperature:g} {task}")
+      summary, _ = jobs.run_method(method, target_model, drafter_model, ids[task], width,
+                                   gamma=gamma if gamma is not None else gammas[0], max_new_tokens=max_new_tokens,
+                                   temperature=temperature, seed=seed, stop_ids=target_model.stop_ids,
+                                   drafter_settings=drafter_settings, verifier_settings=verifier_settings,
+                                   top_k=top_k, top_p=top_p)
+      summary.update(task=task, top_k=top_k, top_p=top_p, peak_rss_gb=jobs.peak_rss_gb())
+      per_task.append(summary)
+      bar.update(1)
+    results += per_task
+    if len(tasks) > 1:
+      results.append(_pooled(per_task))
+  bar.close()
+  _with_speedups(results)
+  wall = time.perf_counter() - start
+  report = dict(
+      name=name,
+      settings=dict(target=target, drafter=drafter, prompts=str(prompts), tasks=tasks,
+                    prompts_per_task=prompts_per_task, methods=list(methods), gammas=list(gammas),
+                    temperatures=list(temperatures), top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
+                    dtype=dtype, seed=seed, chat=chat, drafter_settings=drafter_settings,
+                    verifier_settings=verifier_settings, method_gammas=method_gammas or None,
+                    width_bucket=width_bucket),
+      environment=dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       jax=jax.__version__, platform=jax.devices()[0].platform,
+                       devices=f"{jax.device_count()} × {jax.devices()[0].device_kind}",
+                       machine=platform.machine(), processes=jax.process_count()),
+      prompts=[dict(id=r["id"], task=r["task"], source=r["source"], licence=r["licence"])
+               for t in tasks for r in by_task[t]],
+      prompts_per_task={t: len(by_task[t]) for t in tasks}, prompt_width=width, wall_s=wall,
+      peak_rss_gb=jobs.peak_rss_gb(), out_dir=str(out), results=results)
+  if jobs.is_main_process():
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.gin").write_text(gin.operative_config_str())
+    jobs.write_report(out / "results.json", report)
+    write_csv(results, out / "results.csv")
+    written = write_plots(results, out) if plots else []
+    write_markdown(report, results, written, out / "report.md")
+    print(f"suite {name}: {len(results)} rows in {wall / 60:.1f} min; wrote {out}/ (report.md, results.json, "
+          f"results.csv, config.gin{''.join(', ' + p.name for p in written)})", flush=True)
+  return report
+
+
+def main(argv=None) -> int:
+  return jobs.gin_main("python -m blockspec_jax.eval.suite", __doc__, suite_job, argv)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
