@@ -1,5 +1,5 @@
 """Sizes of the verification benchmark, read by ``python -m blockspec_jax.eval.bench_verify --config
-configs/verify_bench.py`` (``launch/local.sh`` runs it so). Edit, or copy to a new file, to benchmark other sizes."""
+configs/verify_bench.py``. Edit, or copy to a new file, to benchmark other sizes."""
 
 from blockspec_jax.eval.bench_verify import VerifyBenchConfig
 
