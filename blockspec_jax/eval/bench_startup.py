@@ -1,0 +1,145 @@
+"""Time to first result: how long a user waits for compilation and prefill before any token, and how fast prefill is
+against this machine's own matmul peak, in float32 and bfloat16, one run.
+
+    python -m blockspec_jax.eval.bench_startup [--gin_param "bench_startup.target = 'smollm2-135m'"]
+
+Per dtype, on the target model (default: the Qwen2.5-Coder 1.5B target):
+
+* ``load_s``: loading the converted weights from the cache (the first run also fetches and converts them);
+* ``prefill_lower_s`` / ``prefill_compile_s``: tracing + lowering, and XLA compilation, of the prefill program at
+  ``batch × prompt_width`` (``decoding.speculative.prefill_autoregressive``), timed apart with ``.lower().compile()``;
+* ``decode_lower_s`` / ``decode_compile_s``: the same for the autoregressive decode loop (``max_new_tokens``);
+* ``prefill_s`` (median of ``repeats`` runs of the compiled prefill), ``prefill_tokens_per_s`` and
+  ``prefill_gflops``: 2 × (the decoder layers' linear weights) × tokens per second, the matmul work of a prefill
+  (attention scores, norms and the LM head left out, so the figure is a lower bound on the work done);
+  ``prefill_fraction_of_peak``: that against ``matmul_gflops`` of the same dtype;
+* ``decode_tokens_per_s``: the compiled decode loop (median of ``repeats``);
+* ``first_token_s``: load + compile of both programs + one prefill: what a user waits before the first token.
+
+``matmul_gflops`` is the peak the same process reaches on a square ``jnp.dot`` of ``matmul_size`` in that dtype
+(median of ``repeats``), measured in the same run, so the fraction compares like with like. Writes a JSON report.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from blockspec_jax import jobs
+
+__all__ = ["bench_startup_job", "matmul_gflops", "linear_params", "main"]
+
+
+def _median_s(fn, repeats: int) -> float:
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def matmul_gflops(size: int, dtype, repeats: int = 5) -> float:
+  """GFLOP/s of a jitted square ``[size, size] @ [size, size]`` in ``dtype`` (median of ``repeats`` after a warm
+  call): this process's matmul peak on this machine."""
+  a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32).astype(dtype)
+  b = jax.random.normal(jax.random.key(1), (size, size), jnp.float32).astype(dtype)
+  f = jax.jit(jnp.dot)
+  jax.block_until_ready(f(a, b))
+  return 2 * size ** 3 / _median_s(lambda: f(a, b), repeats) / 1e9
+
+
+def linear_params(params) -> int:
+  """Weights of the decoder layers' linear maps (every 2-D ``weight`` under ``layers_*``): the multiply-adds per
+  token of a forward, without attention scores, norms, embedding and LM head."""
+  total = 0
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    names = [getattr(k, "key", getattr(k, "name", "")) for k in path]
+    if names and str(names[0]).startswith("layers_") and names[-1] == "weight" and np.ndim(leaf) == 2:
+      total += int(np.size(leaf))
+  return total
+
+
+@gin.configurable("bench_startup")
+def bench_startup_job(target: str = "qwen2.5-coder-1.5b", dtypes=("float32", "bfloat16"), prompt_width: int = 256,
+                      batch: int = 1, max_new_tokens: int = 32, matmul_size: int = 2048, repeats: int = 3,
+                      cache_dir: str | None = None, output_json: str | None = "results/bench_startup.json") -> dict:
+  """Run the benchmark (see the module docstring); returns the report."""
+  from blockspec_jax import sampling
+  from blockspec_jax.decoding import speculative as spec
+  for name, value in (("prompt_width", prompt_width), ("batch", batch), ("max_new_tokens", max_new_tokens),
+                      ("matmul_size", matmul_size), ("repeats", repeats)):
+    jobs._check_positive_int(value, name)
+  jobs.check_settings(models=(target,))
+  for dtype in dtypes:
+    jobs.check_settings(dtype=dtype)
+  jobs.enable_compilation_cache("off")  # compile times must be compile times, not cache loads
+  rows = []
+  for dtype in dtypes:
+    peak = matmul_gflops(matmul_size, jnp.dtype(dtype), repeats)
+    start = time.perf_counter()
+    model = jobs.load_model(target, dtype, cache_dir, progress=False)
+    load_s = time.perf_counter() - start
+    tp, config = model.params["params"], model.config
+    jobs.check_cache_room(prompt_width, max_new_tokens, 0, config)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, config.vocab_size, (batch, prompt_width), dtype=np.int32)
+    lens = np.full((batch,), prompt_width, np.int32)
+    keys = jax.random.split(jax.random.key(0), batch)
+    static = dict(target=config, max_new_tokens=max_new_tokens)
+    t0 = time.perf_counter()
+    lowered = spec.prefill_autoregressive.jitted.lower(tp, tokens, lens, **static)
+    t1 = time.perf_counter()
+    prefill = lowered.compile()
+    t2 = time.perf_counter()
+    state = jax.block_until_ready(prefill(tp, tokens, lens))
+    t3 = time.perf_counter()
+    sampler = sampling.Sampler(temperature=1.0)
+    lowered_d = spec.decode_autoregressive.lower(tp, keys, state, sampler=sampler, stop_ids=(), **static)
+    t4 = time.perf_counter()
+    decode = lowered_d.compile()
+    t5 = time.perf_counter()
+    prefill_s = _median_s(lambda: prefill(tp, tokens, lens), repeats)
+    decode_s = _median_s(lambda: decode(tp, keys, state), repeats)
+    work = 2 * linear_params(tp) * batch * prompt_width
+    row = dict(dtype=dtype, matmul_gflops=peak, load_s=load_s, prefill_lower_s=t1 - t0, prefill_compile_s=t2 - t1,
+               decode_lower_s=t4 - t3, decode_compile_s=t5 - t4, prefill_s=prefill_s,
+               prefill_tokens_per_s=batch * prompt_width / prefill_s, prefill_gflops=work / prefill_s / 1e9,
+               decode_tokens_per_s=batch * max_new_tokens / decode_s,
+               first_token_s=load_s + (t2 - t0) + (t5 - t4) + (t4 - t3) + prefill_s)
+    row["prefill_fraction_of_peak"] = row["prefill_gflops"] / peak
+    rows.append(row)
+    print(f"{target} {dtype}: load {load_s:.1f} s, prefill compile {row['prefill_lower_s']:.1f} + "
+          f"{row['prefill_compile_s']:.1f} s, decode compile {row['decode_lower_s']:.1f} + "
+          f"{row['decode_compile_s']:.1f} s; prefill {row['prefill_tokens_per_s']:.0f} tok/s = "
+          f"{row['prefill_gflops']:.1f} GFLOP/s ({100 * row['prefill_fraction_of_peak']:.0f}% of the {peak:.1f} "
+          f"GFLOP/s matmul peak); decode {row['decode_tokens_per_s']:.2f} tok/s", flush=True)
+    del model, tp, state, prefill, decode
+  header = (f"{'dtype':<9} {'peak GF/s':>9} {'load s':>7} {'compile s (prefill + decode)':>29} {'prefill tok/s':>13} "
+            f"{'GF/s':>6} {'% peak':>6} {'decode tok/s':>12} {'first token s':>13}")
+  print("\n" + header + "\n" + "-" * len(header))
+  for r in rows:
+    compile_s = r["prefill_lower_s"] + r["prefill_compile_s"] + r["decode_lower_s"] + r["decode_compile_s"]
+    print(f"{r['dtype']:<9} {r['matmul_gflops']:>9.1f} {r['load_s']:>7.1f} {compile_s:>29.1f} "
+          f"{r['prefill_tokens_per_s']:>13.0f} {r['prefill_gflops']:>6.1f} {100 * r['prefill_fraction_of_peak']:>5.0f}% "
+          f"{r['decode_tokens_per_s']:>12.2f} {r['first_token_s']:>13.1f}")
+  report = dict(target=target, prompt_width=prompt_width, batch=batch, max_new_tokens=max_new_tokens,
+                matmul_size=matmul_size, repeats=repeats, jax=jax.__version__,
+                platform=jax.devices()[0].platform, peak_rss_gb=jobs.peak_rss_gb(), rows=rows)
+  if output_json and jobs.is_main_process():
+    print(f"wrote {jobs.write_report(output_json, report)}")
+  return report
+
+
+def main(argv=None) -> int:
+  return jobs.gin_main("python -m blockspec_jax.eval.bench_startup", __doc__, bench_startup_job, argv)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

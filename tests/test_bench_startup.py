@@ -1,0 +1,63 @@
+"""Time-to-first-result benchmark (blockspec_jax.eval.bench_startup): the work it counts is exact, the job runs on
+SmolLM2 in both dtypes and reports every figure, bad settings fail in one line before a model loads."""
+
+import json
+
+import gin
+import jax.numpy as jnp
+import pytest
+
+from blockspec_jax import jobs
+from blockspec_jax.eval import bench_startup
+from blockspec_jax.models import decoder as dec
+
+
+def test_linear_params_counts_the_layers_linear_weights_only():
+  config = dec.DecoderConfig.tiny(vocab_size=64)  # D 32, F 64, 4 heads / 2 KV of 8, 2 layers
+  params = dec.init_params(config, 0)
+  d, f, kv = 32, 64, 2 * 8
+  per_layer = d * d + 2 * kv * d + d * d + 3 * d * f  # q, k and v, o, gate / up / down
+  assert bench_startup.linear_params(params) == 2 * per_layer
+
+
+def test_matmul_peak_is_a_positive_rate():
+  assert bench_startup.matmul_gflops(128, jnp.float32, repeats=2) > 0
+
+
+def test_bench_on_smollm2_reports_every_figure(tmp_path, capsys):
+  out = tmp_path / "startup.json"
+  gin.clear_config()
+  try:
+    assert bench_startup.main(["--gin_param", "bench_startup.target = 'smollm2-135m'",
+                               "--gin_param", "bench_startup.dtypes = ('float32', 'bfloat16')",
+                               "--gin_param", "bench_startup.prompt_width = 32",
+                               "--gin_param", "bench_startup.max_new_tokens = 4",
+                               "--gin_param", "bench_startup.matmul_size = 256",
+                               "--gin_param", "bench_startup.repeats = 1",
+                               "--gin_param", f"bench_startup.output_json = '{out}'"]) == 0
+  finally:
+    gin.clear_config()
+  report = json.loads(out.read_text())
+  assert [r["dtype"] for r in report["rows"]] == ["float32", "bfloat16"]
+  for r in report["rows"]:
+    for key in ("matmul_gflops", "load_s", "prefill_lower_s", "prefill_compile_s", "decode_lower_s",
+                "decode_compile_s", "prefill_s", "prefill_tokens_per_s", "prefill_gflops", "decode_tokens_per_s",
+                "first_token_s", "prefill_fraction_of_peak"):
+      assert r[key] > 0, key
+    assert r["prefill_tokens_per_s"] == pytest.approx(32 / r["prefill_s"])
+    assert r["prefill_fraction_of_peak"] == pytest.approx(r["prefill_gflops"] / r["matmul_gflops"])
+  assert "first token s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("param, message", [("bench_startup.prompt_width = 0", "prompt_width"),
+                                            ("bench_startup.dtypes = ('float16',)", "dtype must be"),
+                                            ("bench_startup.target = 'nope'", "nope")])
+def test_bad_settings_fail_before_a_model_loads(param, message, capsys, monkeypatch):
+  monkeypatch.setattr(jobs, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+  gin.clear_config()
+  try:
+    with pytest.raises(SystemExit) as exc:
+      bench_startup.main(["--gin_param", param])
+  finally:
+    gin.clear_config()
+  assert exc.value.code == 2 and message in capsys.readouterr().err
