@@ -41,7 +41,7 @@ import numpy as np
 from blockspec_jax import jobs
 from blockspec_jax.eval import prompts as prompts_lib
 
-__all__ = ["suite_job", "ROW_FIELDS", "write_csv", "write_plots", "write_markdown", "bucket_width", "main"]
+__all__ = ["suite_job", "load_suite_prompts", "ROW_FIELDS", "write_csv", "write_plots", "write_markdown", "bucket_width", "main"]
 
 #: The columns of ``results.csv`` (and of every row of ``results.json``), in order.
 ROW_FIELDS = ("task", "method", "gamma", "draft_nodes", "temperature", "top_k", "top_p", "lossy", "prompts", "tokens_generated",
@@ -229,6 +229,24 @@ def write_markdown(report: dict, rows: list[dict], plots: list[pathlib.Path], pa
   return path
 
 
+def load_suite_prompts(prompts: str) -> list[dict]:
+  """The rows of ``suite.prompts``: a shipped file by name (``SHIPPED_PROMPTS``), ``"seqio:<task>[:<split>]"`` (a
+  registered seqio Task or Mixture, split ``validation`` by default; the ``blockspec_*`` prompt Tasks are registered
+  on demand; needs the seqio extra), or a JSONL file's path."""
+  if str(prompts).startswith("seqio:"):
+    from blockspec_jax.eval import seqio_tasks
+    _, name, *rest = str(prompts).split(":")
+    if not name or len(rest) > 1:
+      raise jobs.UsageError(f"suite.prompts {prompts!r}: write seqio:<task> or seqio:<task>:<split>")
+    try:
+      if name.startswith(seqio_tasks.PREFIX):
+        seqio_tasks.register_prompt_tasks()
+      return seqio_tasks.prompts_from_seqio(name, rest[0] if rest else "validation")
+    except (seqio_tasks.SeqioUnavailable, ValueError) as e:
+      raise jobs.UsageError(f"suite.prompts {prompts!r}: {e}") from None
+  return prompts_lib.load_prompts(SHIPPED_PROMPTS.get(prompts, prompts))
+
+
 def _default_out_dir(name: str) -> pathlib.Path:
   stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
   return pathlib.Path("results") / "suites" / f"{name}-{stamp}"
@@ -245,8 +263,9 @@ def suite_job(name: str = "suite", target: str = "qwen2.5-coder-1.5b", drafter: 
   """Run a suite (see the module docstring) and write its directory; returns the report (also ``results.json``).
 
   ``prompts``: ``"six"`` (the shipped file with all six categories: code, chat, math, summarization, translation,
-  qa; 4 prompts each), ``"default"`` (the main job's file: code, chat, math) or the path of a prompt JSONL file
-  (``eval.prompts.load_prompts``: a user's own rows need only ``task`` and ``text``); ``tasks``:
+  qa; 4 prompts each), ``"default"`` (the main job's file: code, chat, math), ``"seqio:<task>[:<split>]"`` (a seqio
+  Task, with the seqio extra; ``eval.seqio_tasks`` registers the prompt sets as ``blockspec_<category>``) or the path
+  of a prompt JSONL file (``eval.prompts.load_prompts``: a user's own rows need only ``task`` and ``text``); ``tasks``:
   the categories to run (default: every category in the file, in file order); ``prompts_per_task``: the first N
   prompts of each. ``methods`` / ``gammas`` / ``temperatures`` / ``top_k`` / ``top_p``: the grid and the sampler
   (both models sample through the same transform); ``method_gammas`` overrides ``gammas`` for the methods it names,
@@ -269,7 +288,7 @@ def suite_job(name: str = "suite", target: str = "qwen2.5-coder-1.5b", drafter: 
     sampling.Sampler(temperature=1.0, top_k=top_k, top_p=top_p)
   except ValueError as e:
     raise jobs.UsageError(f"suite: {e}") from None
-  rows = prompts_lib.load_prompts(SHIPPED_PROMPTS.get(prompts, prompts))
+  rows = load_suite_prompts(prompts)
   present = list(dict.fromkeys(r["task"] for r in rows))
   tasks = present if tasks is None else list(tasks)
   unknown = [t for t in tasks if t not in present]
