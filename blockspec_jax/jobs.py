@@ -31,12 +31,12 @@ import numpy as np
 from blockspec_jax.paths import default_cache_dir
 
 __all__ = ["METHODS", "AUTOREGRESSIVE", "known_methods", "parse_method", "build_drafter", "UsageError", "load_model",
-           "check_model_name", "drafter_labels",
-           "check_gamma", "check_settings", "check_verifier_settings", "check_cache_room", "check_pair",
-           "encode_prompts", "load_models", "check_methods_fit", "run_method", "method_gamma", "compiling", "enable_compilation_cache",
-           "COMPILE_CACHE_ENV_VAR",
-           "peak_rss_gb", "mapped_regions", "max_mapped_regions", "release_programs_if_near_map_limit",
-           "cli_errors", "join_multihost_from_env", "is_main_process", "add_gin_search_path", "MULTIHOST_ENV_VAR", "gin_main", "write_report"]
+           "check_model_name", "drafter_labels", "check_gamma", "check_settings", "check_verifier_settings",
+           "check_cache_room", "check_pair", "encode_prompts", "load_models", "check_methods_fit", "run_method",
+           "method_gamma", "compiling", "enable_compilation_cache", "COMPILE_CACHE_ENV_VAR", "peak_rss_gb",
+           "mapped_regions", "max_mapped_regions", "release_programs_if_near_map_limit", "cli_errors",
+           "join_multihost_from_env", "is_main_process", "add_gin_search_path", "MULTIHOST_ENV_VAR", "gin_main",
+           "write_report", "backend_compiles"]
 
 AUTOREGRESSIVE = "autoregressive"
 METHODS = (AUTOREGRESSIVE, "token", "block")  # the main job's default comparison
@@ -369,6 +369,24 @@ def release_programs_if_near_map_limit(fraction: float = 0.25) -> bool:
   return True
 
 
+_BACKEND_COMPILES = [0]  # XLA compilations in this process since the first backend_compiles() call
+
+
+def backend_compiles() -> int:
+  """How many programs XLA has compiled in this process since this was first called (a jax.monitoring listener,
+  installed once): the difference across a timed section says whether compilation fell inside it."""
+  if not getattr(backend_compiles, "installed", False):
+    import jax
+
+    def listen(event: str, duration: float, **kwargs) -> None:
+      if event == "/jax/core/compile/backend_compile_duration":
+        _BACKEND_COMPILES[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    backend_compiles.installed = True
+  return _BACKEND_COMPILES[0]
+
+
 @contextlib.contextmanager
 def compiling(label: str, stream=None):
   """Announce a first (compiling) call: ``compiling <label> …`` with a spinner and the elapsed seconds on a terminal,
@@ -515,7 +533,8 @@ def drafter_params(drafter_obj, drafter_model, target_model):
 
 
 def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tokens, temperature, seed, stop_ids,
-               drafter_settings=None, verifier_settings=None, top_k: int = 0, top_p: float = 1.0):
+               drafter_settings=None, verifier_settings=None, top_k: int = 0, top_p: float = 1.0,
+               warm: bool = False):
   """Decode every prompt at batch 1 with ``method`` ("autoregressive", a verifier name, or
   ``"<verifier>@<drafter>"``, see :func:`parse_method`; ``drafter_settings`` as in :func:`build_drafter`); returns
   the summary row and the generated token lists.
@@ -524,6 +543,8 @@ def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tok
   sum, ``prefill_s`` the prompt forwards (target, and drafter for speculative methods), ``decode_s`` the loop, which
   is the phase the ideal speedup BE / (1 + γ·c) describes. The first prompt is run once untimed to compile.
   ``temperature``, ``top_k`` and ``top_p`` make the sampler both models decode with (``sampling.Sampler``).
+  ``warm``: a previous call compiled the same programs (same method, γ, sampler, width and models), so the untimed
+  first run is skipped (a suite's later categories).
   """
   import jax
   from blockspec_jax import sampling
@@ -536,21 +557,26 @@ def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tok
   key = jax.random.key(seed)
 
   def one(keys, row, length):
-    lens = np.asarray([length], np.int32)
+    """One prompt: (output, prefill seconds, decode seconds, programs compiled inside the two timed calls)."""
+    tokens, lens = np.asarray([row], np.int32), np.asarray([length], np.int32)
+    compiled = backend_compiles()
     start = time.perf_counter()
-    state = jax.block_until_ready(prefill(np.asarray([row], np.int32), lens))
+    state = jax.block_until_ready(prefill(tokens, lens))
     middle = time.perf_counter()
     out = jax.block_until_ready(decode(keys, state))
-    return out, middle - start, time.perf_counter() - middle
+    end = time.perf_counter()
+    return out, middle - start, end - middle, backend_compiles() - compiled
 
   label = f"{method} (T = {temperature:g}" + ("" if method == "autoregressive" else
                                                f", γ = {method_gamma(method.partition('@')[0], gamma, verifier_settings)}") + ")"
-  with compiling(label):
-    one(jax.random.split(key, 1), padded[0], len(prompt_ids[0]))  # compile both phases once per method and T
+  if not warm:
+    with compiling(label):
+      one(jax.random.split(key, 1), padded[0], len(prompt_ids[0]))  # compile both phases once per method and T
   prefill_s, decode_s, tokens, calls, outputs, metrics, extras = 0.0, 0.0, 0, 0, [], [], []
+  compiles = 0
   for i, (row, ids) in enumerate(zip(padded, prompt_ids)):
-    out, p_s, d_s = one(jax.random.fold_in(key, i)[None], row, len(ids))
-    prefill_s, decode_s = prefill_s + p_s, decode_s + d_s
+    out, p_s, d_s, c = one(jax.random.fold_in(key, i)[None], row, len(ids))
+    prefill_s, decode_s, compiles = prefill_s + p_s, decode_s + d_s, compiles + c
     n = int(out.num_tokens_B[0])
     tokens += n
     calls += n if method == AUTOREGRESSIVE else int(out.metrics.num_drafts[0])
@@ -558,6 +584,9 @@ def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tok
     metrics.append(out.metrics)
     extras.append(out.extra)
   wall = prefill_s + decode_s
+  if compiles:
+    print(f"WARNING: {label}: {compiles} program(s) compiled inside the timed prompts; its times include "
+          "compilation", file=sys.stderr)
   lossy, rule_gamma = False, gamma
   if method != AUTOREGRESSIVE:
     from blockspec_jax import verify
@@ -569,7 +598,7 @@ def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tok
                  lossy=lossy, target_calls_per_token=calls / max(tokens, 1),
                  prompts=len(prompt_ids), tokens_generated=tokens, target_calls=calls, wall_s=wall,
                  tokens_per_s=tokens / wall, prefill_s=prefill_s, decode_s=decode_s,
-                 decode_tokens_per_s=tokens / decode_s)
+                 decode_tokens_per_s=tokens / decode_s, compiles_while_timed=compiles)
   merged = jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *metrics)
   if extras and extras[0] is not None:  # rule-specific counters (SPRINTER's flags and SD rejections), summed
     summary.update({k: int(np.sum(v)) for k, v in dataclasses.asdict(

@@ -36,7 +36,7 @@ def _row(task, method, gamma, tokens, calls, wall, decode, be=None, acc=None, pe
   r = dict(task=task, method=method, gamma=gamma, temperature=1.0, top_k=0, top_p=1.0, lossy=False, prompts=2,
            tokens_generated=tokens, target_calls=calls, target_calls_per_token=calls / tokens, wall_s=wall,
            prefill_s=wall - decode, decode_s=decode, tokens_per_s=tokens / wall, decode_tokens_per_s=tokens / decode,
-           peak_rss_gb=1.5)
+           peak_rss_gb=1.5, compiles_while_timed=0)
   if gamma is not None:
     r.update(block_efficiency=be, draft_acceptance_rate=acc, acceptance_per_position=per_pos, draft_nodes=gamma)
   return r
@@ -45,7 +45,8 @@ def _row(task, method, gamma, tokens, calls, wall, decode, be=None, acc=None, pe
 def test_pooled_rows_and_speedups_are_exact():
   # block: code 10 drafts of γ = 2 with 12 accepted (BE 2.2, rate 0.6); chat 30 drafts with 15 accepted (BE 1.5,
   # rate 0.25). Pooled: 40 drafts, 27 accepted -> BE 1 + 27/40, rate 27/80, per position weighted by drafts.
-  rows = [_row("code", "autoregressive", None, 40, 40, 10.0, 8.0), _row("chat", "autoregressive", None, 60, 60, 20.0, 16.0),
+  rows = [_row("code", "autoregressive", None, 40, 40, 10.0, 8.0),
+          _row("chat", "autoregressive", None, 60, 60, 20.0, 16.0),
           _row("code", "block", 2, 22, 10, 4.0, 2.0, 2.2, 0.6, [0.8, 0.4]),
           _row("chat", "block", 2, 45, 30, 9.0, 6.0, 1.5, 0.25, [0.4, 0.1])]
   pooled = [suite._pooled(rows[:2]), suite._pooled(rows[2:])]
@@ -119,6 +120,7 @@ def test_smoke_suite_on_smollm2_writes_a_usable_run_directory(tmp_path, monkeypa
       assert r["block_efficiency"] == 3.0  # γ + 1 per target call; the budget may cut the last block's tokens
       assert r["tokens_generated"] / r["target_calls"] <= 3.0
     assert not r["lossy"] and r["peak_rss_gb"] > 0
+    assert r["compiles_while_timed"] == 0  # later categories reuse the first one's programs (warm runs)
   pooled = [r for r in rows if r["task"] == "all"]
   assert [p["tokens_generated"] for p in pooled] == [
       sum(r["tokens_generated"] for r in rows if r["method"] == p["method"] and r["task"] != "all") for p in pooled]

@@ -127,7 +127,8 @@ def bench_startup_job(target: str = "qwen2.5-coder-1.5b", dtypes=("float32", "bf
   for r in rows:
     compile_s = r["prefill_lower_s"] + r["prefill_compile_s"] + r["decode_lower_s"] + r["decode_compile_s"]
     print(f"{r['dtype']:<9} {r['matmul_gflops']:>9.1f} {r['load_s']:>7.1f} {compile_s:>29.1f} "
-          f"{r['prefill_tokens_per_s']:>13.0f} {r['prefill_gflops']:>6.1f} {100 * r['prefill_fraction_of_peak']:>5.0f}% "
+          f"{r['prefill_tokens_per_s']:>13.0f} {r['prefill_gflops']:>6.1f} "
+          f"{100 * r['prefill_fraction_of_peak']:>5.0f}% "
           f"{r['decode_tokens_per_s']:>12.2f} {r['first_token_s']:>13.1f}")
   report = dict(target=target, prompt_width=prompt_width, batch=batch, max_new_tokens=max_new_tokens,
                 matmul_size=matmul_size, repeats=repeats, jax=jax.__version__,

@@ -8,7 +8,8 @@ temperature, on one target and drafter, at batch 1, through the same timed phase
 (``jobs.run_method``). Prompts of all categories are padded to one width rounded up to ``width_bucket`` tokens, so a
 suite compiles one program per (method, γ, temperature), whatever its categories, and suites whose prompts fall in
 the same bucket share compiled programs (with the persistent compilation cache). Every category of a method starts
-from the same seed, so methods are compared on the same prompts and keys.
+from the same seed, so methods are compared on the same prompts and keys. The first category of each program runs
+its first prompt once untimed (compilation and warm-up); the others reuse the compiled program.
 
 Each run writes a directory (``suite.out_dir``; default ``results/suites/<name>-<UTC time>``):
 
@@ -41,13 +42,14 @@ import numpy as np
 from blockspec_jax import jobs
 from blockspec_jax.eval import prompts as prompts_lib
 
-__all__ = ["suite_job", "load_suite_prompts", "ROW_FIELDS", "write_csv", "write_plots", "write_markdown", "bucket_width", "main"]
+__all__ = ["suite_job", "load_suite_prompts", "ROW_FIELDS", "write_csv", "write_plots", "write_markdown",
+           "bucket_width", "main"]
 
 #: The columns of ``results.csv`` (and of every row of ``results.json``), in order.
-ROW_FIELDS = ("task", "method", "gamma", "draft_nodes", "temperature", "top_k", "top_p", "lossy", "prompts", "tokens_generated",
-              "target_calls", "target_calls_per_token", "block_efficiency", "draft_acceptance_rate", "wall_s",
-              "tokens_per_s", "speedup", "prefill_s", "decode_tokens_per_s", "decode_speedup", "peak_rss_gb",
-              "acceptance_per_position")
+ROW_FIELDS = ("task", "method", "gamma", "draft_nodes", "temperature", "top_k", "top_p", "lossy", "prompts",
+              "tokens_generated", "target_calls", "target_calls_per_token", "block_efficiency",
+              "draft_acceptance_rate", "wall_s", "tokens_per_s", "speedup", "prefill_s", "decode_tokens_per_s",
+              "decode_speedup", "peak_rss_gb", "compiles_while_timed", "acceptance_per_position")
 ALL_TASKS = "all"
 #: Names of the shipped prompt files (``suite.prompts``); anything else is a path.
 SHIPPED_PROMPTS = {"six": prompts_lib.SIX_TASK_PROMPTS, "default": prompts_lib.DEFAULT_PROMPTS}
@@ -66,7 +68,7 @@ def _pooled(rows: list[dict]) -> dict:
   out = {k: rows[0][k] for k in ("method", "gamma", "temperature", "top_k", "top_p", "lossy", "draft_nodes")
          if k in rows[0]}
   out["task"] = ALL_TASKS
-  for k in ("prompts", "tokens_generated", "target_calls", "wall_s", "prefill_s", "decode_s"):
+  for k in ("prompts", "tokens_generated", "target_calls", "wall_s", "prefill_s", "decode_s", "compiles_while_timed"):
     out[k] = sum(r[k] for r in rows)
   out["target_calls_per_token"] = out["target_calls"] / max(out["tokens_generated"], 1)
   out["tokens_per_s"] = out["tokens_generated"] / out["wall_s"]
@@ -133,8 +135,8 @@ def write_plots(rows: list[dict], out_dir) -> list[pathlib.Path]:
 
   def panels(title):
     cols = min(len(tasks), 4)
-    fig, axes = plt.subplots(math.ceil(len(tasks) / cols), cols, figsize=(4.2 * cols, 3.4 * math.ceil(len(tasks) / cols)),
-                             squeeze=False)
+    rows_of_panels = math.ceil(len(tasks) / cols)
+    fig, axes = plt.subplots(rows_of_panels, cols, figsize=(4.2 * cols, 3.4 * rows_of_panels), squeeze=False)
     for ax in axes.flat[len(tasks):]:
       ax.set_visible(False)
     fig.suptitle(title)
@@ -206,8 +208,9 @@ def write_markdown(report: dict, rows: list[dict], plots: list[pathlib.Path], pa
            f"Ran {report['environment']['date']} on {report['environment']['platform']} "
            f"({report['environment']['devices']}), jax {report['environment']['jax']}, "
            f"{report['wall_s'] / 60:.1f} min, peak resident memory {report['peak_rss_gb']:.2f} GB.", "",
-           "N: draft nodes per target call (γ for a chain); BE: block efficiency (tokens per target call); accept: draft acceptance rate; calls/token: target calls "
-           "per emitted token; speedup: tokens/s over autoregressive decoding of the same category and temperature, "
+           "N: draft nodes per target call (γ for a chain); BE: block efficiency (tokens per target call); accept: "
+           "draft acceptance rate; calls/token: target calls per emitted token; speedup: tokens/s over autoregressive "
+           "decoding of the same category and temperature, "
            "end to end (prefill + decode); dec: the decode phase alone. Timings are one run on this machine.", ""]
   for task in dict.fromkeys(r["task"] for r in rows):
     lines += [f"## {task}", "",
@@ -258,7 +261,8 @@ def suite_job(name: str = "suite", target: str = "qwen2.5-coder-1.5b", drafter: 
               methods=jobs.METHODS, gammas=(4,), temperatures=(1.0,), top_k: int = 0, top_p: float = 1.0,
               max_new_tokens: int = 64, dtype: str = "float32", seed: int = 0, chat: bool = True,
               drafter_settings: dict | None = None, verifier_settings: dict | None = None,
-              method_gammas: dict | None = None, width_bucket: int = 64, out_dir: str | None = None, cache_dir: str | None = None,
+              method_gammas: dict | None = None, width_bucket: int = 64, out_dir: str | None = None,
+              cache_dir: str | None = None,
               compilation_cache: str | None = None, plots: bool = True, progress: bool = True) -> dict:
   """Run a suite (see the module docstring) and write its directory; returns the report (also ``results.json``).
 
@@ -269,7 +273,8 @@ def suite_job(name: str = "suite", target: str = "qwen2.5-coder-1.5b", drafter: 
   the categories to run (default: every category in the file, in file order); ``prompts_per_task``: the first N
   prompts of each. ``methods`` / ``gammas`` / ``temperatures`` / ``top_k`` / ``top_p``: the grid and the sampler
   (both models sample through the same transform); ``method_gammas`` overrides ``gammas`` for the methods it names,
-  e.g. ``{"block": (8,), "traversal@rsd_c": (4,)}`` to compare a chain and trees at one budget of draft nodes. ``drafter_settings`` / ``verifier_settings`` as in the main job.
+  e.g. ``{"block": (8,), "traversal@rsd_c": (4,)}`` to compare a chain and trees at one budget of draft nodes.
+  ``drafter_settings`` / ``verifier_settings`` as in the main job.
   Every setting is checked before a model is loaded.
   """
   methods, gammas, temperatures = tuple(methods), tuple(gammas), tuple(temperatures)
@@ -318,13 +323,13 @@ def suite_job(name: str = "suite", target: str = "qwen2.5-coder-1.5b", drafter: 
   results = []
   for temperature, method, gamma in runs:
     per_task = []
-    for task in tasks:
+    for i, task in enumerate(tasks):
       bar.set_postfix_str(f"{method} γ={gamma} T={temperature:g} {task}")
       summary, _ = jobs.run_method(method, target_model, drafter_model, ids[task], width,
                                    gamma=gamma if gamma is not None else gammas[0], max_new_tokens=max_new_tokens,
                                    temperature=temperature, seed=seed, stop_ids=target_model.stop_ids,
                                    drafter_settings=drafter_settings, verifier_settings=verifier_settings,
-                                   top_k=top_k, top_p=top_p)
+                                   top_k=top_k, top_p=top_p, warm=i > 0)
       summary.update(task=task, top_k=top_k, top_p=top_p, peak_rss_gb=jobs.peak_rss_gb())
       per_task.append(summary)
       bar.update(1)
