@@ -35,8 +35,8 @@ __all__ = ["METHODS", "AUTOREGRESSIVE", "known_methods", "parse_method", "build_
            "check_cache_room", "check_pair", "encode_prompts", "load_models", "check_methods_fit", "run_method",
            "method_gamma", "compiling", "enable_compilation_cache", "COMPILE_CACHE_ENV_VAR", "peak_rss_gb",
            "mapped_regions", "max_mapped_regions", "release_programs_if_near_map_limit", "cli_errors",
-           "join_multihost_from_env", "is_main_process", "add_gin_search_path", "MULTIHOST_ENV_VAR", "gin_main",
-           "write_report", "backend_compiles"]
+           "join_multihost_from_env", "is_main_process", "add_gin_search_path", "MULTIHOST_ENV_VAR", "gin_parser",
+           "gin_main", "write_report", "backend_compiles"]
 
 AUTOREGRESSIVE = "autoregressive"
 METHODS = (AUTOREGRESSIVE, "token", "block")  # the main job's default comparison
@@ -625,15 +625,24 @@ def write_report(path, report: dict) -> pathlib.Path:
   return path
 
 
-def gin_main(prog: str, description: str, job, argv=None) -> int:
-  """A gin-configured job's command line: ``--gin_file`` (repeatable) and ``--gin_param`` bindings, then ``job()``;
-  usage and configuration errors print one line (:func:`cli_errors`)."""
+def gin_parser(prog: str, description: str, workdir: bool = False):
+  """The command line of every gin entry point: ``--gin_file`` and ``--gin_param``, both repeatable (t5x's flags),
+  and with ``workdir`` a ``--workdir`` for training runs."""
   import argparse
-  import gin
   parser = argparse.ArgumentParser(prog=prog, description=description,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--gin_file", action="append", default=[])
-  parser.add_argument("--gin_param", action="append", default=[])
+  parser.add_argument("--gin_file", action="append", default=[], help="a gin file (repeatable; later files win)")
+  parser.add_argument("--gin_param", action="append", default=[], help='one binding, e.g. "suite.gammas = (2, 4)"')
+  if workdir:
+    parser.add_argument("--workdir", help="training jobs: the run's folder (default results/train/<gin file stem>)")
+  return parser
+
+
+def gin_main(prog: str, description: str, job, argv=None) -> int:
+  """A gin-configured job's command line (:func:`gin_parser`), then ``job()``; usage and configuration errors print
+  one line (:func:`cli_errors`)."""
+  import gin
+  parser = gin_parser(prog, description)
   args = parser.parse_args(argv)
   with cli_errors(parser.prog):
     join_multihost_from_env()

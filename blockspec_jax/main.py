@@ -13,7 +13,6 @@ its job alone.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
@@ -55,11 +54,7 @@ def configured_job() -> str:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m blockspec_jax.main", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--gin_file", action="append", default=[])
-  parser.add_argument("--gin_param", action="append", default=[])
-  parser.add_argument("--workdir", help="training jobs only: the run's folder (default results/train/<gin stem>)")
+  parser = jobs.gin_parser("python -m blockspec_jax.main", __doc__, workdir=True)
   args = parser.parse_args(argv)
   with jobs.cli_errors(parser.prog):
     if not args.gin_file:

@@ -17,7 +17,6 @@ a stopped run), ``loss.png`` (with matplotlib) and, at the end, ``metrics.json``
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import pathlib
@@ -444,11 +443,7 @@ def selected_job():
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m blockspec_jax.train", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--gin_file", action="append", default=[])
-  parser.add_argument("--gin_param", action="append", default=[])
-  parser.add_argument("--workdir", help="output folder (default results/train/<gin file stem>)")
+  parser = jobs.gin_parser("python -m blockspec_jax.train", __doc__, workdir=True)
   args = parser.parse_args(argv)
   with jobs.cli_errors(parser.prog):
     if not args.gin_file:
