@@ -29,6 +29,8 @@ def test_bench_on_smollm2_reports_every_figure(tmp_path, capsys):
   gin.clear_config()
   try:
     assert bench_startup.main(["--gin_param", "bench_startup.target = 'smollm2-135m'",
+                               "--gin_param", "bench_startup.drafter = 'smollm2-135m'",
+                               "--gin_param", "bench_startup.gamma = 2",
                                "--gin_param", "bench_startup.dtypes = ('float32', 'bfloat16')",
                                "--gin_param", "bench_startup.prompt_width = 32",
                                "--gin_param", "bench_startup.max_new_tokens = 4",
@@ -46,12 +48,16 @@ def test_bench_on_smollm2_reports_every_figure(tmp_path, capsys):
       assert r[key] > 0, key
     assert r["prefill_tokens_per_s"] == pytest.approx(32 / r["prefill_s"])
     assert r["prefill_fraction_of_peak"] == pytest.approx(r["prefill_gflops"] / r["matmul_gflops"])
+    assert r["block_compile_s"] == pytest.approx(sum(r[f"block_{k}"] for k in (
+        "prefill_lower_s", "prefill_compile_s", "decode_lower_s", "decode_compile_s")))
+    assert r["block_first_token_s"] > r["block_compile_s"] > 0 and r["drafter_load_s"] > 0
   assert "first token s" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("param, message", [("bench_startup.prompt_width = 0", "prompt_width"),
                                             ("bench_startup.dtypes = ('float16',)", "dtype must be"),
-                                            ("bench_startup.target = 'nope'", "nope")])
+                                            ("bench_startup.target = 'nope'", "nope"),
+                                            ("bench_startup.gamma = 0", "gamma must be")])
 def test_bad_settings_fail_before_a_model_loads(param, message, capsys, monkeypatch):
   monkeypatch.setattr(jobs, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
   gin.clear_config()

@@ -14,7 +14,10 @@ Per dtype, on the target model (default: the Qwen2.5-Coder 1.5B target):
   (attention scores, norms and the LM head left out, so the figure is a lower bound on the work done);
   ``prefill_fraction_of_peak``: that against ``matmul_gflops`` of the same dtype;
 * ``decode_tokens_per_s``: the compiled decode loop (median of ``repeats``);
-* ``first_token_s``: load + compile of both programs + one prefill: what a user waits before the first token.
+* ``first_token_s``: load + compile of both programs + one prefill: what a user waits before the first token;
+* with a ``drafter`` (default the Qwen2.5-Coder 0.5B), the same for block verification at ``gamma``: ``block_*``
+  lowering and compile times of its prefill (both models) and of the speculative loop, ``block_compile_s`` (their
+  sum) and ``block_first_token_s`` (both models' load + compile + one prefill).
 
 ``matmul_gflops`` is the peak the same process reaches on a square ``jnp.dot`` of ``matmul_size`` in that dtype
 (median of ``repeats``), measured in the same run, so the fraction compares like with like. Writes a JSON report.
@@ -66,20 +69,46 @@ def linear_params(params) -> int:
   return total
 
 
+def _compile_and_time(prefill_fn, decode_fn, prefill_args, decode_args_of, repeats: int) -> dict:
+  """Lower and compile the prefill program on ``prefill_args`` and the decode program on ``decode_args_of(state)``
+  apart (``.lower().compile()``), run each once, then time each ``repeats`` times (median)."""
+  t0 = time.perf_counter()
+  lowered = prefill_fn.lower(*prefill_args)
+  t1 = time.perf_counter()
+  prefill = lowered.compile()
+  t2 = time.perf_counter()
+  state = jax.block_until_ready(prefill(*prefill_args))
+  decode_args = decode_args_of(state)
+  t3 = time.perf_counter()
+  lowered_d = decode_fn.lower(*decode_args)
+  t4 = time.perf_counter()
+  decode = lowered_d.compile()
+  t5 = time.perf_counter()
+  jax.block_until_ready(decode(*decode_args))
+  return dict(prefill_lower_s=t1 - t0, prefill_compile_s=t2 - t1, decode_lower_s=t4 - t3, decode_compile_s=t5 - t4,
+              prefill_s=_median_s(lambda: prefill(*prefill_args), repeats),
+              decode_s=_median_s(lambda: decode(*decode_args), repeats))
+
+
 @gin.configurable("bench_startup")
-def bench_startup_job(target: str = "qwen2.5-coder-1.5b", dtypes=("float32", "bfloat16"), prompt_width: int = 256,
-                      batch: int = 1, max_new_tokens: int = 32, matmul_size: int = 2048, repeats: int = 3,
+def bench_startup_job(target: str = "qwen2.5-coder-1.5b", drafter: str | None = "qwen2.5-coder-0.5b",
+                      gamma: int = 4, dtypes=("float32", "bfloat16"), prompt_width: int = 256, batch: int = 1,
+                      max_new_tokens: int = 32, matmul_size: int = 2048, repeats: int = 3,
                       cache_dir: str | None = None, output_json: str | None = "results/bench_startup.json") -> dict:
-  """Run the benchmark (see the module docstring); returns the report."""
+  """Run the benchmark (see the module docstring); returns the report. With ``drafter`` (None: skip), the block
+  verification programs (prefill of both models, the speculative loop at ``gamma``) are compiled and timed too."""
+  from blockspec_jax import drafters as drafters_lib
   from blockspec_jax import sampling
   from blockspec_jax.decoding import speculative as spec
   for name, value in (("prompt_width", prompt_width), ("batch", batch), ("max_new_tokens", max_new_tokens),
                       ("matmul_size", matmul_size), ("repeats", repeats)):
     jobs._check_positive_int(value, name)
-  jobs.check_settings(models=(target,))
+  jobs.check_gamma(gamma)
+  jobs.check_settings(models=(target,) + ((drafter,) if drafter else ()))
   for dtype in dtypes:
     jobs.check_settings(dtype=dtype)
   jobs.enable_compilation_cache("off")  # compile times must be compile times, not cache loads
+  sampler = sampling.Sampler(temperature=1.0)
   rows = []
   for dtype in dtypes:
     peak = matmul_gflops(matmul_size, jnp.dtype(dtype), repeats)
@@ -87,55 +116,76 @@ def bench_startup_job(target: str = "qwen2.5-coder-1.5b", dtypes=("float32", "bf
     model = jobs.load_model(target, dtype, cache_dir, progress=False)
     load_s = time.perf_counter() - start
     tp, config = model.params["params"], model.config
-    jobs.check_cache_room(prompt_width, max_new_tokens, 0, config)
+    jobs.check_cache_room(prompt_width, max_new_tokens, gamma if drafter else 0, config)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, config.vocab_size, (batch, prompt_width), dtype=np.int32)
     lens = np.full((batch,), prompt_width, np.int32)
     keys = jax.random.split(jax.random.key(0), batch)
     static = dict(target=config, max_new_tokens=max_new_tokens)
-    t0 = time.perf_counter()
-    lowered = spec.prefill_autoregressive.jitted.lower(tp, tokens, lens, **static)
-    t1 = time.perf_counter()
-    prefill = lowered.compile()
-    t2 = time.perf_counter()
-    state = jax.block_until_ready(prefill(tp, tokens, lens))
-    t3 = time.perf_counter()
-    sampler = sampling.Sampler(temperature=1.0)
-    lowered_d = spec.decode_autoregressive.lower(tp, keys, state, sampler=sampler, stop_ids=(), **static)
-    t4 = time.perf_counter()
-    decode = lowered_d.compile()
-    t5 = time.perf_counter()
-    prefill_s = _median_s(lambda: prefill(tp, tokens, lens), repeats)
-    decode_s = _median_s(lambda: decode(tp, keys, state), repeats)
+    ar = _compile_and_time(
+        _Bound(spec.prefill_autoregressive.jitted, static),
+        _Bound(spec.decode_autoregressive, dict(static, sampler=sampler, stop_ids=())),
+        (tp, tokens, lens), lambda state: (tp, keys, state), repeats)
     work = 2 * linear_params(tp) * batch * prompt_width
-    row = dict(dtype=dtype, matmul_gflops=peak, load_s=load_s, prefill_lower_s=t1 - t0, prefill_compile_s=t2 - t1,
-               decode_lower_s=t4 - t3, decode_compile_s=t5 - t4, prefill_s=prefill_s,
-               prefill_tokens_per_s=batch * prompt_width / prefill_s, prefill_gflops=work / prefill_s / 1e9,
-               decode_tokens_per_s=batch * max_new_tokens / decode_s,
-               first_token_s=load_s + (t2 - t0) + (t5 - t4) + (t4 - t3) + prefill_s)
+    row = dict(dtype=dtype, matmul_gflops=peak, load_s=load_s, **{k: v for k, v in ar.items() if k != "decode_s"},
+               prefill_tokens_per_s=batch * prompt_width / ar["prefill_s"],
+               prefill_gflops=work / ar["prefill_s"] / 1e9,
+               decode_tokens_per_s=batch * max_new_tokens / ar["decode_s"])
     row["prefill_fraction_of_peak"] = row["prefill_gflops"] / peak
+    row["first_token_s"] = (load_s + row["prefill_lower_s"] + row["prefill_compile_s"] + row["decode_lower_s"]
+                            + row["decode_compile_s"] + row["prefill_s"])
+    line = (f"{target} {dtype}: load {load_s:.1f} s, prefill compile {row['prefill_lower_s']:.1f} + "
+            f"{row['prefill_compile_s']:.1f} s, decode compile {row['decode_lower_s']:.1f} + "
+            f"{row['decode_compile_s']:.1f} s; prefill {row['prefill_tokens_per_s']:.0f} tok/s = "
+            f"{row['prefill_gflops']:.1f} GFLOP/s ({100 * row['prefill_fraction_of_peak']:.0f}% of the {peak:.1f} "
+            f"GFLOP/s matmul peak); decode {row['decode_tokens_per_s']:.2f} tok/s")
+    if drafter:
+      start = time.perf_counter()
+      dmodel = jobs.load_model(drafter, dtype, cache_dir, progress=False)
+      jobs.check_pair(model, dmodel)
+      row["drafter_load_s"] = time.perf_counter() - start
+      dp = dmodel.params["params"]
+      sstatic = dict(static, drafter=drafters_lib.ModelDrafter(dmodel.config), gamma=gamma)
+      block = _compile_and_time(
+          _Bound(spec.prefill_speculative.jitted, sstatic),
+          _Bound(spec.decode_speculative, dict(sstatic, verifier="block", sampler=sampler, stop_ids=())),
+          (tp, dp, tokens, lens), lambda state: (tp, dp, keys, state), repeats)
+      row.update({f"block_{k}": v for k, v in block.items() if k != "decode_s"})
+      row["block_compile_s"] = sum(block[k] for k in ("prefill_lower_s", "prefill_compile_s", "decode_lower_s",
+                                                      "decode_compile_s"))
+      row["block_first_token_s"] = (load_s + row["drafter_load_s"] + row["block_compile_s"] + block["prefill_s"])
+      line += (f"; block (γ = {gamma}, drafter {drafter}): compile {row['block_compile_s']:.1f} s, first token after "
+               f"{row['block_first_token_s']:.1f} s")
+      del dmodel, dp
     rows.append(row)
-    print(f"{target} {dtype}: load {load_s:.1f} s, prefill compile {row['prefill_lower_s']:.1f} + "
-          f"{row['prefill_compile_s']:.1f} s, decode compile {row['decode_lower_s']:.1f} + "
-          f"{row['decode_compile_s']:.1f} s; prefill {row['prefill_tokens_per_s']:.0f} tok/s = "
-          f"{row['prefill_gflops']:.1f} GFLOP/s ({100 * row['prefill_fraction_of_peak']:.0f}% of the {peak:.1f} "
-          f"GFLOP/s matmul peak); decode {row['decode_tokens_per_s']:.2f} tok/s", flush=True)
-    del model, tp, state, prefill, decode
-  header = (f"{'dtype':<9} {'peak GF/s':>9} {'load s':>7} {'compile s (prefill + decode)':>29} {'prefill tok/s':>13} "
-            f"{'GF/s':>6} {'% peak':>6} {'decode tok/s':>12} {'first token s':>13}")
+    print(line, flush=True)
+    del model, tp
+  header = (f"{'dtype':<9} {'peak GF/s':>9} {'load s':>7} {'AR compile s':>12} {'prefill tok/s':>13} {'GF/s':>6} "
+            f"{'% peak':>6} {'decode tok/s':>12} {'first token s':>13} {'block compile s':>15} "
+            f"{'block first s':>13}")
   print("\n" + header + "\n" + "-" * len(header))
   for r in rows:
     compile_s = r["prefill_lower_s"] + r["prefill_compile_s"] + r["decode_lower_s"] + r["decode_compile_s"]
-    print(f"{r['dtype']:<9} {r['matmul_gflops']:>9.1f} {r['load_s']:>7.1f} {compile_s:>29.1f} "
+    print(f"{r['dtype']:<9} {r['matmul_gflops']:>9.1f} {r['load_s']:>7.1f} {compile_s:>12.1f} "
           f"{r['prefill_tokens_per_s']:>13.0f} {r['prefill_gflops']:>6.1f} "
-          f"{100 * r['prefill_fraction_of_peak']:>5.0f}% "
-          f"{r['decode_tokens_per_s']:>12.2f} {r['first_token_s']:>13.1f}")
-  report = dict(target=target, prompt_width=prompt_width, batch=batch, max_new_tokens=max_new_tokens,
-                matmul_size=matmul_size, repeats=repeats, jax=jax.__version__,
+          f"{100 * r['prefill_fraction_of_peak']:>5.0f}% {r['decode_tokens_per_s']:>12.2f} {r['first_token_s']:>13.1f} "
+          f"{r.get('block_compile_s', float('nan')):>15.1f} {r.get('block_first_token_s', float('nan')):>13.1f}")
+  report = dict(target=target, drafter=drafter, gamma=gamma, prompt_width=prompt_width, batch=batch,
+                max_new_tokens=max_new_tokens, matmul_size=matmul_size, repeats=repeats, jax=jax.__version__,
                 platform=jax.devices()[0].platform, peak_rss_gb=jobs.peak_rss_gb(), rows=rows)
   if output_json and jobs.is_main_process():
     print(f"wrote {jobs.write_report(output_json, report)}")
   return report
+
+
+class _Bound:
+  """A jitted function with its static keyword arguments bound, exposing ``lower``."""
+
+  def __init__(self, jitted, static: dict):
+    self.jitted, self.static = jitted, static
+
+  def lower(self, *args):
+    return self.jitted.lower(*args, **self.static)
 
 
 def main(argv=None) -> int:
