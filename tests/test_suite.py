@@ -142,3 +142,37 @@ def test_every_gin_file_the_readme_names_exists():
   assert {"gin/eval/smoke.gin", "gin/eval/block_vs_token.gin", "gin/eval/gamma_sweep.gin",
           "gin/eval/trees_budget.gin"} <= named
   assert sorted(n for n in named if not (REPO / n).is_file()) == []
+
+
+def test_the_grid_runs_each_method_at_its_gammas_and_autoregressive_once(tmp_path, monkeypatch):
+  """The orchestration alone (models, encoding and decoding replaced by stand-ins): autoregressive once per
+  temperature, every other method at suite.gammas unless method_gammas overrides it, categories innermost with only
+  the first one compiling (warm afterwards), one padded width for all."""
+  import types
+  calls = []
+  model = types.SimpleNamespace(stop_ids=(0,))
+  monkeypatch.setattr(jobs, "load_models", lambda *a, **k: (model, [model], 0.0))
+  monkeypatch.setattr(jobs, "encode_prompts", lambda m, rows, chat: [[1] * (10 + len(r["text"]) % 50) for r in rows])
+  monkeypatch.setattr(jobs, "check_methods_fit", lambda *a, **k: 0)
+
+  def run_method(method, target, drafter, ids, width, *, gamma, temperature, warm, **kw):
+    calls.append((method, gamma, temperature, warm, width))
+    row = dict(method=method, temperature=temperature, gamma=None if method == "autoregressive" else gamma,
+               lossy=False, prompts=len(ids), tokens_generated=8, target_calls=4, target_calls_per_token=0.5,
+               wall_s=1.0, prefill_s=0.5, decode_s=0.5, tokens_per_s=8.0, decode_tokens_per_s=16.0,
+               compiles_while_timed=0)
+    if method != "autoregressive":
+      row.update(block_efficiency=2.0, draft_acceptance_rate=0.5, acceptance_per_position=[0.5] * gamma,
+                 draft_nodes=gamma)
+    return row, []
+
+  monkeypatch.setattr(jobs, "run_method", run_method)
+  report = suite.suite_job(prompts="default", methods=("autoregressive", "token", "block"), gammas=(2, 4),
+                           method_gammas={"block": (8,)}, temperatures=(1.0, 0.0), out_dir=str(tmp_path / "run"),
+                           plots=False, progress=False, target="smollm2-135m", drafter="smollm2-135m")
+  grid = [(m, g, t) for m, g, t, warm, _ in calls if not warm]
+  assert grid == [("autoregressive", 2, 1.0), ("token", 2, 1.0), ("token", 4, 1.0), ("block", 8, 1.0),
+                  ("autoregressive", 2, 0.0), ("token", 2, 0.0), ("token", 4, 0.0), ("block", 8, 0.0)]
+  assert len(calls) == 3 * len(grid) and len({w for *_, w in calls}) == 1 and calls[0][4] % 64 == 0
+  assert [c[3] for c in calls[:3]] == [False, True, True]  # code compiles, chat and math reuse it
+  assert len(report["results"]) == 4 * len(grid) and (tmp_path / "run" / "report.md").exists()
