@@ -345,7 +345,7 @@ def max_mapped_regions() -> int | None:
     return None
 
 
-def release_programs_if_near_map_limit(fraction: float = 0.25) -> bool:
+def release_programs_if_near_map_limit(fraction: float = 0.5) -> bool:
   """Drop every compiled program (``jax.clear_caches()``) once this process holds more than ``fraction`` of the
   kernel's limit on memory mappings; True if it did.
 
@@ -549,7 +549,8 @@ def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tok
   import jax
   from blockspec_jax import sampling
   from blockspec_jax.decoding import speculative as spec
-  release_programs_if_near_map_limit()  # a long sweep of methods and shapes in one process
+  if not warm:  # a long sweep of methods and shapes in one process; never between a warm call and its programs
+    release_programs_if_near_map_limit()
   sampler = sampling.Sampler(temperature=temperature, top_k=top_k, top_p=top_p)
   prefill, decode = _phases(method, target, drafter, gamma, max_new_tokens, sampler, stop_ids, drafter_settings,
                             verifier_settings)

@@ -18,7 +18,7 @@ def _release_compiled_programs():
   """A test worker compiles thousands of programs, and XLA's CPU backend holds each one's code in anonymous memory
   mappings for as long as the jit caches keep it: a full run used to grow a worker past ``vm.max_map_count``
   (65,530), and XLA then aborted or segfaulted inside whichever compilation or executable load came next (crashes
-  in three different tests, each passing alone). After each test, drop the compiled programs once a quarter of the
-  limit is in use; later tests compile what they need again."""
+  in three different tests, each passing alone). After each test, drop the compiled programs once half of the limit
+  is in use (no single test adds more than about ten thousand); later tests compile what they need again."""
   yield
   jobs.release_programs_if_near_map_limit()

