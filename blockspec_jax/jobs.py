@@ -35,8 +35,8 @@ __all__ = ["METHODS", "AUTOREGRESSIVE", "known_methods", "parse_method", "build_
            "check_cache_room", "check_pair", "encode_prompts", "load_models", "check_methods_fit", "run_method",
            "method_gamma", "compiling", "enable_compilation_cache", "COMPILE_CACHE_ENV_VAR", "peak_rss_gb",
            "mapped_regions", "max_mapped_regions", "release_programs_if_near_map_limit", "cli_errors",
-           "join_multihost_from_env", "is_main_process", "add_gin_search_path", "MULTIHOST_ENV_VAR", "gin_parser",
-           "gin_main", "write_report", "backend_compiles"]
+           "join_multihost_from_env", "is_main_process", "add_gin_search_path", "bound_jobs", "MULTIHOST_ENV_VAR",
+           "gin_parser", "gin_main", "write_report", "backend_compiles"]
 
 AUTOREGRESSIVE = "autoregressive"
 METHODS = (AUTOREGRESSIVE, "token", "block")  # the main job's default comparison
@@ -660,6 +660,13 @@ def add_gin_search_path() -> None:
   root = pathlib.Path(__file__).resolve().parents[1]
   if (root / "gin").is_dir() and str(root) not in gin.config._LOCATION_PREFIXES:
     gin.add_config_file_search_path(str(root))
+
+
+def bound_jobs(names) -> list[str]:
+  """Which of the configurable jobs ``names`` the parsed gin configuration binds settings of (in ``names`` order):
+  how an entry point tells what its gin files ask it to run."""
+  import gin
+  return [name for name in names if gin.get_bindings(name)]
 
 
 MULTIHOST_ENV_VAR = "BLOCKSPEC_JAX_MULTIHOST"

@@ -44,7 +44,7 @@ def _register_all() -> None:
 
 def configured_job() -> str:
   """The name of the one job the parsed gin configuration binds; a UsageError for none or several."""
-  configured = [name for name in (*JOBS, *TRAINING_JOBS) if gin.get_bindings(name)]
+  configured = jobs.bound_jobs((*JOBS, *TRAINING_JOBS))
   if not configured:
     raise jobs.UsageError(f"the gin files bind no job's settings; bind one of {', '.join((*JOBS, *TRAINING_JOBS))} "
                           "(e.g. --gin_file gin/eval/smoke.gin)")

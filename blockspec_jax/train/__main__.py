@@ -436,7 +436,7 @@ JOBS = ("distill_job", "sprinter_job", "heads_job", "steer_job")
 def selected_job():
   """The job the parsed gin files configure (the one with bindings), else ``distill_job`` (also when nothing is
   bound: its own checks then say what is missing); two configured jobs are a UsageError."""
-  configured = [name for name in JOBS if gin.get_bindings(name)]
+  configured = jobs.bound_jobs(JOBS)
   if len(configured) > 1:
     raise jobs.UsageError(f"the gin files configure {' and '.join(configured)}; a run trains one job")
   return _jobs()[configured[0] if configured else "distill_job"]
