@@ -54,6 +54,23 @@ def main():
             f"{spec_layout}, "
             f"q weight {t_sh['layers_0']['attn']['q']['weight'].sharding.spec}")
       ok &= same
+  # The stacked layout (layers compiled once, what the decoding jobs load) under a data x model mesh: the same
+  # tokens as the unrolled model on one device (stacked leaves split as their one-layer counterparts, never over L).
+  import dataclasses
+  s_config, s_small = (dataclasses.replace(c, scan_layers=True) for c in (config, small))
+  s_target, s_drafter = dec.stack_layers(target, config.num_layers), dec.stack_layers(drafter, small.num_layers)
+  static = dict(target=config, drafter=ModelDrafter(small), gamma=3, max_new_tokens=12, verifier="block",
+                sampler=sampling.Sampler(1.0))
+  reference = spec.generate_speculative(target, drafter, keys, tokens, lens, **static)
+  mesh = parallel.make_mesh(4, 2)
+  t_sh, d_sh = parallel.shard_params(s_target, mesh), parallel.shard_params(s_drafter, mesh)
+  k_sh, tok_sh, len_sh = parallel.shard_batch(mesh, keys, tokens, lens)
+  out = parallel.sharded_speculative(mesh, t_sh, d_sh, k_sh, tok_sh, len_sh,
+                                     **dict(static, target=s_config, drafter=ModelDrafter(s_small)))
+  same = np.array_equal(np.asarray(out.tokens_BxN), np.asarray(reference.tokens_BxN))
+  print(f"stacked layers, block T=1.0 mesh data=4 model=2: equal={same} q weight "
+        f"{t_sh['layers']['attn']['q']['weight'].sharding.spec}")
+  ok &= same
   # Compiled once: another batch of the same shapes (new keys, new prompts) reuses the cached programs.
   programs = len(parallel._COMPILED)
   mesh = parallel.make_mesh(4, 2)

@@ -18,6 +18,7 @@ def test_linear_params_counts_the_layers_linear_weights_only():
   d, f, kv = 32, 64, 2 * 8
   per_layer = d * d + 2 * kv * d + d * d + 3 * d * f  # q, k and v, o, gate / up / down
   assert bench_startup.linear_params(params) == 2 * per_layer
+  assert bench_startup.linear_params(dec.stack_layers(params, 2)) == 2 * per_layer  # the stacked layout counts alike
 
 
 def test_matmul_peak_is_a_positive_rate():
@@ -40,7 +41,8 @@ def test_bench_on_smollm2_reports_every_figure(tmp_path, capsys):
   finally:
     gin.clear_config()
   report = json.loads(out.read_text())
-  assert [r["dtype"] for r in report["rows"]] == ["float32"]  # bfloat16 runs the same code (see the README run)
+  # bfloat16 runs the same code (see the README run); both layouts side by side, the scanned one first
+  assert [(r["dtype"], r["layout"]) for r in report["rows"]] == [("float32", "scanned"), ("float32", "unrolled")]
   for r in report["rows"]:
     for key in ("matmul_gflops", "load_s", "prefill_lower_s", "prefill_compile_s", "decode_lower_s",
                 "decode_compile_s", "prefill_s", "prefill_tokens_per_s", "prefill_gflops", "decode_tokens_per_s",
@@ -57,7 +59,8 @@ def test_bench_on_smollm2_reports_every_figure(tmp_path, capsys):
 @pytest.mark.parametrize("param, message", [("bench_startup.prompt_width = 0", "prompt_width"),
                                             ("bench_startup.dtypes = ('float16',)", "dtype must be"),
                                             ("bench_startup.target = 'nope'", "nope"),
-                                            ("bench_startup.gamma = 0", "gamma must be")])
+                                            ("bench_startup.gamma = 0", "gamma must be"),
+                                            ("bench_startup.layouts = ('stacked',)", "layouts must name")])
 def test_bad_settings_fail_before_a_model_loads(param, message, capsys, monkeypatch):
   monkeypatch.setattr(jobs, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
   gin.clear_config()

@@ -3,7 +3,8 @@ against this machine's own matmul peak, in float32 and bfloat16, one run.
 
     python -m blockspec_jax.eval.bench_startup [--gin_param "bench_startup.target = 'smollm2-135m'"]
 
-Per dtype, on the target model (default: the Qwen2.5-Coder 1.5B target):
+Per dtype and layout (``scanned``: the layers stacked and compiled once, what the decoding jobs load; ``unrolled``:
+one copy of every layer per program), on the target model (default: the Qwen2.5-Coder 1.5B target):
 
 * ``load_s``: loading the converted weights from the cache (the first run also fetches and converts them);
 * ``prefill_lower_s`` / ``prefill_compile_s``: tracing + lowering, and XLA compilation, of the prefill program at
@@ -59,12 +60,13 @@ def matmul_gflops(size: int, dtype, repeats: int = 5) -> float:
 
 
 def linear_params(params) -> int:
-  """Weights of the decoder layers' linear maps (every 2-D ``weight`` under ``layers_*``): the multiply-adds per
-  token of a forward, without attention scores, norms, embedding and LM head."""
+  """Weights of the decoder layers' linear maps (every 2-D ``weight`` under ``layers_*``, or 3-D under the stacked
+  ``layers``): the multiply-adds per token of a forward, without attention scores, norms, embedding and LM head."""
   total = 0
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    names = [getattr(k, "key", getattr(k, "name", "")) for k in path]
-    if names and str(names[0]).startswith("layers_") and names[-1] == "weight" and np.ndim(leaf) == 2:
+    names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+    if names and names[-1] == "weight" and ((names[0].startswith("layers_") and np.ndim(leaf) == 2)
+                                            or (names[0] == "layers" and np.ndim(leaf) == 3)):
       total += int(np.size(leaf))
   return total
 
@@ -91,12 +93,15 @@ def _compile_and_time(prefill_fn, decode_fn, prefill_args, decode_args_of, repea
 
 
 @gin.configurable("bench_startup")
-def bench_startup_job(target: str = "qwen2.5-coder-1.5b", drafter: str | None = "qwen2.5-coder-0.5b",
-                      gamma: int = 4, dtypes=("float32", "bfloat16"), prompt_width: int = 256, batch: int = 1,
+def bench_startup_job(target: str = jobs.DEFAULT_TARGET, drafter: str | None = jobs.DEFAULT_DRAFTER,
+                      gamma: int = 4, dtypes=("float32", "bfloat16"), layouts=("scanned", "unrolled"),
+                      prompt_width: int = 256, batch: int = 1,
                       max_new_tokens: int = 32, matmul_size: int = 2048, repeats: int = 3,
                       cache_dir: str | None = None, output_json: str | None = "results/bench_startup.json") -> dict:
   """Run the benchmark (see the module docstring); returns the report. With ``drafter`` (None: skip), the block
-  verification programs (prefill of both models, the speculative loop at ``gamma``) are compiled and timed too."""
+  verification programs (prefill of both models, the speculative loop at ``gamma``) are compiled and timed too.
+  ``layouts``: "scanned" (layers stacked and compiled once, what the decoding jobs load) and / or "unrolled" (one
+  copy of every layer in each program), each a row per dtype, side by side."""
   from blockspec_jax import drafters as drafters_lib
   from blockspec_jax import sampling
   from blockspec_jax.decoding import speculative as spec
@@ -107,13 +112,17 @@ def bench_startup_job(target: str = "qwen2.5-coder-1.5b", drafter: str | None = 
   jobs.check_settings(models=(target,) + ((drafter,) if drafter else ()))
   for dtype in dtypes:
     jobs.check_settings(dtype=dtype)
+  bad = [layout for layout in layouts if layout not in ("scanned", "unrolled")]
+  if bad or not layouts:
+    raise jobs.UsageError(f"bench_startup.layouts must name 'scanned' and / or 'unrolled', got {list(layouts)}")
   jobs.enable_compilation_cache("off")  # compile times must be compile times, not cache loads
   sampler = sampling.Sampler(temperature=1.0)
   rows = []
-  for dtype in dtypes:
+  for dtype, layout in [(d, lay) for d in dtypes for lay in layouts]:
+    scan = layout == "scanned"
     peak = matmul_gflops(matmul_size, jnp.dtype(dtype), repeats)
     start = time.perf_counter()
-    model = jobs.load_model(target, dtype, cache_dir, progress=False)
+    model = jobs.load_model(target, dtype, cache_dir, progress=False, scan_layers=scan)
     load_s = time.perf_counter() - start
     tp, config = model.params["params"], model.config
     jobs.check_cache_room(prompt_width, max_new_tokens, gamma if drafter else 0, config)
@@ -127,21 +136,21 @@ def bench_startup_job(target: str = "qwen2.5-coder-1.5b", drafter: str | None = 
         _Bound(spec.decode_autoregressive, dict(static, sampler=sampler, stop_ids=())),
         (tp, tokens, lens), lambda state: (tp, keys, state), repeats)
     work = 2 * linear_params(tp) * batch * prompt_width
-    row = dict(dtype=dtype, matmul_gflops=peak, load_s=load_s, **{k: v for k, v in ar.items() if k != "decode_s"},
+    row = dict(dtype=dtype, layout=layout, matmul_gflops=peak, load_s=load_s, **{k: v for k, v in ar.items() if k != "decode_s"},
                prefill_tokens_per_s=batch * prompt_width / ar["prefill_s"],
                prefill_gflops=work / ar["prefill_s"] / 1e9,
                decode_tokens_per_s=batch * max_new_tokens / ar["decode_s"])
     row["prefill_fraction_of_peak"] = row["prefill_gflops"] / peak
     row["first_token_s"] = (load_s + row["prefill_lower_s"] + row["prefill_compile_s"] + row["decode_lower_s"]
                             + row["decode_compile_s"] + row["prefill_s"])
-    line = (f"{target} {dtype}: load {load_s:.1f} s, prefill compile {row['prefill_lower_s']:.1f} + "
+    line = (f"{target} {dtype} {layout}: load {load_s:.1f} s, prefill compile {row['prefill_lower_s']:.1f} + "
             f"{row['prefill_compile_s']:.1f} s, decode compile {row['decode_lower_s']:.1f} + "
             f"{row['decode_compile_s']:.1f} s; prefill {row['prefill_tokens_per_s']:.0f} tok/s = "
             f"{row['prefill_gflops']:.1f} GFLOP/s ({100 * row['prefill_fraction_of_peak']:.0f}% of the {peak:.1f} "
             f"GFLOP/s matmul peak); decode {row['decode_tokens_per_s']:.2f} tok/s")
     if drafter:
       start = time.perf_counter()
-      dmodel = jobs.load_model(drafter, dtype, cache_dir, progress=False)
+      dmodel = jobs.load_model(drafter, dtype, cache_dir, progress=False, scan_layers=scan)
       jobs.check_pair(model, dmodel)
       row["drafter_load_s"] = time.perf_counter() - start
       dp = dmodel.params["params"]
@@ -160,13 +169,13 @@ def bench_startup_job(target: str = "qwen2.5-coder-1.5b", drafter: str | None = 
     rows.append(row)
     print(line, flush=True)
     del model, tp
-  header = (f"{'dtype':<9} {'peak GF/s':>9} {'load s':>7} {'AR compile s':>12} {'prefill tok/s':>13} {'GF/s':>6} "
+  header = (f"{'dtype':<9} {'layout':<8} {'peak GF/s':>9} {'load s':>7} {'AR compile s':>12} {'prefill tok/s':>13} {'GF/s':>6} "
             f"{'% peak':>6} {'decode tok/s':>12} {'first token s':>13} {'block compile s':>15} "
             f"{'block first s':>13}")
   print("\n" + header + "\n" + "-" * len(header))
   for r in rows:
     compile_s = r["prefill_lower_s"] + r["prefill_compile_s"] + r["decode_lower_s"] + r["decode_compile_s"]
-    print(f"{r['dtype']:<9} {r['matmul_gflops']:>9.1f} {r['load_s']:>7.1f} {compile_s:>12.1f} "
+    print(f"{r['dtype']:<9} {r['layout']:<8} {r['matmul_gflops']:>9.1f} {r['load_s']:>7.1f} {compile_s:>12.1f} "
           f"{r['prefill_tokens_per_s']:>13.0f} {r['prefill_gflops']:>6.1f} "
           f"{100 * r['prefill_fraction_of_peak']:>5.0f}% {r['decode_tokens_per_s']:>12.2f} {r['first_token_s']:>13.1f} "
           f"{r.get('block_compile_s', float('nan')):>15.1f} {r.get('block_first_token_s', float('nan')):>13.1f}")

@@ -22,8 +22,10 @@ kernel's; they only fill the KV cache.
   "auto"   the kernel when the computation runs on CPU (checked first, so on GPU / TPU the kernel is never built
            or called), the pass has at most ``KERNEL_MAX_TOKENS`` tokens per row, the weights are float32 /
            bfloat16, the call is not traced under a multi-device mesh (the custom call has no sharding rule) and
-           the library could be built and loaded; XLA's dot in ``dtype`` otherwise. The platform is a concrete
-           committed input's device, else the ``jax.default_device`` in effect, else ``jax.default_backend()``.
+           the library could be built and loaded; XLA's dot in ``dtype`` otherwise (on CPU, a bfloat16 ``dtype``
+           is computed in float32 and rounded once: XLA's CPU GEMM is much slower in bfloat16). The platform is a
+           concrete committed input's device, else the ``jax.default_device`` in effect, else
+           ``jax.default_backend()``.
   "xla"    always ``jnp.einsum`` in ``dtype`` (what ``flax.linen.Dense`` computes), on every backend.
   "kernel" the kernel for any width; raises KernelUnavailable off CPU or if the library cannot be built (tests,
            benchmarks).
@@ -79,6 +81,9 @@ IMPLS = ("auto", "xla", "kernel")
 KERNEL_MAX_TOKENS = 16
 _SOURCE = pathlib.Path(__file__).with_name("linear_cpu.cc")
 _TARGETS = {np.dtype(np.float32): "blockspec_jax_linear_f32", np.dtype(jnp.bfloat16): "blockspec_jax_linear_bf16"}
+# One layer of a stacked [L, N, K] weight, read in place (``linear(..., layer=i)``: decoders whose layers run in a loop).
+_STACKED_TARGETS = {np.dtype(np.float32): "blockspec_jax_linear_stacked_f32",
+                    np.dtype(jnp.bfloat16): "blockspec_jax_linear_stacked_bf16"}
 
 
 class KernelUnavailable(RuntimeError):
@@ -269,9 +274,11 @@ def _open_library(source: pathlib.Path, out_dir: pathlib.Path, load=ctypes.CDLL)
 
 def _register(lib: ctypes.CDLL) -> ctypes.CDLL:
   """Register the library's FFI handlers with XLA for the CPU platform (AttributeError if a symbol is missing)."""
-  f32, bf16 = lib.BsjLinearF32, lib.BsjLinearBF16
-  jax.ffi.register_ffi_target(_TARGETS[np.dtype(np.float32)], jax.ffi.pycapsule(f32), platform="cpu")
-  jax.ffi.register_ffi_target(_TARGETS[np.dtype(jnp.bfloat16)], jax.ffi.pycapsule(bf16), platform="cpu")
+  handlers = {_TARGETS[np.dtype(np.float32)]: lib.BsjLinearF32, _TARGETS[np.dtype(jnp.bfloat16)]: lib.BsjLinearBF16,
+              _STACKED_TARGETS[np.dtype(np.float32)]: lib.BsjLinearStackedF32,
+              _STACKED_TARGETS[np.dtype(jnp.bfloat16)]: lib.BsjLinearStackedBF16}
+  for name, handler in handlers.items():
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
   return lib
 
 
@@ -343,6 +350,30 @@ def _kernel_linear_bwd(res, g_MxN):
 _kernel_linear.defvjp(_kernel_linear_fwd, _kernel_linear_bwd)
 
 
+@jax.custom_vjp
+def _kernel_linear_stacked(x_MxK, w_LxNxK, layer):
+  """float32 [M, N] = x @ w[layer].T from the CPU kernel, reading layer ``layer`` of ``w`` in place."""
+  target = _STACKED_TARGETS[np.dtype(w_LxNxK.dtype)]
+  out = jax.ShapeDtypeStruct((x_MxK.shape[0], w_LxNxK.shape[1]), jnp.float32)
+  return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x_MxK.astype(jnp.float32), w_LxNxK,
+                                                                 jnp.asarray(layer, jnp.int32))
+
+
+def _kernel_linear_stacked_fwd(x_MxK, w_LxNxK, layer):
+  return _kernel_linear_stacked(x_MxK, w_LxNxK, layer), (x_MxK, w_LxNxK, layer)
+
+
+def _kernel_linear_stacked_bwd(res, g_MxN):
+  x_MxK, w_LxNxK, layer = res
+  w_NxK = jax.lax.dynamic_index_in_dim(w_LxNxK, layer, 0, keepdims=False)
+  dx_MxK, dw_NxK = _kernel_linear_bwd((x_MxK, w_NxK), g_MxN)
+  dw_LxNxK = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(w_LxNxK), dw_NxK, layer, 0)
+  return dx_MxK, dw_LxNxK, np.zeros(np.shape(layer), jax.dtypes.float0)
+
+
+_kernel_linear_stacked.defvjp(_kernel_linear_stacked_fwd, _kernel_linear_stacked_bwd)
+
+
 def _under_multidevice_mesh() -> bool:
   get = getattr(jax.sharding, "get_abstract_mesh", None)
   if get is None:
@@ -364,22 +395,32 @@ def _platform(x) -> str:
   return jax.default_backend()
 
 
-def linear(x_MxK: jax.Array, w_NxK: jax.Array, *, impl: str = "auto", dtype=jnp.float32) -> jax.Array:
+def linear(x_MxK: jax.Array, w_NxK: jax.Array, *, impl: str = "auto", dtype=jnp.float32, layer=None) -> jax.Array:
   """``x_MxK @ w_NxK.T`` in ``dtype``; leading dims of ``x`` beyond M are allowed (``[..., T, K] -> [..., T, N]``).
 
   Args:
     x_MxK: activations [..., T, K] (T = ``x.shape[-2]``, the tokens per row of the pass; 1 for a 1-D ``x``).
-    w_NxK: weights [N, K] (out, in).
+    w_NxK: weights [N, K] (out, in); with ``layer``, a stack [L, N, K] of which layer ``layer`` is used.
     impl: "auto", "xla" or "kernel" (see the module docstring).
     dtype: compute / result dtype of the XLA path and result dtype of the kernel path.
+    layer: None, or an int32 scalar (traced inside a loop over layers): the kernel path then reads that layer's
+      [N, K] block of the stack in place (no copy of the weights per iteration); the XLA path slices it.
+      Same numbers as ``linear(x, w[layer])``.
   Raises:
     ValueError: shapes that do not contract, unknown ``impl``, ``impl="kernel"`` with other than f32 / bf16 weights.
     KernelUnavailable: ``impl="kernel"`` and the platform is not CPU or the kernel cannot be built.
   """
   if impl not in IMPLS:
     raise ValueError(f"linear impl must be one of {IMPLS}, got {impl!r}")
-  if w_NxK.ndim != 2 or x_MxK.shape[-1] != w_NxK.shape[1]:
+  if layer is not None:
+    if w_NxK.ndim != 3 or x_MxK.shape[-1] != w_NxK.shape[2]:
+      raise ValueError(f"linear: x {x_MxK.shape} and a stacked w {w_NxK.shape} do not contract (expected x [..., K], "
+                       "w [L, N, K])")
+    w_shape = w_NxK.shape[1:]
+  elif w_NxK.ndim != 2 or x_MxK.shape[-1] != w_NxK.shape[1]:
     raise ValueError(f"linear: x {x_MxK.shape} and w {w_NxK.shape} do not contract (expected x [..., K], w [N, K])")
+  else:
+    w_shape = w_NxK.shape
   lead = x_MxK.shape[:-1]
   rows = int(np.prod(lead, dtype=np.int64))
   tokens = x_MxK.shape[-2] if x_MxK.ndim >= 2 else 1
@@ -398,6 +439,13 @@ def linear(x_MxK: jax.Array, w_NxK: jax.Array, *, impl: str = "auto", dtype=jnp.
     _load()
     use_kernel = rows > 0
   if not use_kernel:
+    if layer is not None:
+      w_NxK = jax.lax.dynamic_index_in_dim(w_NxK, layer, 0, keepdims=False)
+    if impl == "auto" and np.dtype(dtype) == np.dtype(jnp.bfloat16) and _platform(x_MxK) == "cpu":
+      # XLA's CPU GEMM runs bfloat16 at a fraction of its float32 speed (prefill of a bf16 model was 0.68x f32):
+      # widen both operands (exact), multiply-add in float32, round the result to bfloat16 once.
+      return _xla(x_MxK, w_NxK, jnp.float32).astype(dtype)
     return _xla(x_MxK, w_NxK, dtype)
-  y_MxN = _kernel_linear(x_MxK.reshape(rows, x_MxK.shape[-1]), w_NxK)
-  return y_MxN.reshape(*lead, w_NxK.shape[0]).astype(dtype)
+  x_2d = x_MxK.reshape(rows, x_MxK.shape[-1])
+  y_MxN = _kernel_linear(x_2d, w_NxK) if layer is None else _kernel_linear_stacked(x_2d, w_NxK, layer)
+  return y_MxN.reshape(*lead, w_shape[0]).astype(dtype)

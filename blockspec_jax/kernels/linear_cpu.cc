@@ -274,7 +274,45 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// One layer of a stacked weight w [L, N, K] (a decoder whose layers run in a loop): the layer's [N, K] block is
+// read in place, so the loop never copies a layer's weights before streaming them.
+template <ffi::DataType WDT>
+ffi::Error LinearStackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WDT> w,
+                             ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[2] || layer.element_count() != 1) {
+    return ffi::Error::InvalidArgument("blockspec_jax linear: expected x [M, K], w [L, N, K] and a scalar layer");
+  }
+  const int64_t M = xd[0], K = xd[1], L = wd[0], N = wd[1];
+  auto yd = y->dimensions();
+  if (yd.size() != 2 || yd[0] != M || yd[1] != N) {
+    return ffi::Error::InvalidArgument("blockspec_jax linear: expected y [M, N]");
+  }
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) {
+    return ffi::Error::InvalidArgument("blockspec_jax linear: layer index out of range");
+  }
+  Linear(pool, x.typed_data(), w.typed_data() + l * N * K, y->typed_data(), M, N, K);
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BsjLinearStackedF32, LinearStackedImpl<ffi::F32>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BsjLinearStackedBF16, LinearStackedImpl<ffi::BF16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BsjLinearF32, LinearImpl<ffi::F32>,
                               ffi::Ffi::Bind()

@@ -46,6 +46,14 @@ contiguously; see ``blockspec_jax.kernels``)::
     final_norm/scale                      [D]
     lm_head/weight                        [V, D]  (absent when ``tie_embeddings``: logits = x @ embed.T)
 
+Stacked layout (``scan_layers=True``, the decoding jobs' layout): the ``layers_{i}`` subtrees become one ``layers``
+subtree with the same leaves, each stacked over a leading [L] axis (``stack_layers`` / ``unstack_layers`` convert),
+and the layers run as one ``nn.scan`` body: a program holds one copy of the layer instead of L, so compile time
+stops growing with depth. The body indexes every parameter by its (traced) layer; the CPU kernel reads a layer of a
+stacked weight in place, so no weights are copied per iteration; mixed local/global layers look their type up per
+iteration. The numbers are those of the unrolled layout, bit for bit (tests/test_scan_layers.py). Conversion, LoRA
+and training address layers one by one and use the unrolled layout.
+
 Linear layers run through ``blockspec_jax.kernels.linear`` with ``config.matmul`` ("auto": a streaming CPU kernel
 for passes of at most ``KERNEL_MAX_TOKENS`` = 16 tokens per row (decode steps, verify passes), whatever the batch;
 XLA's dot for longer prefill, on GPU/TPU and under multi-device meshes).
@@ -64,12 +72,13 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from blockspec_jax import kernels
 
 __all__ = ["DecoderConfig", "KVCache", "init_cache", "causal_mask", "apply_rotary", "Decoder", "head_logits",
-           "init_params"]
+           "init_params", "stack_layers", "unstack_layers"]
 
 ROPE_STYLES = ("interleaved", "half")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
@@ -106,6 +115,9 @@ class DecoderConfig:
   layer_types: tuple[str, ...] | None = None  # per layer "full" / "sliding"; None = all "full"
   rope_theta_local: float | None = None  # rotary base of "sliding" layers; None = rope_theta
   matmul: str = "auto"  # linear-layer implementation, one of kernels.IMPLS ("auto", "xla", "kernel")
+  # Layers as one loop (lax.scan) over stacked parameters ``layers/...`` [L, ...] instead of L unrolled copies
+  # ``layers_{i}/...``: a program's size and compile time stop growing with depth; same numbers (see stack_layers).
+  scan_layers: bool = False
 
   def __post_init__(self):
     if self.layer_types is not None:
@@ -120,6 +132,8 @@ class DecoderConfig:
     if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
                                             or not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
       raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"scan_layers must be a bool, got {self.scan_layers!r}")
     if self.matmul not in kernels.IMPLS:
       raise ValueError(f"matmul must be one of {kernels.IMPLS}, got {self.matmul!r}")
     if self.mlp_activation not in MLP_ACTIVATIONS:
@@ -200,11 +214,19 @@ def causal_mask(positions_BxT: jax.Array, max_len: int, valid_len_B: jax.Array |
   return mask_BxTxS
 
 
-def apply_rotary(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, theta: float, style: str) -> jax.Array:
-  """Rotary embedding of q or k ([B, T, N, H]) at absolute ``positions_BxT``; angles computed in float32."""
+def rotary_inv_freq(theta: float, head_dim: int) -> jax.Array:
+  """f32 [H/2]: the rotary frequency ``theta^(-2i/H)`` of pair i."""
+  return theta ** (-jnp.arange(head_dim // 2, dtype=jnp.float32) * 2.0 / head_dim)
+
+
+def apply_rotary(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, theta: float, style: str,
+                 inv_freq_P: jax.Array | None = None) -> jax.Array:
+  """Rotary embedding of q or k ([B, T, N, H]) at absolute ``positions_BxT``; angles computed in float32.
+  ``inv_freq_P``: the pairs' frequencies when given (default ``rotary_inv_freq(theta, H)``)."""
   head_dim = x_BxTxNxH.shape[-1]
   half = head_dim // 2
-  inv_freq_P = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / head_dim)  # P = H/2 pairs
+  if inv_freq_P is None:
+    inv_freq_P = rotary_inv_freq(theta, head_dim)  # P = H/2 pairs
   angle_BxTxP = positions_BxT.astype(jnp.float32)[:, :, None] * inv_freq_P[None, None, :]
   cos_BxTx1xP = jnp.cos(angle_BxTxP)[:, :, None, :]
   sin_BxTx1xP = jnp.sin(angle_BxTxP)[:, :, None, :]
@@ -231,16 +253,27 @@ def _write_slots(cache_BxSxKxH: jax.Array, new_BxTxKxH: jax.Array, positions_BxT
   return cache_BxSxKxH.at[rows_Bx1, positions_BxT].set(new_BxTxKxH.astype(cache_BxSxKxH.dtype), mode="drop")
 
 
+def _layer_param(module: nn.Module, name: str, init, shape: tuple, stacked: int | None, layer):
+  """A parameter of one decoder layer: ``shape`` itself, or with ``stacked`` = L a stack ``[L, *shape]`` of which
+  layer ``layer`` (an int32 scalar, traced inside the layer loop) is returned."""
+  if stacked is None:
+    return module.param(name, init, shape, jnp.float32)
+  stack = module.param(name, nn.initializers.zeros, (stacked, *shape), jnp.float32)  # built by stack_layers
+  return jax.lax.dynamic_index_in_dim(stack, layer, 0, keepdims=False)
+
+
 class RMSNorm(nn.Module):
-  """x * rsqrt(mean(x^2) + eps) * scale (or * (1 + scale) with ``plus_one``) over the last axis, in float32."""
+  """x * rsqrt(mean(x^2) + eps) * scale (or * (1 + scale) with ``plus_one``) over the last axis, in float32.
+  ``stacked``: the scale of every layer, [L, D], of which ``layer`` is used."""
   eps: float
   dtype: Any = jnp.float32
   plus_one: bool = False
+  stacked: int | None = None
 
   @nn.compact
-  def __call__(self, x_BxTxD):
+  def __call__(self, x_BxTxD, layer=None):
     init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
-    scale_D = self.param("scale", init, (x_BxTxD.shape[-1],), jnp.float32).astype(jnp.float32)
+    scale_D = _layer_param(self, "scale", init, (x_BxTxD.shape[-1],), self.stacked, layer).astype(jnp.float32)
     if self.plus_one:
       scale_D = 1.0 + scale_D
     x = x_BxTxD.astype(jnp.float32)
@@ -249,45 +282,58 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-  """``x @ weight.T (+ bias)`` with ``weight`` [features, in] (out, in); float32 parameters, ``dtype`` output."""
+  """``x @ weight.T (+ bias)`` with ``weight`` [features, in] (out, in); float32 parameters, ``dtype`` output.
+  ``stacked``: every layer's weight, [L, features, in], of which ``layer`` is used; the CPU kernel reads that layer in
+  place (``kernels.linear(..., layer=)``), so a loop over layers never copies weights."""
   features: int
   use_bias: bool = False
   dtype: Any = jnp.float32
   impl: str = "auto"
+  stacked: int | None = None
 
   @nn.compact
-  def __call__(self, x_BxTxI):
-    weight_FxI = self.param("weight", nn.initializers.lecun_normal(in_axis=-1, out_axis=-2),
-                            (self.features, x_BxTxI.shape[-1]), jnp.float32)
-    y_BxTxF = kernels.linear(x_BxTxI, weight_FxI, impl=self.impl, dtype=self.dtype)
+  def __call__(self, x_BxTxI, layer=None):
+    shape = (self.features, x_BxTxI.shape[-1])
+    if self.stacked is None:
+      weight = self.param("weight", nn.initializers.lecun_normal(in_axis=-1, out_axis=-2), shape, jnp.float32)
+      y_BxTxF = kernels.linear(x_BxTxI, weight, impl=self.impl, dtype=self.dtype)
+    else:  # the whole stack goes to the kernel, which offsets into it by ``layer``
+      weight = self.param("weight", nn.initializers.zeros, (self.stacked, *shape), jnp.float32)
+      y_BxTxF = kernels.linear(x_BxTxI, weight, impl=self.impl, dtype=self.dtype, layer=layer)
     if self.use_bias:
-      bias_F = self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
+      bias_F = _layer_param(self, "bias", nn.initializers.zeros, (self.features,), self.stacked, layer)
       y_BxTxF = y_BxTxF + bias_F.astype(self.dtype).reshape((1,) * (y_BxTxF.ndim - 1) + bias_F.shape)
     return y_BxTxF
 
 
 class Attention(nn.Module):
-  """Grouped-query attention over all S cache slots with an explicit mask; writes the new k/v first."""
+  """Grouped-query attention over all S cache slots with an explicit mask; writes the new k/v first.
+  ``sliding`` (call argument): a local layer (rope_theta_local and the sliding-window mask); a Python bool, or a
+  traced bool when layers run in a loop and their types differ."""
   config: DecoderConfig
-  sliding: bool = False  # local layer: rope_theta_local and the sliding-window mask
+  stacked: int | None = None
 
   @nn.compact
-  def __call__(self, x_BxTxD, positions_BxT, slots_BxT, k_BxSxKxH, v_BxSxKxH, attn_mask_BxTxS):
+  def __call__(self, x_BxTxD, positions_BxT, slots_BxT, k_BxSxKxH, v_BxSxKxH, attn_mask_BxTxS, sliding=False,
+               layer=None):
     cfg = self.config
     b, t, _ = x_BxTxD.shape
     n, kh, h, g = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.group_size
-    dense = lambda feats, name, bias: Linear(feats, bias, cfg.dtype, cfg.matmul, name=name)
-    q_BxTxNxH = dense(n * h, "q", cfg.qkv_bias)(x_BxTxD).reshape(b, t, n, h)
-    k_BxTxKxH = dense(kh * h, "k", cfg.qkv_bias)(x_BxTxD).reshape(b, t, kh, h)
-    v_BxTxKxH = dense(kh * h, "v", cfg.qkv_bias)(x_BxTxD).reshape(b, t, kh, h)
+    dense = lambda feats, name, bias: Linear(feats, bias, cfg.dtype, cfg.matmul, self.stacked, name=name)
+    q_BxTxNxH = dense(n * h, "q", cfg.qkv_bias)(x_BxTxD, layer).reshape(b, t, n, h)
+    k_BxTxKxH = dense(kh * h, "k", cfg.qkv_bias)(x_BxTxD, layer).reshape(b, t, kh, h)
+    v_BxTxKxH = dense(kh * h, "v", cfg.qkv_bias)(x_BxTxD, layer).reshape(b, t, kh, h)
     if cfg.qk_norm:
-      q_BxTxNxH = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.norm_plus_one, name="q_norm")(q_BxTxNxH)
-      k_BxTxKxH = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.norm_plus_one, name="k_norm")(k_BxTxKxH)
-    theta = cfg.rope_theta
-    if self.sliding and cfg.rope_theta_local is not None:
+      q_BxTxNxH = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.norm_plus_one, self.stacked, name="q_norm")(q_BxTxNxH, layer)
+      k_BxTxKxH = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.norm_plus_one, self.stacked, name="k_norm")(k_BxTxKxH, layer)
+    theta, inv_freq_P = cfg.rope_theta, None
+    if cfg.rope_theta_local is not None and not isinstance(sliding, bool):  # per layer, inside the layer loop
+      # Both constant tables, then a choice: the frequencies of the unrolled layers, exactly.
+      inv_freq_P = jnp.where(sliding, rotary_inv_freq(cfg.rope_theta_local, h), rotary_inv_freq(cfg.rope_theta, h))
+    elif cfg.rope_theta_local is not None and sliding:
       theta = cfg.rope_theta_local
-    q_BxTxNxH = apply_rotary(q_BxTxNxH, positions_BxT, theta, cfg.rope_style)
-    k_BxTxKxH = apply_rotary(k_BxTxKxH, positions_BxT, theta, cfg.rope_style)
+    q_BxTxNxH = apply_rotary(q_BxTxNxH, positions_BxT, theta, cfg.rope_style, inv_freq_P)
+    k_BxTxKxH = apply_rotary(k_BxTxKxH, positions_BxT, theta, cfg.rope_style, inv_freq_P)
 
     k_BxSxKxH = _write_slots(k_BxSxKxH, k_BxTxKxH, slots_BxT)
     v_BxSxKxH = _write_slots(v_BxSxKxH, v_BxTxKxH, slots_BxT)
@@ -296,59 +342,79 @@ class Attention(nn.Module):
     q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, kh, g, h)  # query head n = kv head (n // g), as in HF repeat_kv
     scores_BxKxGxTxS = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH.astype(jnp.float32),
                                   k_BxSxKxH.astype(jnp.float32)) * scale
-    if self.sliding:
+    if not isinstance(sliding, bool) or sliding:
       slots_S = jnp.arange(k_BxSxKxH.shape[1], dtype=jnp.int32)
-      attn_mask_BxTxS = attn_mask_BxTxS & (positions_BxT[:, :, None] - slots_S[None, None, :] < cfg.sliding_window)
+      window_BxTxS = positions_BxT[:, :, None] - slots_S[None, None, :] < cfg.sliding_window
+      attn_mask_BxTxS = attn_mask_BxTxS & (window_BxTxS if isinstance(sliding, bool) else (window_BxTxS | ~sliding))
     mask_Bx1x1xTxS = attn_mask_BxTxS[:, None, None, :, :]
     scores_BxKxGxTxS = jnp.where(mask_Bx1x1xTxS, scores_BxKxGxTxS, _MASK_VALUE)
     probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1)
     # A fully masked query row attends to nothing (zero output) instead of averaging every slot.
     probs_BxKxGxTxS = jnp.where(mask_Bx1x1xTxS, probs_BxKxGxTxS, 0.0)
     out_BxTxKxGxH = jnp.einsum("bkgts,bskh->btkgh", probs_BxKxGxTxS, v_BxSxKxH.astype(jnp.float32))
-    out_BxTxD = dense(cfg.d_model, "o", False)(out_BxTxKxGxH.reshape(b, t, n * h).astype(cfg.dtype))
+    out_BxTxD = dense(cfg.d_model, "o", False)(out_BxTxKxGxH.reshape(b, t, n * h).astype(cfg.dtype), layer)
     return out_BxTxD, k_BxSxKxH, v_BxSxKxH
 
 
 class MLP(nn.Module):
   """SwiGLU: down(silu(gate(x)) * up(x)); GeGLU (tanh-approximated gelu) with ``mlp_activation="gelu_tanh"``."""
   config: DecoderConfig
+  stacked: int | None = None
 
   @nn.compact
-  def __call__(self, x_BxTxD, delta_BxTxF=None):
+  def __call__(self, x_BxTxD, delta_BxTxF=None, layer=None):
     cfg = self.config
-    dense = lambda feats, name: Linear(feats, False, cfg.dtype, cfg.matmul, name=name)
-    gate_BxTxF = dense(cfg.ffn_dim, "gate")(x_BxTxD)
-    up_BxTxF = dense(cfg.ffn_dim, "up")(x_BxTxD)
+    dense = lambda feats, name: Linear(feats, False, cfg.dtype, cfg.matmul, self.stacked, name=name)
+    gate_BxTxF = dense(cfg.ffn_dim, "gate")(x_BxTxD, layer)
+    up_BxTxF = dense(cfg.ffn_dim, "up")(x_BxTxD, layer)
     if delta_BxTxF is not None:  # steering bias inside the MLP (SD²); skipped entirely when absent
       up_BxTxF = up_BxTxF + delta_BxTxF.astype(up_BxTxF.dtype)
     if cfg.mlp_activation == "gelu_tanh":
       act_BxTxF = jax.nn.gelu(gate_BxTxF, approximate=True)
     else:
       act_BxTxF = nn.silu(gate_BxTxF)
-    return dense(cfg.d_model, "down")(act_BxTxF * up_BxTxF)
+    return dense(cfg.d_model, "down")(act_BxTxF * up_BxTxF, layer)
 
 
 class Block(nn.Module):
-  """Pre-norm transformer layer (with ``post_norms``, the sublayer outputs are normalised too)."""
+  """Pre-norm transformer layer (with ``post_norms``, the sublayer outputs are normalised too), in the form of a
+  loop body so that one definition serves both layouts::
+
+      (x_BxTxD, k_LxBxSxKxH, v_LxBxSxKxH), x_out = Block(config)(carry, (layer, mlp_delta_BxTxF), positions, slots, mask)
+
+  ``layer``: this layer's index, a Python int for the unrolled layout (parameters ``layers_{i}``), a traced int32
+  inside ``nn.scan`` for the stacked one (``stacked`` = L, parameters ``layers`` [L, ...] indexed by it). The layer
+  reads and writes its own slice ``layer`` of the caches. ``x_out`` is the residual stream after the layer when
+  ``collect`` (taps), else None."""
   config: DecoderConfig
-  sliding: bool = False
+  stacked: int | None = None
+  collect: bool = False
 
   @nn.compact
-  def __call__(self, x_BxTxD, positions_BxT, slots_BxT, k_BxSxKxH, v_BxSxKxH, attn_mask_BxTxS, mlp_delta_BxTxF=None):
+  def __call__(self, carry, xs, positions_BxT, slots_BxT, attn_mask_BxTxS):
     cfg = self.config
-    norm = lambda name: RMSNorm(cfg.rms_eps, cfg.dtype, cfg.norm_plus_one, name=name)
-    h_BxTxD = norm("attn_norm")(x_BxTxD)
-    attn_BxTxD, k_BxSxKxH, v_BxSxKxH = Attention(cfg, self.sliding, name="attn")(
-        h_BxTxD, positions_BxT, slots_BxT, k_BxSxKxH, v_BxSxKxH, attn_mask_BxTxS)
+    x_BxTxD, k_LxBxSxKxH, v_LxBxSxKxH = carry
+    layer, mlp_delta_BxTxF = xs
+    if isinstance(layer, int):
+      sliding = cfg.layer_type(layer) == "sliding"
+    elif cfg.layer_types is None or len(set(cfg.layer_types)) == 1:
+      sliding = cfg.layer_type(0) == "sliding"
+    else:  # mixed local and global layers inside the loop: the type is looked up per iteration
+      sliding = jnp.asarray([t == "sliding" for t in cfg.layer_types])[layer]
+    norm = lambda name: RMSNorm(cfg.rms_eps, cfg.dtype, cfg.norm_plus_one, self.stacked, name=name)
+    h_BxTxD = norm("attn_norm")(x_BxTxD, layer)
+    attn_BxTxD, k_BxSxKxH, v_BxSxKxH = Attention(cfg, self.stacked, name="attn")(
+        h_BxTxD, positions_BxT, slots_BxT, k_LxBxSxKxH[layer], v_LxBxSxKxH[layer], attn_mask_BxTxS, sliding, layer)
     if cfg.post_norms:
-      attn_BxTxD = norm("post_attn_norm")(attn_BxTxD)
+      attn_BxTxD = norm("post_attn_norm")(attn_BxTxD, layer)
     x_BxTxD = x_BxTxD + attn_BxTxD
-    h_BxTxD = norm("mlp_norm")(x_BxTxD)
-    mlp_BxTxD = MLP(cfg, name="mlp")(h_BxTxD, mlp_delta_BxTxF)
+    h_BxTxD = norm("mlp_norm")(x_BxTxD, layer)
+    mlp_BxTxD = MLP(cfg, self.stacked, name="mlp")(h_BxTxD, mlp_delta_BxTxF, layer)
     if cfg.post_norms:
-      mlp_BxTxD = norm("post_mlp_norm")(mlp_BxTxD)
+      mlp_BxTxD = norm("post_mlp_norm")(mlp_BxTxD, layer)
     x_BxTxD = x_BxTxD + mlp_BxTxD
-    return x_BxTxD, k_BxSxKxH, v_BxSxKxH
+    carry = (x_BxTxD, k_LxBxSxKxH.at[layer].set(k_BxSxKxH), v_LxBxSxKxH.at[layer].set(v_BxSxKxH))
+    return carry, (x_BxTxD if self.collect else None)
 
 
 class Decoder(nn.Module):
@@ -393,16 +459,26 @@ class Decoder(nn.Module):
     x_BxTxD = embed(tokens_BxT)
     if cfg.embed_scale:
       x_BxTxD = x_BxTxD * jnp.asarray(cfg.d_model ** 0.5, dtype=x_BxTxD.dtype)
-    k_LxBxSxKxH, v_LxBxSxKxH = cache.k_LxBxSxKxH, cache.v_LxBxSxKxH
+    carry = (x_BxTxD, cache.k_LxBxSxKxH, cache.v_LxBxSxKxH)
     taps = {}
-    for i in range(cfg.num_layers):
-      delta_BxTxF = None if mlp_delta_LxBxTxF is None else mlp_delta_LxBxTxF[i]
-      x_BxTxD, k_BxSxKxH, v_BxSxKxH = Block(cfg, cfg.layer_type(i) == "sliding", name=f"layers_{i}")(
-          x_BxTxD, positions_BxT, slots_BxT, k_LxBxSxKxH[i], v_LxBxSxKxH[i], attn_mask_BxTxS, delta_BxTxF)
-      k_LxBxSxKxH = k_LxBxSxKxH.at[i].set(k_BxSxKxH)
-      v_LxBxSxKxH = v_LxBxSxKxH.at[i].set(v_BxSxKxH)
-      if i in tap_layers:
-        taps[i] = x_BxTxD
+    if cfg.scan_layers:  # one loop body over the stacked parameters: compiled once, whatever the depth
+      if self.is_initializing():
+        raise ValueError("a scan_layers decoder's parameters are the unrolled ones stacked: build them with "
+                         "init_params(config, seed) or stack_layers(params, num_layers)")
+      layers = nn.scan(Block, variable_broadcast="params", split_rngs={"params": False},
+                       in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.num_layers)(
+                           cfg, stacked=cfg.num_layers, collect=bool(tap_layers), name="layers")
+      xs = (jnp.arange(cfg.num_layers, dtype=jnp.int32), mlp_delta_LxBxTxF)
+      carry, x_LxBxTxD = layers(carry, xs, positions_BxT, slots_BxT, attn_mask_BxTxS)
+      taps = {i: x_LxBxTxD[i] for i in tap_layers}
+    else:
+      for i in range(cfg.num_layers):
+        delta_BxTxF = None if mlp_delta_LxBxTxF is None else mlp_delta_LxBxTxF[i]
+        carry, x_BxTxD = Block(cfg, collect=i in tap_layers, name=f"layers_{i}")(
+            carry, (i, delta_BxTxF), positions_BxT, slots_BxT, attn_mask_BxTxS)
+        if i in tap_layers:
+          taps[i] = x_BxTxD
+    x_BxTxD, k_LxBxSxKxH, v_LxBxSxKxH = carry
     hidden_BxTxD = RMSNorm(cfg.rms_eps, cfg.dtype, cfg.norm_plus_one, name="final_norm")(x_BxTxD)
     if cfg.tie_embeddings:  # the embedding table [V, D] is already an (out, in) weight
       logits_BxTxV = kernels.linear(hidden_BxTxD, embed.embedding, impl=cfg.matmul, dtype=cfg.dtype)
@@ -427,7 +503,56 @@ def head_logits(config: DecoderConfig, params, hidden_BxTxD: jax.Array) -> jax.A
 
 def init_params(config: DecoderConfig, seed: int):
   """Random parameters of ``Decoder(config)`` (Flax's own initialisers, ``key(seed)``): the ``params`` collection.
-  Tiny random models for tests and smoke jobs; real weights come from :mod:`blockspec_jax.models.hub`."""
+  Tiny random models for tests and smoke jobs; real weights come from :mod:`blockspec_jax.models.hub`. A
+  ``scan_layers`` config gets the unrolled layout's parameters, stacked (:func:`stack_layers`): the same model."""
+  if config.scan_layers:
+    return stack_layers(init_params(dataclasses.replace(config, scan_layers=False), seed), config.num_layers)
   tokens_1x1 = jnp.zeros((1, 1), jnp.int32)
   return Decoder(config).init(jax.random.key(seed), tokens_1x1, tokens_1x1, init_cache(config, 1, 4),
                               causal_mask(tokens_1x1, 4))["params"]
+
+
+def stack_layers(params: dict, num_layers: int, consume: bool = False) -> dict:
+  """The unrolled layout (``layers_{i}/...``) → the stacked one (``layers/...``, each leaf ``[L, ...]``) that a
+  ``scan_layers`` decoder reads; other entries are kept. ``consume``: pop each layer's leaves from ``params`` (a
+  mutable dict) as they are stacked, so a large model is never held twice (at most one group of leaves extra)."""
+  names = [f"layers_{i}" for i in range(num_layers)]
+  missing = [n for n in names if n not in params]
+  if missing or "layers" in params:
+    raise ValueError(f"stack_layers: expected layers_0..layers_{num_layers - 1} and no 'layers' entry; missing "
+                     f"{missing[:3]}{' and more' if len(missing) > 3 else ''}")
+  source = params if consume else {n: params[n] for n in names}
+  paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(source[names[0]])[0]]
+  stacked = {}
+  for path in paths:
+    keys = [k.key for k in path]
+    leaves = []
+    for n in names:
+      node = source[n]
+      for k in keys[:-1]:
+        node = node[k]
+      leaves.append(node.pop(keys[-1]) if consume else node[keys[-1]])
+    node = stacked
+    for k in keys[:-1]:
+      node = node.setdefault(k, {})
+    host = all(isinstance(leaf, np.ndarray) for leaf in leaves)  # host arrays stay on the host until put
+    node[keys[-1]] = np.stack(leaves) if host else jnp.stack(leaves)
+    del leaves
+  out = {k: v for k, v in params.items() if k not in names}
+  if consume:
+    for n in names:
+      params.pop(n)
+  out["layers"] = stacked
+  return out
+
+
+def unstack_layers(params: dict) -> dict:
+  """The stacked layout (``layers/...`` [L, ...]) → the unrolled one (``layers_{i}/...``); other entries kept."""
+  if "layers" not in params:
+    raise ValueError("unstack_layers: no stacked 'layers' entry")
+  stacked = params["layers"]
+  num_layers = jax.tree_util.tree_leaves(stacked)[0].shape[0]
+  out = {k: v for k, v in params.items() if k != "layers"}
+  for i in range(num_layers):
+    out[f"layers_{i}"] = jax.tree.map(lambda a, i=i: a[i], stacked)
+  return out

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from blockspec_jax.models import gguf_convert, hf_convert, registry
-from blockspec_jax.models.decoder import DecoderConfig
+from blockspec_jax.models.decoder import DecoderConfig, stack_layers
 from blockspec_jax.models.tokenizer import TokenizerWrapper, tokenizer_from_gguf
 
 __all__ = ["LoadedModel", "LocalSource", "load_model", "converted_cache_path"]
@@ -198,7 +198,7 @@ def _try_load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str):
 
 
 def load_model(name: str | os.PathLike, dtype: str = "float32", cache_dir: os.PathLike | str | None = None,
-               progress: bool = True) -> LoadedModel:
+               progress: bool = True, scan_layers: bool = False) -> LoadedModel:
   """Load registry model ``name`` (fetched once, converted once), or the checkpoint at path ``name``, with
   parameters in ``dtype``.
 
@@ -211,6 +211,10 @@ def load_model(name: str | os.PathLike, dtype: str = "float32", cache_dir: os.Pa
       ~/.cache/blockspec_jax); holds the GGUF and ``converted/<name>.<dtype>.npz`` (``local-gguf-<sha>`` for a
       GGUF path).
     progress: progress bars while fetching and converting.
+    scan_layers: the decoding layout: layers stacked (``decoder.stack_layers``, ``config.scan_layers``), so every
+      program compiles one layer body instead of L copies. The default is the unrolled layout (``layers_{i}``) that
+      conversion, LoRA and the training code address layer by layer. Stacking happens on the host arrays before
+      they move to the device, one group of leaves at a time.
   Returns:
     LoadedModel; ``.spec`` is the registry ModelSpec, or a LocalSource whose ``name`` is the absolute path.
   Raises:
@@ -225,7 +229,8 @@ def load_model(name: str | os.PathLike, dtype: str = "float32", cache_dir: os.Pa
   if dtype not in _DTYPE_NAMES:
     raise ValueError(f"dtype must be one of {tuple(_DTYPE_NAMES)}, got {dtype!r}")
   if isinstance(spec, LocalSource) and spec.kind == "hf":
-    return _load_hf_dir(spec, dtype, progress)
+    model = _load_hf_dir(spec, dtype, progress)
+    return scanned(model, consume=True) if scan_layers else model
   if isinstance(spec, registry.ModelSpec) and spec.arch not in gguf_convert.SUPPORTED_ARCHS:
     gguf_convert.config_from_gguf({}, spec.arch)  # raises NotImplementedError naming what Decoder lacks
   name = spec.name
@@ -255,8 +260,23 @@ def load_model(name: str | os.PathLike, dtype: str = "float32", cache_dir: os.Pa
         loaded = config, params_np, tokenizer
   config, params, tokenizer = loaded
   del loaded
+  if scan_layers:
+    params["params"] = stack_layers(params["params"], config.num_layers, consume=True)
+    config = dataclasses.replace(config, scan_layers=True)
   _device_put_in_place(params)
   return LoadedModel(config=config, params=params, tokenizer=tokenizer, spec=spec)
+
+
+def scanned(model: LoadedModel, consume: bool = False) -> LoadedModel:
+  """``model`` in the decoding layout (layers stacked, ``config.scan_layers``; the same model, bit for bit).
+  ``consume``: take the layers out of ``model``'s own parameter dict while stacking (no second copy; only for a model
+  nothing else holds)."""
+  if model.config.scan_layers:
+    return model
+  tree = model.params["params"] if consume else dict(model.params["params"])
+  params = stack_layers(tree, model.config.num_layers, consume=consume)
+  return dataclasses.replace(model, config=dataclasses.replace(model.config, scan_layers=True),
+                             params={"params": params})
 
 
 def _device_put_in_place(tree: dict) -> None:

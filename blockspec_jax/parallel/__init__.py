@@ -66,7 +66,11 @@ def _divisible(size: int, mesh: Mesh, axis: str) -> bool:
 
 
 def param_spec(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
-  """Partition spec of one parameter from its path in the decoder's tree (see the module docstring)."""
+  """Partition spec of one parameter from its path in the decoder's tree (see the module docstring). A leaf of the
+  stacked layout (``layers/...`` [L, ...], ``scan_layers``) is split as its one-layer counterpart, never over L."""
+  if path and path[0] == "layers" and len(shape) >= 1:
+    inner = param_spec(path[1:], shape[1:], mesh)
+    return P(None, *inner) if len(inner) else P()
   name = "/".join(path)
   leaf = path[-1] if path else ""
 
