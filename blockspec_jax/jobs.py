@@ -9,7 +9,9 @@ benchmarks import these helpers from here, so no job imports another.
 * JAX's persistent compilation cache (:func:`enable_compilation_cache`), peak memory (:func:`peak_rss_gb`), and the
   release of compiled programs before a long-lived process runs out of memory mappings
   (:func:`release_programs_if_near_map_limit`);
-* a command-line wrapper that turns a user's mistake into one line instead of a traceback (:func:`cli_errors`).
+* a command-line wrapper that turns a user's mistake into one line instead of a traceback (:func:`cli_errors`);
+* the gin command line of every job (:func:`gin_parser`, :func:`gin_main`), and :func:`argparse_gin_job`, which makes
+  an argparse command a gin job with the parser's own settings and defaults (one definition of both).
 """
 
 from __future__ import annotations
@@ -36,8 +38,12 @@ __all__ = ["METHODS", "AUTOREGRESSIVE", "known_methods", "parse_method", "build_
            "method_gamma", "compiling", "enable_compilation_cache", "COMPILE_CACHE_ENV_VAR", "peak_rss_gb",
            "mapped_regions", "max_mapped_regions", "release_programs_if_near_map_limit", "cli_errors",
            "join_multihost_from_env", "is_main_process", "add_gin_search_path", "bound_jobs", "MULTIHOST_ENV_VAR",
-           "gin_parser", "gin_main", "write_report", "backend_compiles"]
+           "gin_parser", "gin_main", "write_report", "backend_compiles", "DEFAULT_TARGET", "DEFAULT_DRAFTER",
+           "argparse_gin_job", "argv_from_settings"]
 
+#: The pair every job decodes with unless told otherwise (one definition for the gin jobs and the command lines).
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
 AUTOREGRESSIVE = "autoregressive"
 METHODS = (AUTOREGRESSIVE, "token", "block")  # the main job's default comparison
 COMPILE_CACHE_ENV_VAR = "BLOCKSPEC_JAX_COMPILE_CACHE"
@@ -170,17 +176,19 @@ def trained_drafter_spec(entry) -> tuple[str, dict] | None:
   return kind, settings
 
 
-def load_model(name, dtype: str = "float32", cache_dir=None, progress: bool = True):
+def load_model(name, dtype: str = "float32", cache_dir=None, progress: bool = True, scan_layers: bool = False):
   """A model for a job: a registry name or checkpoint path (:func:`blockspec_jax.models.hub.load_model`), or the work
   directory of a drafter training run (``python -m blockspec_jax.train``; it holds ``drafter.json``): its newest
   checkpoint, ``<dir>@<step>`` for another kept step, ``<dir>@init`` for the drafter before training
-  (:func:`blockspec_jax.train.recipe.load_trained`)."""
+  (:func:`blockspec_jax.train.recipe.load_trained`). ``scan_layers``: the decoding layout, layers stacked and
+  compiled once (``hub.scanned``); decoding jobs ask for it, training jobs keep the per-layer layout."""
+  from blockspec_jax.models import hub
   trained = _trained_spec(name)
   if trained is not None:
     from blockspec_jax.train import recipe
-    return recipe.load_trained(trained[0], trained[1], dtype, cache_dir, progress=progress)
-  from blockspec_jax.models import hub
-  return hub.load_model(name, dtype, cache_dir, progress=progress)
+    model = recipe.load_trained(trained[0], trained[1], dtype, cache_dir, progress=progress)
+    return hub.scanned(model) if scan_layers else model
+  return hub.load_model(name, dtype, cache_dir, progress=progress, scan_layers=scan_layers)
 
 
 def drafter_labels(names) -> list[str]:
@@ -268,12 +276,14 @@ def check_cache_room(prompt_width: int, max_new_tokens: int, draft_nodes: int, *
   return needed
 
 
-def load_models(target: str, drafters: Sequence[str], dtype: str = "float32", cache_dir=None):
-  """The target and each drafter (``hub.LoadedModel``, via :func:`load_model`), every drafter checked against the
-  target (:func:`check_pair`); returns ``(target_model, [drafter_model, …], seconds)``."""
+def load_models(target: str, drafters: Sequence[str], dtype: str = "float32", cache_dir=None,
+                scan_layers: bool = True):
+  """The target and each drafter (``hub.LoadedModel``, via :func:`load_model`; by default in the decoding layout,
+  layers compiled once), every drafter checked against the target (:func:`check_pair`); returns ``(target_model,
+  [drafter_model, …], seconds)``."""
   start = time.perf_counter()
-  target_model = load_model(target, dtype, cache_dir)
-  drafter_models = [load_model(d, dtype, cache_dir) for d in drafters]
+  target_model = load_model(target, dtype, cache_dir, scan_layers=scan_layers)
+  drafter_models = [load_model(d, dtype, cache_dir, scan_layers=scan_layers) for d in drafters]
   for drafter_model in drafter_models:
     check_pair(target_model, drafter_model)
   return target_model, drafter_models, time.perf_counter() - start
@@ -541,7 +551,9 @@ def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tok
 
   Prefill and decode phase are compiled and timed apart (each ends in ``block_until_ready``): ``wall_s`` is their
   sum, ``prefill_s`` the prompt forwards (target, and drafter for speculative methods), ``decode_s`` the loop, which
-  is the phase the ideal speedup BE / (1 + γ·c) describes. The first prompt is run once untimed to compile.
+  is the phase the ideal speedup BE / (1 + γ·c) describes. Before the timed prompts, the first prompt's prefill runs
+  once untimed and the decode program is compiled on a finished state (no loop iteration), so compiling costs no
+  extra decode.
   ``temperature``, ``top_k`` and ``top_p`` make the sampler both models decode with (``sampling.Sampler``).
   ``warm``: a previous call compiled the same programs (same method, γ, sampler, width and models), so the untimed
   first run is skipped (a suite's later categories).
@@ -557,12 +569,16 @@ def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tok
   padded = [(ids + [0] * (width - len(ids))) for ids in prompt_ids]
   key = jax.random.key(seed)
 
-  def one(keys, row, length):
-    """One prompt: (output, prefill seconds, decode seconds, programs compiled inside the two timed calls)."""
+  def one(keys, row, length, compile_only=False):
+    """One prompt: (output, prefill seconds, decode seconds, programs compiled inside the two timed calls).
+    ``compile_only``: the decode phase starts from a state whose rows are all finished, so it compiles the very
+    program the timed prompts run (same shapes, same static arguments) but its loop runs no iteration."""
     tokens, lens = np.asarray([row], np.int32), np.asarray([length], np.int32)
     compiled = backend_compiles()
     start = time.perf_counter()
     state = jax.block_until_ready(prefill(tokens, lens))
+    if compile_only:
+      state = state.replace(done_B=np.ones(state.done_B.shape, bool))
     middle = time.perf_counter()
     out = jax.block_until_ready(decode(keys, state))
     end = time.perf_counter()
@@ -572,7 +588,8 @@ def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tok
                                                f", γ = {method_gamma(method.partition('@')[0], gamma, verifier_settings)}") + ")"
   if not warm:
     with compiling(label):
-      one(jax.random.split(key, 1), padded[0], len(prompt_ids[0]))  # compile both phases once per method and T
+      # Compile both phases once per method and T: one prompt's prefill, and the decode loop with no iteration.
+      one(jax.random.split(key, 1), padded[0], len(prompt_ids[0]), compile_only=True)
   prefill_s, decode_s, tokens, calls, outputs, metrics, extras = 0.0, 0.0, 0, 0, [], [], []
   compiles = 0
   for i, (row, ids) in enumerate(zip(padded, prompt_ids)):
@@ -651,6 +668,62 @@ def gin_main(prog: str, description: str, job, argv=None) -> int:
     gin.parse_config_files_and_bindings(args.gin_file, args.gin_param)
     job()
   return 0
+
+
+def _gin_options(parser) -> dict:
+  """The options of an argparse ``parser`` a gin job exposes: every visible option by its ``dest``."""
+  import argparse
+  return {a.dest: a for a in parser._actions
+          if a.option_strings and a.dest != "help" and a.help != argparse.SUPPRESS}
+
+
+def argv_from_settings(parser, settings: dict) -> list[str]:
+  """The command line that gives ``parser`` the option values ``settings`` (``dest`` -> value): a flag for a
+  ``store_true`` option bound True, the items of a sequence as separate words for ``nargs`` options and joined with
+  commas otherwise (the comma-separated lists of our commands), ``str(value)`` for the rest; None leaves an option
+  at its default. Unknown names are a :class:`UsageError` listing the known ones."""
+  import argparse
+  options = _gin_options(parser)
+  unknown = sorted(set(settings) - set(options))
+  if unknown:
+    raise UsageError(f"{parser.prog}: unknown settings {unknown}; known: {', '.join(options)}")
+  argv = []
+  for dest, value in settings.items():
+    action = options[dest]
+    flag = action.option_strings[-1]
+    if value is None:
+      continue
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+      if not isinstance(value, bool):
+        raise UsageError(f"{parser.prog}: {dest} is a switch; bind True or False, got {value!r}")
+      if value != action.default:
+        argv.append(flag)
+    elif action.nargs not in (None, "?"):
+      argv += [flag, *map(str, value if isinstance(value, (list, tuple)) else [value])]
+    else:
+      argv += [flag, ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)]
+  return argv
+
+
+def argparse_gin_job(name: str, build_parser, main):
+  """Register the argparse command ``main(argv)`` (options from ``build_parser()``) as the gin job ``name``.
+
+  Its settings are the parser's options by ``dest`` (``paired.num_prompts = 12``, ``bench_peer.gammas = (2, 4)``)
+  and their defaults are the parser's, so the command line and the gin job share one definition of both. Calling the
+  configurable turns the bound settings back into a command line (:func:`argv_from_settings`) and runs ``main``, so
+  the command's own checks and derived defaults apply unchanged; it returns what ``main`` returns."""
+  import inspect
+  import gin
+  options = _gin_options(build_parser())
+
+  def job(**settings):
+    return main(argv_from_settings(build_parser(), settings))
+
+  job.__name__ = job.__qualname__ = name
+  job.__doc__ = f"The gin job of ``{build_parser().prog}``: one keyword per option (its dest), the parser's defaults."
+  job.__signature__ = inspect.Signature([inspect.Parameter(dest, inspect.Parameter.KEYWORD_ONLY, default=None)
+                                         for dest in options])
+  return gin.configurable(name)(job)
 
 
 def add_gin_search_path() -> None:

@@ -4,11 +4,13 @@
     python -m blockspec_jax.main --gin_file gin/train/distill_smoke.gin [--workdir DIR]
 
 The job is the one whose settings the gin files bind (``JOBS``: the main job ``run_job``, the evaluation suites
-``suite``, the benchmarks ``bench_lossy`` and ``bench_startup``, the theory report ``theory_report``, and the
-training jobs ``distill_job``, ``sprinter_job``, ``heads_job``, ``steer_job``, which also take ``--workdir``). Gin
-files compose with ``include``; bindings of two different jobs are refused. Each job's own command (``python -m
-blockspec_jax.run``, ``python -m blockspec_jax.eval.suite``, ``python -m blockspec_jax.train``, …) does the same for
-its job alone.
+``suite``, the benchmarks ``bench_lossy`` and ``bench_startup``, the theory report ``theory_report``; the training
+jobs ``distill_job``, ``sprinter_job``, ``heads_job``, ``steer_job``, which also take ``--workdir``; and the
+argparse commands ``ARGPARSE_JOBS`` (``paired``, ``bench_decode``, ``bench_peer``, ``bench_trees``,
+``bench_verify``, ``build_prompts``), whose gin settings are their options by dest with the parser's defaults,
+e.g. ``paired.num_prompts = 24``). Gin files compose with ``include``; bindings of two different jobs are refused.
+Each job's own command (``python -m blockspec_jax.run``, ``python -m blockspec_jax.eval.suite``, ``python -m
+blockspec_jax.train``, ``python -m blockspec_jax.eval.paired --num-prompts 24``, …) does the same for its job alone.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import gin
 
 from blockspec_jax import jobs
 
-__all__ = ["JOBS", "TRAINING_JOBS", "configured_job", "main"]
+__all__ = ["JOBS", "TRAINING_JOBS", "ARGPARSE_JOBS", "configured_job", "main"]
 
 #: gin name of each job -> the module whose ``main(argv)`` runs it (and whose import registers its settings).
 JOBS = {
@@ -33,6 +35,25 @@ JOBS = {
 #: Training jobs: run by the training entry point (``--workdir``, checkpoints, metrics).
 TRAINING_JOBS = ("distill_job", "sprinter_job", "heads_job", "steer_job")
 TRAINING_MODULE = "blockspec_jax.train.__main__"
+#: Commands with an argparse command line -> their module (``build_parser()`` and ``main(argv)``): gin jobs made by
+#: ``jobs.argparse_gin_job`` when this entry point registers them, so the library modules never import gin.
+ARGPARSE_JOBS = {
+    "paired": "blockspec_jax.eval.paired",
+    "bench_decode": "blockspec_jax.eval.bench_decode",
+    "bench_peer": "blockspec_jax.eval.bench_peer",
+    "bench_trees": "blockspec_jax.eval.bench_trees",
+    "bench_verify": "blockspec_jax.eval.bench_verify",
+    "build_prompts": "blockspec_jax.eval.prompts",
+}
+_ARGPARSE_CONFIGURABLES: dict = {}
+
+
+def argparse_job(name: str):
+  """The gin configurable of the argparse command ``name`` (registered once per process)."""
+  if name not in _ARGPARSE_CONFIGURABLES:
+    module = importlib.import_module(ARGPARSE_JOBS[name])
+    _ARGPARSE_CONFIGURABLES[name] = jobs.argparse_gin_job(name, module.build_parser, lambda argv: module.main(argv))
+  return _ARGPARSE_CONFIGURABLES[name]
 
 
 def _register_all() -> None:
@@ -40,13 +61,16 @@ def _register_all() -> None:
   for module in JOBS.values():
     importlib.import_module(module)
   importlib.import_module(TRAINING_MODULE)._jobs()
+  for name in ARGPARSE_JOBS:
+    argparse_job(name)
 
 
 def configured_job() -> str:
   """The name of the one job the parsed gin configuration binds; a UsageError for none or several."""
-  configured = jobs.bound_jobs((*JOBS, *TRAINING_JOBS))
+  names = (*JOBS, *TRAINING_JOBS, *ARGPARSE_JOBS)
+  configured = jobs.bound_jobs(names)
   if not configured:
-    raise jobs.UsageError(f"the gin files bind no job's settings; bind one of {', '.join((*JOBS, *TRAINING_JOBS))} "
+    raise jobs.UsageError(f"the gin files bind no job's settings; bind one of {', '.join(names)} "
                           "(e.g. --gin_file gin/eval/smoke.gin)")
   if len(configured) > 1:
     raise jobs.UsageError(f"the gin files configure {' and '.join(configured)}; a run runs one job")
@@ -65,6 +89,10 @@ def main(argv=None) -> int:
     name = configured_job()
     if args.workdir and name not in TRAINING_JOBS:
       raise jobs.UsageError(f"--workdir is for training jobs; {name} writes where its own settings say")
+    if name in ARGPARSE_JOBS:  # the bound settings become the command's own command line
+      result = argparse_job(name)()
+      gin.clear_config()
+      return result if isinstance(result, int) else 0
   gin.clear_config()  # the job's own entry point parses the same files again
   return importlib.import_module(TRAINING_MODULE if name in TRAINING_JOBS else JOBS[name]).main(argv)
 

@@ -10,11 +10,13 @@ model chain for chain rules, k i.i.d. chains or RSD-C trees for tree rules), and
 drafter shapes, e.g. ``{"k_chains": {"k": 4}, "rsd_c": {"branching": (2, 2, 1, 1)}}``. For each temperature, every
 method decodes every prompt at batch 1 (one compiled program per method and
 temperature: prompts are padded to a common width and carry their own lengths, so nothing recompiles per prompt;
-the first prompt is run once untimed to compile). Prints a table and writes a JSON file with, per method and
+the first prompt's prefill runs once untimed and the decode program is compiled on a finished state, so
+compiling adds no decode). Prints a table and writes a JSON file with, per method and
 temperature: block efficiency (mean acceptance length), draft acceptance rate, per-position acceptance, target calls,
 tokens generated, wall time, tokens/s and speedup over autoregressive decoding at the same temperature, end to end
-and for the decode phase alone (prefill and decode are compiled and timed apart). The generated
-text of one prompt is printed per method so a person can see it is real.
+and for the decode phase alone (prefill and decode are compiled and timed apart), and every method's generated token
+ids (``generated_ids``: two runs, or two layouts, can be compared token for token). The generated text of one prompt
+is printed per method so a person can see it is real.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def format_table(rows, drafters: list[str] | None = None) -> str:
 
 
 @gin.configurable("run_job")
-def run_job(target: str = "qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b",
+def run_job(target: str = jobs.DEFAULT_TARGET, drafter=jobs.DEFAULT_DRAFTER,
             prompts_path: str = str(prompts_lib.DEFAULT_PROMPTS), num_prompts: int | None = 6, gamma: int = 4,
             temperatures=(0.0, 1.0), methods=METHODS, max_new_tokens: int = 64, dtype: str = "float32",
             seed: int = 0, chat: bool = True, output_json: str | None = "results/run.json",
@@ -103,7 +105,7 @@ def run_job(target: str = "qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b",
                          verifier_settings)
   stop_ids = target_model.stop_ids
   several = len(drafter_models) > 1
-  results, texts = [], {}
+  results, texts, generated = [], {}, {}
   for temperature in temperatures:
     baseline = None
     for method in methods:
@@ -123,6 +125,7 @@ def run_job(target: str = "qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b",
         results.append(summary)
         name = method + (f" [{label}]" if several and label is not None else "")
         texts[f"{name}@T={temperature}"] = target_model.tokenizer.decode(outputs[0], skip_special_tokens=True)
+        generated[f"{name}@T={temperature}"] = outputs
         print(f"  {name:<15} T={temperature}: {summary['tokens_per_s']:.2f} tok/s"
               + (f", BE {summary['block_efficiency']:.2f}" if "block_efficiency" in summary else ""), flush=True)
   print()
@@ -136,7 +139,7 @@ def run_job(target: str = "qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b",
   report = dict(target=target, drafter=list(drafter_names) if several else drafter_names[0], dtype=dtype,
                 gamma=gamma, max_new_tokens=max_new_tokens, peak_rss_gb=rss_gb,
                 prompts=[dict(id=r["id"], task=r["task"], source=r["source"], licence=r["licence"]) for r in rows],
-                results=results, sample_text=texts)
+                results=results, sample_text=texts, generated_ids=generated)
   if output_json:
     print(f"\nwrote {jobs.write_report(output_json, report)}")
   return report

@@ -307,8 +307,10 @@ def print_report(f):
         f"(random weights)")
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+  """The command line (also the gin job ``bench_decode``'s settings and defaults, ``blockspec_jax.main``)."""
+  parser = argparse.ArgumentParser(prog="python -m blockspec_jax.eval.bench_decode", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--max-new-tokens", type=int, default=64)
   parser.add_argument("--gamma", type=int, default=4)
   parser.add_argument("--reps", type=int, default=5)
@@ -318,7 +320,11 @@ def main(argv=None):
   parser.add_argument("--overhead-verifier", default="block", help="verifier of the identical-drafter run [3]")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--json", default=None, help="also write the figures to this path")
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv=None):
+  args = build_parser().parse_args(argv)
   start = time.perf_counter()
   figures = run(args.max_new_tokens, args.gamma, args.reps, args.prompt_len, args.temperature, args.verify_reps,
                 args.overhead_verifier, args.seed)

@@ -105,12 +105,14 @@ def _floats(s):
   return [float(x) for x in s.split(",") if x]
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+  """The command line (also the gin job ``bench_peer``'s settings and defaults, ``blockspec_jax.main``)."""
+  from blockspec_jax import jobs
   from blockspec_jax.eval import prompts as prompts_lib
   p = argparse.ArgumentParser(prog="python -m blockspec_jax.eval.bench_peer", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--target", default="qwen2.5-coder-1.5b")
-  p.add_argument("--drafter", default="qwen2.5-coder-0.5b")
+  p.add_argument("--target", default=jobs.DEFAULT_TARGET)
+  p.add_argument("--drafter", default=jobs.DEFAULT_DRAFTER)
   p.add_argument("--prompts", default=str(prompts_lib.DEFAULT_PROMPTS))
   p.add_argument("--num-prompts", type=int, default=3, help="round-robin over tasks: 3 = one code, chat, math")
   p.add_argument("--max-new-tokens", type=int, default=32)
@@ -130,6 +132,11 @@ def parse_args(argv=None):
   p.add_argument("--worker-out", help=argparse.SUPPRESS)
   p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
   p.add_argument("--methods", default="autoregressive,token,block", help=argparse.SUPPRESS)
+  return p
+
+
+def parse_args(argv=None):
+  p = build_parser()
   args = p.parse_args(argv)
   if args.quick and not args.worker:
     args.num_prompts, args.max_new_tokens, args.gammas, args.hf_gammas, args.bf16_gammas, args.reps = (

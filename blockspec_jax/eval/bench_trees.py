@@ -43,20 +43,27 @@ def _arms(paired_path, temperature: float):
   return arms
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+  """The command line (also the gin job ``bench_trees``'s settings and defaults, ``blockspec_jax.main``)."""
   from blockspec_jax import jobs
-  from blockspec_jax.eval import prompts as prompts_lib
-
   ap = argparse.ArgumentParser(prog="python -m blockspec_jax.eval.bench_trees", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--target", default="qwen2.5-coder-1.5b")
-  ap.add_argument("--drafter", default="qwen2.5-coder-0.5b")
+  ap.add_argument("--target", default=jobs.DEFAULT_TARGET)
+  ap.add_argument("--drafter", default=jobs.DEFAULT_DRAFTER)
   ap.add_argument("--paired", default="results/paired_trees.json")
   ap.add_argument("--temperature", type=float, default=1.0)
   ap.add_argument("--num-prompts", type=int, default=3)
   ap.add_argument("--max-new-tokens", type=int, default=32)
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--json", default="results/bench_trees.json")
+  return ap
+
+
+def main(argv=None) -> int:
+  from blockspec_jax import jobs
+  from blockspec_jax.eval import prompts as prompts_lib
+
+  ap = build_parser()
   args = ap.parse_args(argv)
   with jobs.cli_errors(ap.prog):
     jobs.check_settings(temperatures=(args.temperature,), num_prompts=args.num_prompts,
@@ -65,8 +72,8 @@ def main(argv=None) -> int:
     for method, _, _, _ in arms:
       jobs.parse_method(method)
   start = time.perf_counter()
-  target = jobs.load_model(args.target)
-  drafter = jobs.load_model(args.drafter)
+  target = jobs.load_model(args.target, scan_layers=True)
+  drafter = jobs.load_model(args.drafter, scan_layers=True)
   jobs.check_pair(target, drafter)
   rows = prompts_lib.load_prompts(prompts_lib.DEFAULT_PROMPTS, limit=args.num_prompts)
   prompt_ids = jobs.encode_prompts(target, rows)

@@ -109,14 +109,21 @@ def run(batches, gammas, vocabs, reps, rules=("token", "block")):
   return rows
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+  """The command line (also the gin job ``bench_verify``'s settings and defaults, ``blockspec_jax.main``)."""
+  parser = argparse.ArgumentParser(prog="python -m blockspec_jax.eval.bench_verify", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", help="Python file defining CONFIG = VerifyBenchConfig(...)")
   parser.add_argument("--batch", type=int, nargs="+")
   parser.add_argument("--gamma", type=int, nargs="+")
   parser.add_argument("--vocab", type=int, nargs="+")
   parser.add_argument("--reps", type=int)
   parser.add_argument("--rules", nargs="+")
+  return parser
+
+
+def main(argv=None):
+  parser = build_parser()
   args = parser.parse_args(argv)
   config = load_config(args.config) if args.config else VerifyBenchConfig()
   overrides = {field: tuple(value) if isinstance(value, list) else value

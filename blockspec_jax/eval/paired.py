@@ -190,11 +190,11 @@ def _paired_drafter(name, target, args):
   from blockspec_jax import jobs
   spec_ = jobs.trained_drafter_spec(name)
   if spec_ is None:
-    drafter = jobs.load_model(name, args.dtype, progress=False)
+    drafter = jobs.load_model(name, args.dtype, progress=False, scan_layers=True)
     jobs.check_pair(target, drafter)
     return ModelDrafter(drafter.config), drafter.params["params"]
   kind, settings = spec_
-  base = jobs.load_model(args.drafter, args.dtype, progress=False)
+  base = jobs.load_model(args.drafter, args.dtype, progress=False, scan_layers=True)
   jobs.check_pair(target, base)
   drafter = jobs.build_drafter(kind, target, base, {kind: settings}, args.gamma)
   return drafter, jobs.drafter_params(drafter, base, target)
@@ -287,13 +287,14 @@ def format_trees(results, temperatures) -> str:
   return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+  """The command line (also the gin job ``paired``'s settings and defaults, ``blockspec_jax.main``)."""
   from blockspec_jax import jobs
   from blockspec_jax.eval import prompts as prompts_lib
   ap = argparse.ArgumentParser(prog="python -m blockspec_jax.eval.paired", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--target", default="qwen2.5-coder-1.5b")
-  ap.add_argument("--drafter", default="qwen2.5-coder-0.5b")
+  ap.add_argument("--target", default=jobs.DEFAULT_TARGET)
+  ap.add_argument("--drafter", default=jobs.DEFAULT_DRAFTER)
   ap.add_argument("--prompts", default=str(prompts_lib.DEFAULT_PROMPTS))
   ap.add_argument("--num-prompts", type=int, default=3)
   ap.add_argument("--sample-tokens", type=int, default=32)
@@ -314,6 +315,13 @@ def main(argv=None) -> int:
                        "heads:results/train/heads_qwen?rescore=pbest_ngram, steered:results/train/steer_qwen, built "
                        "on --drafter's model) compared on the same contexts, the first as reference; resumable")
   ap.add_argument("--verify-draws", type=int, default=16, help="--trees: verifier keys per draft for tree rules")
+  return ap
+
+
+def main(argv=None) -> int:
+  from blockspec_jax import jobs
+  from blockspec_jax.eval import prompts as prompts_lib
+  ap = build_parser()
   args = ap.parse_args(argv)
   if args.json is None:
     args.json = ("results/paired_trees.json" if args.trees else "results/paired_drafters.json" if args.drafters
@@ -337,7 +345,7 @@ def main(argv=None) -> int:
       args.temperature_list = [float(t) for t in args.temperatures.split(",") if t]
       jobs.check_settings(temperatures=args.temperature_list)
     start = time.perf_counter()
-    target = jobs.load_model(args.target, args.dtype)
+    target = jobs.load_model(args.target, args.dtype, scan_layers=True)
     rows = prompts_lib.load_prompts(args.prompts, limit=args.num_prompts)
     prompt_ids = jobs.encode_prompts(target, rows, chat=True)
     with jobs.cli_errors(ap.prog):
@@ -349,8 +357,8 @@ def main(argv=None) -> int:
       args.temperature_list = [float(t) for t in args.temperatures.split(",") if t]
       jobs.check_settings(temperatures=args.temperature_list)
   start = time.perf_counter()
-  target = jobs.load_model(args.target, args.dtype)
-  drafter = jobs.load_model(args.drafter, args.dtype)
+  target = jobs.load_model(args.target, args.dtype, scan_layers=True)
+  drafter = jobs.load_model(args.drafter, args.dtype, scan_layers=True)
   jobs.check_pair(target, drafter)
   prompt_ids = jobs.encode_prompts(target, prompts_lib.load_prompts(args.prompts, limit=args.num_prompts), chat=True)
   if args.trees:

@@ -31,8 +31,8 @@ def worker_ours(args) -> dict:
 
   rows = _rows(args)
   start = time.perf_counter()
-  target = jobs.load_model(args.target, args.dtype)
-  drafter = jobs.load_model(args.drafter, args.dtype)
+  target = jobs.load_model(args.target, args.dtype, scan_layers=True)
+  drafter = jobs.load_model(args.drafter, args.dtype, scan_layers=True)
   jobs.check_pair(target, drafter)
   load_s = time.perf_counter() - start
   print(f"[ours {args.dtype}] loaded {args.drafter} → {args.target} in {load_s:.1f} s (jax {jax.__version__}, "

@@ -62,6 +62,8 @@ SIX_TASK_PROMPTS = pathlib.Path(__file__).with_name("data") / "prompts_six.jsonl
 
 TASKS = ("code", "chat", "math", "summarization", "translation", "qa")
 DEFAULT_TASKS = TASKS[:3]  # the tasks of DEFAULT_PROMPTS
+#: The shipped files by name: every ``load_prompts`` (jobs, ``--prompts``, ``heldout_prompts``) takes these names.
+SHIPPED_PROMPTS = {"six": SIX_TASK_PROMPTS, "default": DEFAULT_PROMPTS}
 
 # task -> (package, version, data file inside the wheel, licence of the data). The translation entry names a pattern:
 # its rows come from several catalogues, each row's ``source`` names its own file.
@@ -113,8 +115,9 @@ def _parse_rows(path: pathlib.Path) -> list[dict]:
 
 def load_prompts(path: str | pathlib.Path = DEFAULT_PROMPTS, tasks=None, limit: int | None = None) -> list[dict]:
   """Rows of a prompt file (a shipped one or a user's own, see the module docstring for the fields), optionally
-  filtered by task and truncated (round-robin over tasks, so a few prompts still cover every task)."""
-  path = pathlib.Path(path)
+  filtered by task and truncated (round-robin over tasks, so a few prompts still cover every task). ``path`` may name
+  a shipped file (:data:`SHIPPED_PROMPTS`: ``"six"``, ``"default"``)."""
+  path = pathlib.Path(SHIPPED_PROMPTS.get(str(path), path))
   if not path.exists():
     raise FileNotFoundError(f"prompt file {path} not found; build one with python -m blockspec_jax.eval.prompts")
   rows = _parse_rows(path)
@@ -461,14 +464,20 @@ def build_prompt_file(out: str | pathlib.Path = DEFAULT_PROMPTS, per_task: int =
   return rows
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+  """The command line (also the gin job ``build_prompts``'s settings and defaults, ``blockspec_jax.main``)."""
+  parser = argparse.ArgumentParser(prog="python -m blockspec_jax.eval.prompts", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--six", action="store_true",
                       help=f"all six tasks ({', '.join(TASKS)}); --out defaults to {SIX_TASK_PROMPTS}")
   parser.add_argument("--out", default=None, help=f"default {DEFAULT_PROMPTS} (with --six: {SIX_TASK_PROMPTS})")
   parser.add_argument("--per-task", type=int, default=4)
   parser.add_argument("--seed", type=int, default=0)
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv=None):
+  args = build_parser().parse_args(argv)
   out = args.out or str(SIX_TASK_PROMPTS if args.six else DEFAULT_PROMPTS)
   rows = build_prompt_file(out, args.per_task, args.seed, tasks=TASKS if args.six else DEFAULT_TASKS)
   print(f"wrote {len(rows)} prompts to {out}")
