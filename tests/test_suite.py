@@ -176,3 +176,60 @@ def test_the_grid_runs_each_method_at_its_gammas_and_autoregressive_once(tmp_pat
   assert len(calls) == 3 * len(grid) and len({w for *_, w in calls}) == 1 and calls[0][4] % 64 == 0
   assert [c[3] for c in calls[:3]] == [False, True, True]  # code compiles, chat and math reuse it
   assert len(report["results"]) == 4 * len(grid) and (tmp_path / "run" / "report.md").exists()
+
+
+def test_a_lossy_grid_measures_fidelity_and_plots_speed_against_it(tmp_path, monkeypatch):
+  """With a lossy rule in the grid (fidelity on by default), every row gets the target's mean log-likelihood of its
+  emitted tokens (stand-in numbers here), the pooled row pools sums over categories, Δ is taken against
+  autoregressive sampling of the same category, and tradeoff.png joins the plots and the report; a lossless grid
+  measures nothing unless asked."""
+  import types
+  model = types.SimpleNamespace(stop_ids=(0,))
+  monkeypatch.setattr(jobs, "load_models", lambda *a, **k: (model, [model], 0.0))
+  monkeypatch.setattr(jobs, "encode_prompts", lambda m, rows, chat: [[1] * 5 for _ in rows])
+  monkeypatch.setattr(jobs, "check_methods_fit", lambda *a, **k: 0)
+  logp = {"autoregressive": -1.0, "block": -1.1, "mtad": -0.5}
+  shapes = set()
+
+  def run_method(method, target, drafter, ids, width, *, gamma, temperature, warm, **kw):
+    row = dict(method=method, temperature=temperature, gamma=None if method == "autoregressive" else gamma,
+               lossy=method == "mtad", prompts=len(ids), tokens_generated=4 * len(ids), target_calls=2 * len(ids),
+               target_calls_per_token=0.5, wall_s=1.0, prefill_s=0.5, decode_s=0.5, tokens_per_s=4.0 * len(ids),
+               decode_tokens_per_s=8.0, compiles_while_timed=0)
+    if method != "autoregressive":
+      row.update(block_efficiency=2.0, draft_acceptance_rate=0.5, acceptance_per_position=[0.5] * gamma,
+                 draft_nodes=gamma)
+    return row, [[method] * 4 for _ in ids]  # outputs tagged by method, for the stand-in scorer
+
+  def loglik(target_model, prompt_ids, outputs, width, window):
+    shapes.add((width, window))
+    n = sum(map(len, outputs))
+    return logp[outputs[0][0]] * n, n, []
+
+  monkeypatch.setattr(jobs, "run_method", run_method)
+  monkeypatch.setattr(suite.fidelity_lib, "target_loglik", loglik)
+  run = tmp_path / "run"
+  report = suite.suite_job(prompts="default", prompts_per_task=None, methods=("autoregressive", "block", "mtad"),
+                           gammas=(2,), temperatures=(1.0,), max_new_tokens=8, out_dir=str(run), progress=False,
+                           target="smollm2-135m", drafter="smollm2-135m")
+  assert report["settings"]["fidelity"] is True
+  rows = {(r["task"], r["method"]): r for r in report["results"]}
+  assert len(shapes) == 1  # one scoring shape for every category: one compiled program
+  for task in ("code", "chat", "math"):
+    assert rows[(task, "mtad")]["mean_logp"] == pytest.approx(-0.5)
+    assert rows[(task, "mtad")]["delta_logp_vs_ar"] == pytest.approx(0.5)
+    assert rows[(task, "autoregressive")]["delta_logp_vs_ar"] == 0.0
+  pooled = rows[("all", "block")]
+  assert pooled["loglik_tokens"] == sum(rows[(t, "block")]["loglik_tokens"] for t in ("code", "chat", "math"))
+  assert pooled["delta_logp_vs_ar"] == pytest.approx(-0.1)
+  assert (run / "tradeoff.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  markdown = (run / "report.md").read_text()
+  assert "](tradeoff.png)" in markdown and "Δ log p" in markdown
+  with open(run / "results.csv", newline="") as f:
+    assert {r["mean_logp"] for r in csv.DictReader(f)} != {""}
+
+  lossless = suite.suite_job(prompts="default", methods=("autoregressive", "block"), gammas=(2,),
+                             temperatures=(1.0,), out_dir=str(tmp_path / "plain"), plots=False, progress=False,
+                             target="smollm2-135m", drafter="smollm2-135m")
+  assert lossless["settings"]["fidelity"] is False
+  assert all("mean_logp" not in r for r in lossless["results"])

@@ -23,19 +23,17 @@ coarse (it is reported with its counts). Writes a JSON report and a speed-agains
 
 from __future__ import annotations
 
-import functools
 import math
 import pathlib
 import sys
 import time
 
 import gin
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from blockspec_jax import jobs
 from blockspec_jax.eval import prompts as prompts_lib
+from blockspec_jax.eval.fidelity import target_loglik
 
 __all__ = ["method_specs", "tabular_pair", "same_draft_table", "tabular_fidelity", "target_loglik", "format_table", "bench_lossy_job",
            "main"]
@@ -116,46 +114,6 @@ def tabular_fidelity(specs, *, gamma: int, width: int, n: int = 3, vocab_size: i
   return out
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def _generated_logp(params, tokens_BxT, positions_BxN, targets_BxN, *, config):
-  """f32 ``[B, N]``: the target's log-probability (T = 1) of ``targets_BxN`` at ``positions_BxN``."""
-  from blockspec_jax.train.distill import sequence_logits
-  logits_BxNxV = sequence_logits(config, params, tokens_BxT, positions_BxN)
-  logp_BxNxV = jax.nn.log_softmax(logits_BxNxV.astype(jnp.float32), axis=-1)
-  return jnp.take_along_axis(logp_BxNxV, targets_BxN[:, :, None], axis=-1)[:, :, 0]
-
-
-def target_loglik(target_model, prompt_ids, outputs, batch_size: int = 4) -> tuple[float, int, list[float]]:
-  """``(Σ log p, number of tokens, per-sequence mean log p)`` of every generated token under the target at T = 1
-  (untransformed; teacher forcing over prompt + output, the LM head only at the generated positions). One compiled
-  program per model config and shape (the parameters are an argument, never captured as constants)."""
-  config, params = target_model.config, target_model.params["params"]
-  width = max(len(p) + len(o) for p, o in zip(prompt_ids, outputs))
-  window = max(max(len(o) for o in outputs), 1)
-  total, count, per_seq = 0.0, 0, []
-  for start in range(0, len(prompt_ids), batch_size):
-    rows = list(range(start, min(start + batch_size, len(prompt_ids))))
-    tokens = np.zeros((batch_size, width), np.int32)
-    positions = np.zeros((batch_size, window), np.int32)
-    targets = np.zeros((batch_size, window), np.int32)
-    valid = np.zeros((batch_size, window), bool)
-    for r, i in enumerate(rows):
-      seq = list(prompt_ids[i]) + list(outputs[i])
-      tokens[r, :len(seq)] = seq
-      n_out = len(outputs[i])
-      positions[r, :n_out] = len(prompt_ids[i]) - 1 + np.arange(n_out)
-      targets[r, :n_out] = outputs[i]
-      valid[r, :n_out] = True
-    logp = np.asarray(_generated_logp(params, tokens, positions, targets, config=config), np.float64)
-    for r, i in enumerate(rows):
-      n_out = len(outputs[i])
-      seq_sum = float(np.sum(logp[r][valid[r]]))
-      total += seq_sum
-      count += n_out
-      per_seq.append(seq_sum / max(n_out, 1))
-  return total, count, per_seq
-
-
 def format_table(rows) -> str:
   header = (f"{'method':<22} | {'calls/tok':>9} {'BE':>5} {'tok/s':>7} {'speedup':>7} | {'mean logp':>9} "
             f"{'PPL':>7} {'Δlogp vs AR':>11} | {'HumanEval':>9} | {'TV tab':>8}")
@@ -202,7 +160,7 @@ def _plot(rows, path: pathlib.Path, title: str) -> bool:
 
 
 @gin.configurable("bench_lossy")
-def bench_lossy_job(target: str = "qwen2.5-coder-1.5b", drafter: str = "qwen2.5-coder-0.5b",
+def bench_lossy_job(target: str = jobs.DEFAULT_TARGET, drafter: str = jobs.DEFAULT_DRAFTER,
                     sprinter_head: str | None = "results/train/sprinter_qwen",
                     prompts_path: str = str(prompts_lib.DEFAULT_PROMPTS), num_prompts: int | None = None,
                     temperature: float = 1.0, gamma: int = 4, max_new_tokens: int = 96,
@@ -229,8 +187,8 @@ def bench_lossy_job(target: str = "qwen2.5-coder-1.5b", drafter: str = "qwen2.5-
         + "; ".join(f"{r['rule']} E[τ] {r['expected_accepted']:.4f} TV {r['tv']:.4f}" for r in same), flush=True)
   rows = prompts_lib.load_prompts(prompts_path, limit=num_prompts)
   compile_dir = jobs.enable_compilation_cache(compilation_cache)
-  target_model = jobs.load_model(target, dtype, cache_dir)
-  drafter_model = jobs.load_model(drafter, dtype, cache_dir)
+  target_model = jobs.load_model(target, dtype, cache_dir, scan_layers=True)
+  drafter_model = jobs.load_model(drafter, dtype, cache_dir, scan_layers=True)
   jobs.check_pair(target_model, drafter_model)
   print(f"loaded {drafter} → {target} ({dtype}); {len(rows)} prompts; T = {temperature:g}; compilation cache "
         f"{compile_dir or 'off'}", flush=True)

@@ -9,7 +9,8 @@ temperature, on one target and drafter, at batch 1, through the same timed phase
 suite compiles one program per (method, γ, temperature), whatever its categories, and suites whose prompts fall in
 the same bucket share compiled programs (with the persistent compilation cache). Every category of a method starts
 from the same seed, so methods are compared on the same prompts and keys. The first category of each program runs
-its first prompt once untimed (compilation and warm-up); the others reuse the compiled program.
+its first prompt's prefill once untimed and compiles the decode program on a finished state (no extra decode);
+the others reuse the compiled programs.
 
 Each run writes a directory (``suite.out_dir``; default ``results/suites/<name>-<UTC time>``):
 
@@ -18,7 +19,11 @@ Each run writes a directory (``suite.out_dir``; default ``results/suites/<name>-
   γ × temperature (``ROW_FIELDS`` and the per-position acceptance), plus an ``all`` row over every category;
 * ``results.csv``: the same rows, one line each (per-position acceptance as ``;``-separated numbers);
 * ``be_vs_gamma.png``, ``speedup_vs_gamma.png`` (one panel per category, a line per method and temperature),
-  ``acceptance_per_position.png`` (per category, each method at its largest γ), with matplotlib;
+  ``acceptance_per_position.png`` (per category, each method at its largest γ), with matplotlib; with fidelity
+  measured (``suite.fidelity``; by default when a lossy rule is in the grid), ``tradeoff.png``: speedup against the
+  shift of the target's mean log-likelihood of the emitted tokens from autoregressive sampling (``mean_logp``,
+  ``delta_logp_vs_ar``; :mod:`blockspec_jax.eval.fidelity`), one point per method, γ and temperature: lossless rules
+  sit at 0 up to sampling noise, a lossy rule's shift is its bias;
 * ``report.md``: the settings, a table per category and the plots, for a person to read.
 
 Only process 0 of a multi-host run writes (``jobs.is_main_process``).
@@ -40,6 +45,7 @@ import jax
 import numpy as np
 
 from blockspec_jax import jobs
+from blockspec_jax.eval import fidelity as fidelity_lib
 from blockspec_jax.eval import prompts as prompts_lib
 
 __all__ = ["suite_job", "load_suite_prompts", "ROW_FIELDS", "write_csv", "write_plots", "write_markdown",
@@ -49,10 +55,11 @@ __all__ = ["suite_job", "load_suite_prompts", "ROW_FIELDS", "write_csv", "write_
 ROW_FIELDS = ("task", "method", "gamma", "draft_nodes", "temperature", "top_k", "top_p", "lossy", "prompts",
               "tokens_generated", "target_calls", "target_calls_per_token", "block_efficiency",
               "draft_acceptance_rate", "wall_s", "tokens_per_s", "speedup", "prefill_s", "decode_tokens_per_s",
-              "decode_speedup", "peak_rss_gb", "compiles_while_timed", "acceptance_per_position")
+              "decode_speedup", "peak_rss_gb", "compiles_while_timed", "mean_logp", "delta_logp_vs_ar",
+              "acceptance_per_position")
 ALL_TASKS = "all"
 #: Names of the shipped prompt files (``suite.prompts``); anything else is a path.
-SHIPPED_PROMPTS = {"six": prompts_lib.SIX_TASK_PROMPTS, "default": prompts_lib.DEFAULT_PROMPTS}
+SHIPPED_PROMPTS = prompts_lib.SHIPPED_PROMPTS
 
 
 def bucket_width(width: int, bucket: int) -> int:
@@ -74,6 +81,10 @@ def _pooled(rows: list[dict]) -> dict:
   out["tokens_per_s"] = out["tokens_generated"] / out["wall_s"]
   out["decode_tokens_per_s"] = out["tokens_generated"] / out["decode_s"]
   out["peak_rss_gb"] = max(r["peak_rss_gb"] for r in rows)
+  if "loglik_tokens" in rows[0]:
+    out["loglik_sum"] = sum(r["loglik_sum"] for r in rows)
+    out["loglik_tokens"] = sum(r["loglik_tokens"] for r in rows)
+    out["mean_logp"] = out["loglik_sum"] / max(out["loglik_tokens"], 1)
   if "block_efficiency" in rows[0]:
     drafts = [r["target_calls"] for r in rows]  # one target call per draft
     out["block_efficiency"] = sum(r["block_efficiency"] * d for r, d in zip(rows, drafts)) / max(sum(drafts), 1)
@@ -88,12 +99,14 @@ def _pooled(rows: list[dict]) -> dict:
 
 def _with_speedups(rows: list[dict]) -> None:
   """``speedup`` / ``decode_speedup``: tokens/s over autoregressive decoding of the same category, temperature and
-  sampler (NaN where the suite has no autoregressive row)."""
+  sampler (NaN where the suite has no autoregressive row); with fidelity measured, ``delta_logp_vs_ar`` likewise."""
   base = {(r["task"], r["temperature"]): r for r in rows if r["method"] == jobs.AUTOREGRESSIVE}
   for r in rows:
     b = base.get((r["task"], r["temperature"]))
     r["speedup"] = r["tokens_per_s"] / b["tokens_per_s"] if b else float("nan")
     r["decode_speedup"] = r["decode_tokens_per_s"] / b["decode_tokens_per_s"] if b else float("nan")
+    if "mean_logp" in r:
+      r["delta_logp_vs_ar"] = r["mean_logp"] - b["mean_logp"] if b else float("nan")
 
 
 def write_csv(rows: list[dict], path) -> pathlib.Path:
@@ -188,6 +201,27 @@ def write_plots(rows: list[dict], out_dir) -> list[pathlib.Path]:
   fig.savefig(out_dir / "acceptance_per_position.png", dpi=110)
   plt.close(fig)
   written.append(out_dir / "acceptance_per_position.png")
+
+  if any(np.isfinite(r.get("delta_logp_vs_ar", float("nan"))) for r in rows):
+    fig, axes = panels("speed against fidelity: speedup vs Δ mean target log-likelihood from autoregressive sampling")
+    for ax, task in zip(axes, tasks):
+      for r in rows:
+        x, y = r.get("delta_logp_vs_ar", float("nan")), r["speedup"]
+        if r["task"] != task or r["method"] == jobs.AUTOREGRESSIVE or not (np.isfinite(x) and np.isfinite(y)):
+          continue
+        ax.scatter([x], [y], marker="^" if r.get("lossy") else "o", s=40, color="C3" if r.get("lossy") else "C0")
+        ax.annotate(f"{_label(r, temperatures)} γ={r['gamma']}", (x, y), textcoords="offset points", xytext=(3, 3),
+                    fontsize=7)
+      ax.axvline(0.0, color="grey", lw=0.8, ls="--")
+      ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+      ax.set_title(task)
+      ax.set_xlabel("Δ mean log p (target, T = 1) vs autoregressive")
+      ax.set_ylabel("speedup")
+      ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "tradeoff.png", dpi=110)
+    plt.close(fig)
+    written.append(out_dir / "tradeoff.png")
   return written
 
 
@@ -211,11 +245,16 @@ def write_markdown(report: dict, rows: list[dict], plots: list[pathlib.Path], pa
            "N: draft nodes per target call (γ for a chain); BE: block efficiency (tokens per target call); accept: "
            "draft acceptance rate; calls/token: target calls per emitted token; speedup: tokens/s over autoregressive "
            "decoding of the same category and temperature, "
-           "end to end (prefill + decode); dec: the decode phase alone. Timings are one run on this machine.", ""]
+           "end to end (prefill + decode); dec: the decode phase alone. Timings are one run on this machine."
+           + (" log p: the target's mean log-likelihood (T = 1) of the emitted tokens, Δ: its shift from "
+              "autoregressive sampling (sampling noise for lossless rules, bias for lossy ones)."
+              if any("mean_logp" in r for r in rows) else ""), ""]
+  fidelity = any("mean_logp" in r for r in rows)
   for task in dict.fromkeys(r["task"] for r in rows):
     lines += [f"## {task}", "",
-              "| method | γ | N | T | BE | accept | calls/token | tok/s | speedup | dec speedup |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| method | γ | N | T | BE | accept | calls/token | tok/s | speedup | dec speedup |"
+              + (" log p | Δ log p |" if fidelity else ""),
+              "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if fidelity else "")]
     for r in rows:
       if r["task"] != task:
         continue
@@ -223,7 +262,9 @@ def write_markdown(report: dict, rows: list[dict], plots: list[pathlib.Path], pa
       lines.append(f"| {name} | {_fmt(r['gamma'], 'd')} | {_fmt(r.get('draft_nodes'), 'd')} | {r['temperature']:g} | "
                    f"{_fmt(r.get('block_efficiency'), '.3f')} | {_fmt(r.get('draft_acceptance_rate'), '.3f')} | "
                    f"{r['target_calls_per_token']:.3f} | {r['tokens_per_s']:.2f} | {_fmt(r['speedup'], '.2f')}× | "
-                   f"{_fmt(r['decode_speedup'], '.2f')}× |")
+                   f"{_fmt(r['decode_speedup'], '.2f')}× |"
+                   + (f" {_fmt(r.get('mean_logp'), '.4f')} | {_fmt(r.get('delta_logp_vs_ar'), '+.4f')} |"
+                      if fidelity else ""))
     lines.append("")
   for p in plots:
     lines += [f"![{p.stem}]({p.name})", ""]
@@ -247,7 +288,17 @@ def load_suite_prompts(prompts: str) -> list[dict]:
       return seqio_tasks.prompts_from_seqio(name, rest[0] if rest else "validation")
     except (seqio_tasks.SeqioUnavailable, ValueError) as e:
       raise jobs.UsageError(f"suite.prompts {prompts!r}: {e}") from None
-  return prompts_lib.load_prompts(SHIPPED_PROMPTS.get(prompts, prompts))
+  return prompts_lib.load_prompts(prompts)
+
+
+def _lossy(method: str, temperature: float, top_k: int, top_p: float, verifier_settings) -> bool:
+  """Whether ``method``'s rule does not sample the target's law under this sampler (before any model loads)."""
+  if method == jobs.AUTOREGRESSIVE:
+    return False
+  from blockspec_jax import sampling, verify
+  rule = jobs.parse_method(method)[0]
+  verifier = verify.get_verifier(rule, **dict((verifier_settings or {}).get(rule, {})))
+  return not verifier.lossless_under(sampling.Sampler(temperature=temperature, top_k=top_k, top_p=top_p))
 
 
 def _default_out_dir(name: str) -> pathlib.Path:
@@ -256,14 +307,14 @@ def _default_out_dir(name: str) -> pathlib.Path:
 
 
 @gin.configurable("suite")
-def suite_job(name: str = "suite", target: str = "qwen2.5-coder-1.5b", drafter: str = "qwen2.5-coder-0.5b",
+def suite_job(name: str = "suite", target: str = jobs.DEFAULT_TARGET, drafter: str = jobs.DEFAULT_DRAFTER,
               prompts: str = "six", tasks=None, prompts_per_task: int | None = None,
               methods=jobs.METHODS, gammas=(4,), temperatures=(1.0,), top_k: int = 0, top_p: float = 1.0,
               max_new_tokens: int = 64, dtype: str = "float32", seed: int = 0, chat: bool = True,
               drafter_settings: dict | None = None, verifier_settings: dict | None = None,
               method_gammas: dict | None = None, width_bucket: int = 64, out_dir: str | None = None,
-              cache_dir: str | None = None,
-              compilation_cache: str | None = None, plots: bool = True, progress: bool = True) -> dict:
+              cache_dir: str | None = None, compilation_cache: str | None = None, plots: bool = True,
+              progress: bool = True, fidelity: bool | None = None) -> dict:
   """Run a suite (see the module docstring) and write its directory; returns the report (also ``results.json``).
 
   ``prompts``: ``"six"`` (the shipped file with all six categories: code, chat, math, summarization, translation,
@@ -274,7 +325,9 @@ def suite_job(name: str = "suite", target: str = "qwen2.5-coder-1.5b", drafter: 
   prompts of each. ``methods`` / ``gammas`` / ``temperatures`` / ``top_k`` / ``top_p``: the grid and the sampler
   (both models sample through the same transform); ``method_gammas`` overrides ``gammas`` for the methods it names,
   e.g. ``{"block": (8,), "traversal@rsd_c": (4,)}`` to compare a chain and trees at one budget of draft nodes.
-  ``drafter_settings`` / ``verifier_settings`` as in the main job.
+  ``drafter_settings`` / ``verifier_settings`` as in the main job. ``fidelity``: measure every row's mean target
+  log-likelihood of its emitted tokens (one teacher-forced target pass per prompt, outside the timed phases) and
+  plot speed against it; None (default): when a rule of the grid is lossy at one of its temperatures.
   Every setting is checked before a model is loaded.
   """
   methods, gammas, temperatures = tuple(methods), tuple(gammas), tuple(temperatures)
@@ -293,6 +346,8 @@ def suite_job(name: str = "suite", target: str = "qwen2.5-coder-1.5b", drafter: 
     sampling.Sampler(temperature=1.0, top_k=top_k, top_p=top_p)
   except ValueError as e:
     raise jobs.UsageError(f"suite: {e}") from None
+  if fidelity is None:
+    fidelity = any(_lossy(m, t, top_k, top_p, verifier_settings) for m in methods for t in temperatures)
   rows = load_suite_prompts(prompts)
   present = list(dict.fromkeys(r["task"] for r in rows))
   tasks = present if tasks is None else list(tasks)
@@ -325,12 +380,16 @@ def suite_job(name: str = "suite", target: str = "qwen2.5-coder-1.5b", drafter: 
     per_task = []
     for i, task in enumerate(tasks):
       bar.set_postfix_str(f"{method} γ={gamma} T={temperature:g} {task}")
-      summary, _ = jobs.run_method(method, target_model, drafter_model, ids[task], width,
+      summary, outputs = jobs.run_method(method, target_model, drafter_model, ids[task], width,
                                    gamma=gamma if gamma is not None else gammas[0], max_new_tokens=max_new_tokens,
                                    temperature=temperature, seed=seed, stop_ids=target_model.stop_ids,
                                    drafter_settings=drafter_settings, verifier_settings=verifier_settings,
                                    top_k=top_k, top_p=top_p, warm=i > 0)
       summary.update(task=task, top_k=top_k, top_p=top_p, peak_rss_gb=jobs.peak_rss_gb())
+      if fidelity:  # one program for every row: the shape is the bucketed width + the token budget
+        total, count, _ = fidelity_lib.target_loglik(target_model, ids[task], outputs, width=width + max_new_tokens,
+                                                     window=max_new_tokens)
+        summary.update(loglik_sum=total, loglik_tokens=count, mean_logp=total / max(count, 1))
       per_task.append(summary)
       bar.update(1)
     results += per_task
@@ -346,7 +405,7 @@ def suite_job(name: str = "suite", target: str = "qwen2.5-coder-1.5b", drafter: 
                     temperatures=list(temperatures), top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
                     dtype=dtype, seed=seed, chat=chat, drafter_settings=drafter_settings,
                     verifier_settings=verifier_settings, method_gammas=method_gammas or None,
-                    width_bucket=width_bucket),
+                    width_bucket=width_bucket, fidelity=bool(fidelity)),
       environment=dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        jax=jax.__version__, platform=jax.devices()[0].platform,
                        devices=f"{jax.device_count()} × {jax.devices()[0].device_kind}",
