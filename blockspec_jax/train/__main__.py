@@ -113,8 +113,8 @@ def _model_setup(workdir, target_name, recipe, *, dtype, heldout_prompts, train_
 @gin.configurable
 def distill_job(workdir, *, target_config=None, drafter_config=None, target=None, drafter=None,
                 target_seed: int = 0, drafter_seed: int = 1, num_prompts: int = 128, prompt_len: int = 8,
-                heldout_prompts: str = str(prompts_lib.DEFAULT_PROMPTS), train_prompts_per_task: int = 48,
-                max_prompt_len: int = 256, chat: bool = True, dtype: str = "float32", max_new_tokens: int = 16,
+                heldout_prompts: str = pools.DEFAULT_HELDOUT, train_prompts_per_task: int = 48,
+                max_prompt_len: int = pools.DEFAULT_MAX_PROMPT_LEN, chat: bool = True, dtype: str = "float32", max_new_tokens: int = 16,
                 heldout_fraction: float = 0.125, batch_size: int = 16, source: str = "fixed",
                 on_policy_fraction: float = 0.5, divergence: str = "fkl", temperature: float = 1.0,
                 sample_temperature: float = 1.0, beta: float = 0.5, trainable_layers=None, num_steps: int = 100,
@@ -262,8 +262,8 @@ def _label_counts(data: dict) -> dict:
 @gin.configurable
 def sprinter_job(workdir, *, target=None, drafter=None, target_config=None, drafter_config=None,
                  target_seed: int = 0, drafter_seed: int = 1, num_prompts: int = 64, prompt_len: int = 8,
-                 heldout_fraction: float = 0.25, heldout_prompts: str = str(prompts_lib.DEFAULT_PROMPTS),
-                 train_prompts_per_task: int = 48, max_prompt_len: int = 256, chat: bool = True,
+                 heldout_fraction: float = 0.25, heldout_prompts: str = pools.DEFAULT_HELDOUT,
+                 train_prompts_per_task: int = 48, max_prompt_len: int = pools.DEFAULT_MAX_PROMPT_LEN, chat: bool = True,
                  dtype: str = "float32", max_new_tokens: int = 16, temperature: float = 1.0,
                  collect_batch_size: int = 4, num_steps: int = 400, batch_size: int = 256, standardize: bool = True,
                  pos_weight: float | None = None, thresholds=(0.3, 0.5, 0.7, 0.9), checkpoint_every: int = 100,

@@ -68,8 +68,8 @@ def _setup(workdir: pathlib.Path, *, real, target, target_config, target_seed, d
 @gin.configurable(JOB)
 def heads_job(workdir, *, target_config=None, target=None, target_seed: int = 0, num_prompts: int = 64,
               prompt_len: int = 8, heldout_fraction: float = 0.25,
-              heldout_prompts: str = str(prompts_lib.DEFAULT_PROMPTS), train_prompts_per_task: int = 48,
-              max_prompt_len: int = 256, chat: bool = True, dtype: str = "float32", max_new_tokens: int = 32,
+              heldout_prompts: str = pools.DEFAULT_HELDOUT, train_prompts_per_task: int = 48,
+              max_prompt_len: int = pools.DEFAULT_MAX_PROMPT_LEN, chat: bool = True, dtype: str = "float32", max_new_tokens: int = 32,
               temperature: float = 1.0, collect_batch_size: int = 4, num_heads: int = 4, num_steps: int = 200,
               batch_size: int = 64, optimizer: str = "adamw", learning_rate: float = 1e-3, schedule: str = "cosine",
               warmup_steps: int = 0, weight_decay: float = 0.0, clip_norm: float | None = 1.0,

@@ -19,7 +19,15 @@ import numpy as np
 from blockspec_jax import jobs
 from blockspec_jax.eval import prompts as prompts_lib
 
-__all__ = ["check_int", "check_number", "prompt_rows", "encode_pool", "model_name", "read_cached"]
+__all__ = ["check_int", "check_number", "prompt_rows", "encode_pool", "model_name", "read_cached", "DEFAULT_HELDOUT",
+           "DEFAULT_MAX_PROMPT_LEN"]
+
+#: The real-model training jobs' held-out prompts: the shipped six-category file (code, chat, math, summarization,
+#: translation, qa); their training pool comes from the same packages, disjoint from it, ``per_task`` per category.
+DEFAULT_HELDOUT = "six"
+#: Longest prompt (tokens, chat template included) a training job keeps; every shipped held-out prompt fits with
+#: either tokenizer (the longest, a summarization prompt, is about 320 tokens with Qwen's template).
+DEFAULT_MAX_PROMPT_LEN = 352
 
 
 def check_int(value, name: str, low: int = 1, *, job: str | None = None) -> int:

@@ -82,8 +82,8 @@ def _models(workdir, real, *, target, drafter, target_config, drafter_config, ta
 @gin.configurable(JOB)
 def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, drafter=None, target_seed: int = 0,
               drafter_seed: int = 1, num_prompts: int = 128, prompt_len: int = 8, heldout_fraction: float = 0.125,
-              heldout_prompts: str = str(prompts_lib.DEFAULT_PROMPTS), train_prompts_per_task: int = 48,
-              max_prompt_len: int = 256, chat: bool = True, dtype: str = "float32", max_new_tokens: int = 16,
+              heldout_prompts: str = pools.DEFAULT_HELDOUT, train_prompts_per_task: int = 48,
+              max_prompt_len: int = pools.DEFAULT_MAX_PROMPT_LEN, chat: bool = True, dtype: str = "float32", max_new_tokens: int = 16,
               batch_size: int = 16, sample_batch_size=None, target_layers=None, steered_layers=None, rank=None,
               gamma: int = 4, divergence: str = "fkl", temperature: float = 1.0, sample_temperature: float = 1.0,
               beta: float = 0.5, optimizer=None, num_steps: int = 100, checkpoint_every: int = 50,
