@@ -397,8 +397,7 @@ def _fresh_process(tmp_path, name, x_BxTxK, w_NxK, **env):
 def test_fresh_processes_rebuild_a_corrupt_library_and_fall_back_without_a_compiler(tmp_path):
   """End to end, in fresh processes: (1) a cache holding this process's library truncated to 4096 bytes (loading it
   used to kill every later process with SIGBUS) is rebuilt, with one warning, and gives the kernel's numbers;
-  (2) with no compiler (CXX=/nonexistent/g++, empty cache) there is one warning and exactly the numbers of the XLA
-  path "auto" falls back to (XLA's dot; on CPU a bfloat16 product is computed in float32 and rounded once)."""
+  (2) with no compiler (CXX=/nonexistent/g++, empty cache) there is one warning and exactly XLA's numbers."""
   x_MxK, w_NxK = _operands(6, 40, 24, seed=12)
   x_BxTxK = x_MxK.reshape(3, 2, 40)
 
@@ -406,9 +405,8 @@ def test_fresh_processes_rebuild_a_corrupt_library_and_fall_back_without_a_compi
     outs = []
     for w_dtype in (jnp.float32, jnp.bfloat16):
       w = w_NxK.astype(w_dtype)
-      compute = jnp.float32 if impl == "xla" else w_dtype  # "auto"'s XLA fallback widens bfloat16 on CPU
-      outs.append(jax.jit(lambda x, w: kernels.linear(x, w, impl=impl, dtype=compute).astype(w_dtype))(x_BxTxK, w))
-      outs.append(kernels.linear(x_BxTxK[:1], w, impl=impl, dtype=compute).astype(w_dtype))
+      outs.append(jax.jit(lambda x, w: kernels.linear(x, w, impl=impl, dtype=w_dtype))(x_BxTxK, w))
+      outs.append(kernels.linear(x_BxTxK[:1], w, impl=impl, dtype=w_dtype))
     return np.concatenate([np.asarray(o, np.float32).reshape(-1) for o in outs])
 
   lib = pathlib.Path(kernels._load()._name)

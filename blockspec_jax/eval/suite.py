@@ -314,7 +314,7 @@ def suite_job(name: str = "suite", target: str = jobs.DEFAULT_TARGET, drafter: s
               drafter_settings: dict | None = None, verifier_settings: dict | None = None,
               method_gammas: dict | None = None, width_bucket: int = 64, out_dir: str | None = None,
               cache_dir: str | None = None, compilation_cache: str | None = None, plots: bool = True,
-              progress: bool = True, fidelity: bool | None = None) -> dict:
+              progress: bool = True, fidelity: bool | None = None, scan_layers: bool = True) -> dict:
   """Run a suite (see the module docstring) and write its directory; returns the report (also ``results.json``).
 
   ``prompts``: ``"six"`` (the shipped file with all six categories: code, chat, math, summarization, translation,
@@ -328,6 +328,7 @@ def suite_job(name: str = "suite", target: str = jobs.DEFAULT_TARGET, drafter: s
   ``drafter_settings`` / ``verifier_settings`` as in the main job. ``fidelity``: measure every row's mean target
   log-likelihood of its emitted tokens (one teacher-forced target pass per prompt, outside the timed phases) and
   plot speed against it; None (default): when a rule of the grid is lossy at one of its temperatures.
+  ``scan_layers``: the stacked layout (layers compiled once; ``False``: unrolled, as in the main job).
   Every setting is checked before a model is loaded.
   """
   methods, gammas, temperatures = tuple(methods), tuple(gammas), tuple(temperatures)
@@ -359,7 +360,9 @@ def suite_job(name: str = "suite", target: str = jobs.DEFAULT_TARGET, drafter: s
   out = pathlib.Path(out_dir) if out_dir else _default_out_dir(name)
 
   compile_dir = jobs.enable_compilation_cache(compilation_cache)
-  target_model, (drafter_model,), load_s = jobs.load_models(target, (drafter,), dtype, cache_dir)
+  if not isinstance(scan_layers, bool):
+    raise jobs.UsageError(f"suite.scan_layers must be True or False, got {scan_layers!r}")
+  target_model, (drafter_model,), load_s = jobs.load_models(target, (drafter,), dtype, cache_dir, scan_layers)
   ids = {t: jobs.encode_prompts(target_model, task_rows, chat) for t, task_rows in by_task.items()}
   width = bucket_width(max(len(p) for task_ids in ids.values() for p in task_ids), width_bucket)
   jobs.check_methods_fit(methods, all_gammas, target_model, [drafter_model], width, max_new_tokens, drafter_settings,
@@ -405,7 +408,7 @@ def suite_job(name: str = "suite", target: str = jobs.DEFAULT_TARGET, drafter: s
                     temperatures=list(temperatures), top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
                     dtype=dtype, seed=seed, chat=chat, drafter_settings=drafter_settings,
                     verifier_settings=verifier_settings, method_gammas=method_gammas or None,
-                    width_bucket=width_bucket, fidelity=bool(fidelity)),
+                    width_bucket=width_bucket, fidelity=bool(fidelity), scan_layers=scan_layers),
       environment=dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        jax=jax.__version__, platform=jax.devices()[0].platform,
                        devices=f"{jax.device_count()} × {jax.devices()[0].device_kind}",

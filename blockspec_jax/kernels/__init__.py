@@ -22,10 +22,8 @@ kernel's; they only fill the KV cache.
   "auto"   the kernel when the computation runs on CPU (checked first, so on GPU / TPU the kernel is never built
            or called), the pass has at most ``KERNEL_MAX_TOKENS`` tokens per row, the weights are float32 /
            bfloat16, the call is not traced under a multi-device mesh (the custom call has no sharding rule) and
-           the library could be built and loaded; XLA's dot in ``dtype`` otherwise (on CPU, a bfloat16 ``dtype``
-           is computed in float32 and rounded once: XLA's CPU GEMM is much slower in bfloat16). The platform is a
-           concrete committed input's device, else the ``jax.default_device`` in effect, else
-           ``jax.default_backend()``.
+           the library could be built and loaded; XLA's dot in ``dtype`` otherwise. The platform is a concrete
+           committed input's device, else the ``jax.default_device`` in effect, else ``jax.default_backend()``.
   "xla"    always ``jnp.einsum`` in ``dtype`` (what ``flax.linen.Dense`` computes), on every backend.
   "kernel" the kernel for any width; raises KernelUnavailable off CPU or if the library cannot be built (tests,
            benchmarks).
@@ -441,10 +439,6 @@ def linear(x_MxK: jax.Array, w_NxK: jax.Array, *, impl: str = "auto", dtype=jnp.
   if not use_kernel:
     if layer is not None:
       w_NxK = jax.lax.dynamic_index_in_dim(w_NxK, layer, 0, keepdims=False)
-    if impl == "auto" and np.dtype(dtype) == np.dtype(jnp.bfloat16) and _platform(x_MxK) == "cpu":
-      # XLA's CPU GEMM runs bfloat16 at a fraction of its float32 speed (prefill of a bf16 model was 0.68x f32):
-      # widen both operands (exact), multiply-add in float32, round the result to bfloat16 once.
-      return _xla(x_MxK, w_NxK, jnp.float32).astype(dtype)
     return _xla(x_MxK, w_NxK, dtype)
   x_2d = x_MxK.reshape(rows, x_MxK.shape[-1])
   y_MxN = _kernel_linear(x_2d, w_NxK) if layer is None else _kernel_linear_stacked(x_2d, w_NxK, layer)
