@@ -229,8 +229,10 @@ class _Real:
 
 
 def check_logits_and_greedy(real: _Real):
-  ours_logits = _our_last_logits(real.model, real.prompt_ids)
-  ours_greedy = _our_greedy(real.model, real.prompt_ids, NUM_NEW_TOKENS)
+  """Our decoder in the layout the decoding jobs load (layers stacked, compiled once) against transformers."""
+  model = hub.scanned(real.model)
+  ours_logits = _our_last_logits(model, real.prompt_ids)
+  ours_greedy = _our_greedy(model, real.prompt_ids, NUM_NEW_TOKENS)
   ref_logits, ref_greedy = _hf_last_logits_and_greedy(real.hf_model, real.prompt_ids, NUM_NEW_TOKENS)
   max_diff = float(np.abs(ours_logits - ref_logits).max())
   print(f"\n{real.name}: max |Δ last-position logit| = {max_diff:.3g} (max |logit| "
@@ -287,11 +289,11 @@ def test_smollm2_tokenizer(smol):
 
 
 def test_smollm2_bfloat16(smol):
-  model = hub.load_model("smollm2-135m", dtype="bfloat16", progress=False)
-  assert model.config.dtype == jnp.bfloat16
+  model = hub.load_model("smollm2-135m", dtype="bfloat16", progress=False, scan_layers=True)
+  assert model.config.dtype == jnp.bfloat16 and model.config.scan_layers
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(model.params))
   ours = _our_last_logits(model, smol.prompt_ids)
-  ref = _our_last_logits(smol.model, smol.prompt_ids)
+  ref = _our_last_logits(hub.scanned(smol.model), smol.prompt_ids)
   assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.8
   assert np.abs(ours - ref).max() < 0.1 * np.abs(ref).max()
 
