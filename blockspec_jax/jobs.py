@@ -35,7 +35,8 @@ from blockspec_jax.paths import default_cache_dir
 __all__ = ["METHODS", "AUTOREGRESSIVE", "known_methods", "parse_method", "build_drafter", "UsageError", "load_model",
            "check_model_name", "drafter_labels", "check_gamma", "check_settings", "check_verifier_settings",
            "check_cache_room", "check_pair", "encode_prompts", "load_models", "check_methods_fit", "run_method",
-           "method_gamma", "compiling", "enable_compilation_cache", "COMPILE_CACHE_ENV_VAR", "peak_rss_gb",
+           "method_gamma", "method_is_lossy", "compiling", "enable_compilation_cache", "COMPILE_CACHE_ENV_VAR",
+           "peak_rss_gb",
            "mapped_regions", "max_mapped_regions", "release_programs_if_near_map_limit", "cli_errors",
            "join_multihost_from_env", "is_main_process", "add_gin_search_path", "bound_jobs", "MULTIHOST_ENV_VAR",
            "gin_parser", "gin_main", "write_report", "backend_compiles", "DEFAULT_TARGET", "DEFAULT_DRAFTER",
@@ -518,6 +519,16 @@ def _phases(method: str, target, drafter, gamma: int, max_new_tokens: int, sampl
                                                       stop_ids=stop_ids, **common))
 
 
+def method_is_lossy(method: str, sampler, verifier_settings: dict | None = None) -> bool:
+  """Whether ``method``'s rule (with its ``verifier_settings``) does not sample the target's law under ``sampler``;
+  False for autoregressive decoding. Needs no model."""
+  if method == AUTOREGRESSIVE:
+    return False
+  from blockspec_jax import verify
+  rule = parse_method(method)[0]
+  return not verify.get_verifier(rule, **dict((verifier_settings or {}).get(rule, {}))).lossless_under(sampler)
+
+
 def method_gamma(rule: str, gamma: int, verifier_settings: dict | None = None) -> int:
   """The draft length a rule runs with: ``gamma``, except for rules that decide themselves when the target is
   called (SPRINTER), whose segments of at most ``cap`` tokens size the caches."""
@@ -605,13 +616,9 @@ def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tok
   if compiles:
     print(f"WARNING: {label}: {compiles} program(s) compiled inside the timed prompts; its times include "
           "compilation", file=sys.stderr)
-  lossy, rule_gamma = False, gamma
+  lossy, rule_gamma = method_is_lossy(method, sampler, verifier_settings), gamma
   if method != AUTOREGRESSIVE:
-    from blockspec_jax import verify
-    rule_name = parse_method(method)[0]
-    verifier = verify.get_verifier(rule_name, **dict((verifier_settings or {}).get(rule_name, {})))
-    lossy = not verifier.lossless_under(sampler)
-    rule_gamma = method_gamma(rule_name, gamma, verifier_settings)
+    rule_gamma = method_gamma(parse_method(method)[0], gamma, verifier_settings)
   summary = dict(method=method, temperature=temperature, gamma=None if method == AUTOREGRESSIVE else rule_gamma,
                  lossy=lossy, target_calls_per_token=calls / max(tokens, 1),
                  prompts=len(prompt_ids), tokens_generated=tokens, target_calls=calls, wall_s=wall,
@@ -714,15 +721,15 @@ def argparse_gin_job(name: str, build_parser, main):
   the command's own checks and derived defaults apply unchanged; it returns what ``main`` returns."""
   import inspect
   import gin
-  options = _gin_options(build_parser())
+  parser = build_parser()
 
   def job(**settings):
-    return main(argv_from_settings(build_parser(), settings))
+    return main(argv_from_settings(parser, settings))
 
   job.__name__ = job.__qualname__ = name
-  job.__doc__ = f"The gin job of ``{build_parser().prog}``: one keyword per option (its dest), the parser's defaults."
+  job.__doc__ = f"The gin job of ``{parser.prog}``: one keyword per option (its dest), the parser's defaults."
   job.__signature__ = inspect.Signature([inspect.Parameter(dest, inspect.Parameter.KEYWORD_ONLY, default=None)
-                                         for dest in options])
+                                         for dest in _gin_options(parser)])
   return gin.configurable(name)(job)
 
 

@@ -387,6 +387,15 @@ def test_smollm2_hf_dir_matches_gguf(smol_hf, smol_ref):
   _check_same_model(smol_hf, smol_ref, prompts_ids, "smollm2-135m HF dir vs GGUF", atol=LOGIT_ATOL)
 
 
+def test_an_hf_dir_loads_in_the_stacked_layout_too(smol_hf, smol_hf_dir):
+  """``scan_layers=True`` on a Hugging Face directory: the same parameters, stacked over the layers."""
+  import numpy as np
+  from blockspec_jax.models import decoder as dec
+  stacked = hub.load_model(smol_hf_dir, progress=False, scan_layers=True)
+  assert stacked.config == dataclasses.replace(smol_hf.config, scan_layers=True)
+  jax.tree.map(np.testing.assert_array_equal, dec.unstack_layers(stacked.params["params"]), smol_hf.params["params"])
+
+
 def test_smollm2_hf_tokenizer_matches_gguf(smol_hf, smol_ref):
   _check_same_tokenizer(smol_hf.tokenizer, smol_ref.tokenizer, TEXTS + PROMPTS)
   assert smol_hf.tokenizer.pad_id == smol_ref.tokenizer.pad_id

@@ -136,7 +136,8 @@ def bench_startup_job(target: str = jobs.DEFAULT_TARGET, drafter: str | None = j
         _Bound(spec.decode_autoregressive, dict(static, sampler=sampler, stop_ids=())),
         (tp, tokens, lens), lambda state: (tp, keys, state), repeats)
     work = 2 * linear_params(tp) * batch * prompt_width
-    row = dict(dtype=dtype, layout=layout, matmul_gflops=peak, load_s=load_s, **{k: v for k, v in ar.items() if k != "decode_s"},
+    row = dict(dtype=dtype, layout=layout, matmul_gflops=peak, load_s=load_s,
+               **{k: v for k, v in ar.items() if k != "decode_s"},
                prefill_tokens_per_s=batch * prompt_width / ar["prefill_s"],
                prefill_gflops=work / ar["prefill_s"] / 1e9,
                decode_tokens_per_s=batch * max_new_tokens / ar["decode_s"])
@@ -169,8 +170,8 @@ def bench_startup_job(target: str = jobs.DEFAULT_TARGET, drafter: str | None = j
     rows.append(row)
     print(line, flush=True)
     del model, tp
-  header = (f"{'dtype':<9} {'layout':<8} {'peak GF/s':>9} {'load s':>7} {'AR compile s':>12} {'prefill tok/s':>13} {'GF/s':>6} "
-            f"{'% peak':>6} {'decode tok/s':>12} {'first token s':>13} {'block compile s':>15} "
+  header = (f"{'dtype':<9} {'layout':<8} {'peak GF/s':>9} {'load s':>7} {'AR compile s':>12} {'prefill tok/s':>13} "
+            f"{'GF/s':>6} {'% peak':>6} {'decode tok/s':>12} {'first token s':>13} {'block compile s':>15} "
             f"{'block first s':>13}")
   print("\n" + header + "\n" + "-" * len(header))
   for r in rows:

@@ -232,6 +232,7 @@ def _fmt(v, spec: str) -> str:
 def write_markdown(report: dict, rows: list[dict], plots: list[pathlib.Path], path) -> pathlib.Path:
   """A Markdown report of a suite: settings, one table per category, the plots."""
   s = report["settings"]
+  fidelity = any("mean_logp" in r for r in rows)
   lines = [f"# Suite `{report['name']}`", "",
            f"{s['target']} (target) with {s['drafter']} (drafter), {s['dtype']}; γ ∈ {list(s['gammas'])}, "
            f"T ∈ {list(s['temperatures'])}, top-k {s['top_k']}, top-p {s['top_p']}; {s['max_new_tokens']} new tokens "
@@ -247,9 +248,8 @@ def write_markdown(report: dict, rows: list[dict], plots: list[pathlib.Path], pa
            "decoding of the same category and temperature, "
            "end to end (prefill + decode); dec: the decode phase alone. Timings are one run on this machine."
            + (" log p: the target's mean log-likelihood (T = 1) of the emitted tokens, Δ: its shift from "
-              "autoregressive sampling (sampling noise for lossless rules, bias for lossy ones)."
-              if any("mean_logp" in r for r in rows) else ""), ""]
-  fidelity = any("mean_logp" in r for r in rows)
+              "autoregressive sampling (sampling noise for lossless rules, bias for lossy ones)." if fidelity else ""),
+           ""]
   for task in dict.fromkeys(r["task"] for r in rows):
     lines += [f"## {task}", "",
               "| method | γ | N | T | BE | accept | calls/token | tok/s | speedup | dec speedup |"
@@ -289,16 +289,6 @@ def load_suite_prompts(prompts: str) -> list[dict]:
     except (seqio_tasks.SeqioUnavailable, ValueError) as e:
       raise jobs.UsageError(f"suite.prompts {prompts!r}: {e}") from None
   return prompts_lib.load_prompts(prompts)
-
-
-def _lossy(method: str, temperature: float, top_k: int, top_p: float, verifier_settings) -> bool:
-  """Whether ``method``'s rule does not sample the target's law under this sampler (before any model loads)."""
-  if method == jobs.AUTOREGRESSIVE:
-    return False
-  from blockspec_jax import sampling, verify
-  rule = jobs.parse_method(method)[0]
-  verifier = verify.get_verifier(rule, **dict((verifier_settings or {}).get(rule, {})))
-  return not verifier.lossless_under(sampling.Sampler(temperature=temperature, top_k=top_k, top_p=top_p))
 
 
 def _default_out_dir(name: str) -> pathlib.Path:
@@ -348,7 +338,8 @@ def suite_job(name: str = "suite", target: str = jobs.DEFAULT_TARGET, drafter: s
   except ValueError as e:
     raise jobs.UsageError(f"suite: {e}") from None
   if fidelity is None:
-    fidelity = any(_lossy(m, t, top_k, top_p, verifier_settings) for m in methods for t in temperatures)
+    fidelity = any(jobs.method_is_lossy(m, sampling.Sampler(temperature=t, top_k=top_k, top_p=top_p),
+                                        verifier_settings) for m in methods for t in temperatures)
   rows = load_suite_prompts(prompts)
   present = list(dict.fromkeys(r["task"] for r in rows))
   tasks = present if tasks is None else list(tasks)

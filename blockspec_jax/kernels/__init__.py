@@ -22,8 +22,8 @@ models alike (greedy speculative decoding then reproduces autoregressive decodin
   "auto"   the kernel when the computation runs on CPU (checked first, so on GPU / TPU the kernel is never built
            or called), the pass has at most ``KERNEL_MAX_TOKENS`` tokens per row (``KERNEL_MAX_TOKENS_BF16`` =
            1024 for bfloat16 weights, whose prefill is faster in the kernel than in XLA's bf16 GEMM), the weights
-           are float32 / bfloat16, the call is not traced under a multi-device mesh (the custom call has no sharding rule) and
-           the library could be built and loaded; XLA's dot in ``dtype`` otherwise. The platform is a concrete
+           are float32 / bfloat16, the call is not traced under a multi-device mesh (the custom call has no sharding
+           rule) and the library could be built and loaded; XLA's dot in ``dtype`` otherwise. The platform is a concrete
            committed input's device, else the ``jax.default_device`` in effect, else ``jax.default_backend()``.
   "xla"    always ``jnp.einsum`` in ``dtype`` (what ``flax.linen.Dense`` computes), on every backend.
   "kernel" the kernel for any width; raises KernelUnavailable off CPU or if the library cannot be built (tests,
@@ -83,7 +83,7 @@ KERNEL_MAX_TOKENS = 16
 KERNEL_MAX_TOKENS_BF16 = 1024
 _SOURCE = pathlib.Path(__file__).with_name("linear_cpu.cc")
 _TARGETS = {np.dtype(np.float32): "blockspec_jax_linear_f32", np.dtype(jnp.bfloat16): "blockspec_jax_linear_bf16"}
-# One layer of a stacked [L, N, K] weight, read in place (``linear(..., layer=i)``: decoders whose layers run in a loop).
+# One layer of a stacked [L, N, K] weight, read in place (``linear(..., layer=i)``: layers run in a loop).
 _STACKED_TARGETS = {np.dtype(np.float32): "blockspec_jax_linear_stacked_f32",
                     np.dtype(jnp.bfloat16): "blockspec_jax_linear_stacked_bf16"}
 

@@ -380,7 +380,7 @@ class Block(nn.Module):
   """Pre-norm transformer layer (with ``post_norms``, the sublayer outputs are normalised too), in the form of a
   loop body so that one definition serves both layouts::
 
-      (x_BxTxD, k_LxBxSxKxH, v_LxBxSxKxH), x_out = Block(config)(carry, (layer, mlp_delta_BxTxF), positions, slots, mask)
+      (x_BxTxD, k_LxBxSxKxH, v_LxBxSxKxH), x_out = Block(config)(carry, (layer, delta_BxTxF), positions, slots, mask)
 
   ``layer``: this layer's index, a Python int for the unrolled layout (parameters ``layers_{i}``), a traced int32
   inside ``nn.scan`` for the stacked one (``stacked`` = L, parameters ``layers`` [L, ...] indexed by it). The layer

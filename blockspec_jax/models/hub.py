@@ -260,11 +260,11 @@ def load_model(name: str | os.PathLike, dtype: str = "float32", cache_dir: os.Pa
         loaded = config, params_np, tokenizer
   config, params, tokenizer = loaded
   del loaded
-  if scan_layers:
-    params["params"] = stack_layers(params["params"], config.num_layers, consume=True)
-    config = dataclasses.replace(config, scan_layers=True)
-  _device_put_in_place(params)
-  return LoadedModel(config=config, params=params, tokenizer=tokenizer, spec=spec)
+  model = LoadedModel(config=config, params=params, tokenizer=tokenizer, spec=spec)
+  if scan_layers:  # on the host arrays, before they move to the device
+    model = scanned(model, consume=True)
+  _device_put_in_place(model.params)
+  return model
 
 
 def scanned(model: LoadedModel, consume: bool = False) -> LoadedModel:
@@ -273,8 +273,7 @@ def scanned(model: LoadedModel, consume: bool = False) -> LoadedModel:
   nothing else holds)."""
   if model.config.scan_layers:
     return model
-  tree = model.params["params"] if consume else dict(model.params["params"])
-  params = stack_layers(tree, model.config.num_layers, consume=consume)
+  params = stack_layers(model.params["params"], model.config.num_layers, consume=consume)
   return dataclasses.replace(model, config=dataclasses.replace(model.config, scan_layers=True),
                              params={"params": params})
 
