@@ -1,9 +1,19 @@
 import os
 
-import jax
+# The test run compiles thousands of small programs and runs most of them for milliseconds, so XLA's compile time is
+# most of its time: LLVM at optimisation level 0 compiles them about 1.5x faster (tests/test_speculative.py 142 s ->
+# 87 s on 2 cores). Every exactness test compares programs compiled in one process under one setting (the layouts,
+# the rules, sharded vs one device), and those comparisons hold at either level; the level does move float32 results
+# by ulps (SmolLM2's logits by up to 2e-4), so figures the README reports come from the jobs at XLA's default level,
+# never from here. The 8-device sharding test runs in a subprocess at the default level. A level of your own in
+# XLA_FLAGS wins (e.g. XLA_FLAGS=--xla_backend_optimization_level=2 python -m pytest ... for the product's level).
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+import jax  # noqa: E402  (after XLA_FLAGS: the CPU backend reads them when it starts)
 import pytest
 
-from blockspec_jax import jobs
+from blockspec_jax import jobs  # noqa: E402
 
 # No persistent compilation cache inside the test workers: jobs run in-process (run.main, bench_lossy) would turn it
 # on for the rest of the worker. The cache's own test uses an explicit directory in subprocesses.

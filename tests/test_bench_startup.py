@@ -4,6 +4,7 @@ SmolLM2 and reports every figure, bad settings fail in one line before a model l
 import json
 
 import gin
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -21,8 +22,20 @@ def test_linear_params_counts_the_layers_linear_weights_only():
   assert bench_startup.linear_params(dec.stack_layers(params, 2)) == 2 * per_layer  # the stacked layout counts alike
 
 
-def test_matmul_peak_is_a_positive_rate():
+def test_matmul_peak_and_memory_bandwidth_are_positive_rates():
   assert bench_startup.matmul_gflops(128, jnp.float32, repeats=2) > 0
+  assert bench_startup.memory_gbps(8, repeats=2) > 0
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_decode_weight_bytes_reads_the_embedding_table_only_when_it_is_the_lm_head(tie):
+  config = dec.DecoderConfig.tiny(vocab_size=64, tie_embeddings=tie)
+  params = dec.init_params(config, 0)
+  every = sum(leaf.size * 4 for leaf in jax.tree_util.tree_leaves(params))  # float32
+  table = 64 * 32 * 4
+  assert bench_startup.decode_weight_bytes(params, tie) == (every if tie else every - table)
+  bf16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params)
+  assert bench_startup.decode_weight_bytes(bf16, tie) * 2 == bench_startup.decode_weight_bytes(params, tie)
 
 
 def test_bench_on_smollm2_reports_every_figure(tmp_path, capsys):
@@ -37,6 +50,7 @@ def test_bench_on_smollm2_reports_every_figure(tmp_path, capsys):
                                "--gin_param", "bench_startup.prompt_width = 32",
                                "--gin_param", "bench_startup.max_new_tokens = 4",
                                "--gin_param", "bench_startup.matmul_size = 256",
+                               "--gin_param", "bench_startup.bandwidth_mib = 16",
                                "--gin_param", "bench_startup.repeats = 1",
                                "--gin_param", f"bench_startup.output_json = '{out}'"]) == 0
   finally:
@@ -47,10 +61,13 @@ def test_bench_on_smollm2_reports_every_figure(tmp_path, capsys):
   for r in report["rows"]:
     for key in ("matmul_gflops", "load_s", "prefill_lower_s", "prefill_compile_s", "decode_lower_s",
                 "decode_compile_s", "prefill_s", "prefill_tokens_per_s", "prefill_gflops", "decode_tokens_per_s",
-                "first_token_s", "prefill_fraction_of_peak"):
+                "first_token_s", "prefill_fraction_of_peak", "decode_bytes_per_token", "decode_roofline_tokens_per_s",
+                "decode_fraction_of_roofline"):
       assert r[key] > 0, key
     assert r["prefill_tokens_per_s"] == pytest.approx(32 / r["prefill_s"])
     assert r["prefill_fraction_of_peak"] == pytest.approx(r["prefill_gflops"] / r["matmul_gflops"])
+    assert r["decode_roofline_tokens_per_s"] == pytest.approx(report["memory_gbps"] * 1e9 / r["decode_bytes_per_token"])
+    assert r["decode_fraction_of_roofline"] == pytest.approx(r["decode_tokens_per_s"] / r["decode_roofline_tokens_per_s"])
     assert r["block_compile_s"] == pytest.approx(sum(r[f"block_{k}"] for k in (
         "prefill_lower_s", "prefill_compile_s", "decode_lower_s", "decode_compile_s")))
     assert r["block_first_token_s"] > r["block_compile_s"] > 0 and r["drafter_load_s"] > 0
@@ -61,6 +78,7 @@ def test_bench_on_smollm2_reports_every_figure(tmp_path, capsys):
                                             ("bench_startup.dtypes = ('float16',)", "dtype must be"),
                                             ("bench_startup.target = 'nope'", "nope"),
                                             ("bench_startup.gamma = 0", "gamma must be"),
+                                            ("bench_startup.bandwidth_mib = 0", "bandwidth_mib"),
                                             ("bench_startup.layouts = ('stacked',)", "layouts must name")])
 def test_bad_settings_fail_before_a_model_loads(param, message, capsys, monkeypatch):
   monkeypatch.setattr(jobs, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))

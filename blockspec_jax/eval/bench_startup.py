@@ -15,13 +15,19 @@ one copy of every layer per program), on the target model (default: the Qwen2.5-
   (attention scores, norms and the LM head left out, so the figure is a lower bound on the work done);
   ``prefill_fraction_of_peak``: that against ``matmul_gflops`` of the same dtype;
 * ``decode_tokens_per_s``: the compiled decode loop (median of ``repeats``);
+* ``decode_bytes_per_token``: the weight bytes one batch-1 decode step must read (every parameter, less the
+  embedding table when the LM head has its own weight: the embedding is then a one-row gather), and
+  ``decode_roofline_tokens_per_s``: ``memory_gbps`` over that, the most tokens per second a batch-1 decode can reach
+  on this machine whatever the code; ``decode_fraction_of_roofline``: the measured rate against it;
 * ``first_token_s``: load + compile of both programs + one prefill: what a user waits before the first token;
 * with a ``drafter`` (default the Qwen2.5-Coder 0.5B), the same for block verification at ``gamma``: ``block_*``
   lowering and compile times of its prefill (both models) and of the speculative loop, ``block_compile_s`` (their
   sum) and ``block_first_token_s`` (both models' load + compile + one prefill).
 
 ``matmul_gflops`` is the peak the same process reaches on a square ``jnp.dot`` of ``matmul_size`` in that dtype
-(median of ``repeats``), measured in the same run, so the fraction compares like with like. Writes a JSON report.
+(median of ``repeats``), measured in the same run, so the fraction compares like with like; ``memory_gbps`` is the
+rate a jitted sum reads a ``bandwidth_mib`` array at (median of ``repeats``), this machine's memory bandwidth as XLA
+sees it. Writes a JSON report.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import numpy as np
 
 from blockspec_jax import jobs
 
-__all__ = ["bench_startup_job", "matmul_gflops", "linear_params", "main"]
+__all__ = ["bench_startup_job", "matmul_gflops", "memory_gbps", "linear_params", "decode_weight_bytes", "main"]
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -57,6 +63,28 @@ def matmul_gflops(size: int, dtype, repeats: int = 5) -> float:
   f = jax.jit(jnp.dot)
   jax.block_until_ready(f(a, b))
   return 2 * size ** 3 / _median_s(lambda: f(a, b), repeats) / 1e9
+
+
+def memory_gbps(mib: int, repeats: int = 5) -> float:
+  """GB/s of a jitted sum over a float32 array of ``mib`` MiB (median of ``repeats`` after a warm call): how fast
+  this process streams memory, the bound of every weight-reading (batch-1 decode) step. Pick ``mib`` well above the
+  last-level cache."""
+  x = jnp.ones((mib * 2 ** 20 // 4,), jnp.float32)
+  f = jax.jit(jnp.sum)
+  jax.block_until_ready(f(x))
+  gbps = mib * 2 ** 20 / _median_s(lambda: f(x), repeats) / 1e9
+  del x
+  return gbps
+
+
+def decode_weight_bytes(params, tie_embeddings: bool) -> int:
+  """Bytes of weights one batch-1 decode step reads: every parameter, less the embedding table when the LM head is
+  a separate weight (then the embedding is a one-row gather; tied, the table is the LM head and is read whole)."""
+  total = sum(int(np.size(leaf)) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree_util.tree_leaves(params))
+  if not tie_embeddings:
+    table = params["embed"]["embedding"]
+    total -= int(np.size(table)) * np.dtype(table.dtype).itemsize
+  return total
 
 
 def linear_params(params) -> int:
@@ -96,8 +124,8 @@ def _compile_and_time(prefill_fn, decode_fn, prefill_args, decode_args_of, repea
 def bench_startup_job(target: str = jobs.DEFAULT_TARGET, drafter: str | None = jobs.DEFAULT_DRAFTER,
                       gamma: int = 4, dtypes=("float32", "bfloat16"), layouts=("scanned", "unrolled"),
                       prompt_width: int = 256, batch: int = 1,
-                      max_new_tokens: int = 32, matmul_size: int = 2048, repeats: int = 3,
-                      cache_dir: str | None = None, output_json: str | None = "results/bench_startup.json") -> dict:
+                      max_new_tokens: int = 32, matmul_size: int = 2048, bandwidth_mib: int = 1024,
+                      repeats: int = 3, cache_dir: str | None = None, output_json: str | None = "results/bench_startup.json") -> dict:
   """Run the benchmark (see the module docstring); returns the report. With ``drafter`` (None: skip), the block
   verification programs (prefill of both models, the speculative loop at ``gamma``) are compiled and timed too.
   ``layouts``: "scanned" (layers stacked and compiled once, what the decoding jobs load) and / or "unrolled" (one
@@ -106,7 +134,7 @@ def bench_startup_job(target: str = jobs.DEFAULT_TARGET, drafter: str | None = j
   from blockspec_jax import sampling
   from blockspec_jax.decoding import speculative as spec
   for name, value in (("prompt_width", prompt_width), ("batch", batch), ("max_new_tokens", max_new_tokens),
-                      ("matmul_size", matmul_size), ("repeats", repeats)):
+                      ("matmul_size", matmul_size), ("bandwidth_mib", bandwidth_mib), ("repeats", repeats)):
     jobs._check_positive_int(value, name)
   jobs.check_gamma(gamma)
   jobs.check_settings(models=(target,) + ((drafter,) if drafter else ()))
@@ -117,6 +145,8 @@ def bench_startup_job(target: str = jobs.DEFAULT_TARGET, drafter: str | None = j
     raise jobs.UsageError(f"bench_startup.layouts must name 'scanned' and / or 'unrolled', got {list(layouts)}")
   jobs.enable_compilation_cache("off")  # compile times must be compile times, not cache loads
   sampler = sampling.Sampler(temperature=1.0)
+  bandwidth = memory_gbps(bandwidth_mib, repeats)
+  print(f"memory bandwidth (jitted sum over {bandwidth_mib} MiB): {bandwidth:.1f} GB/s", flush=True)
   rows = []
   for dtype, layout in [(d, lay) for d in dtypes for lay in layouts]:
     scan = layout == "scanned"
@@ -142,13 +172,18 @@ def bench_startup_job(target: str = jobs.DEFAULT_TARGET, drafter: str | None = j
                prefill_gflops=work / ar["prefill_s"] / 1e9,
                decode_tokens_per_s=batch * max_new_tokens / ar["decode_s"])
     row["prefill_fraction_of_peak"] = row["prefill_gflops"] / peak
+    row["decode_bytes_per_token"] = decode_weight_bytes(tp, config.tie_embeddings)
+    row["decode_roofline_tokens_per_s"] = bandwidth * 1e9 / row["decode_bytes_per_token"]
+    row["decode_fraction_of_roofline"] = row["decode_tokens_per_s"] / row["decode_roofline_tokens_per_s"]
     row["first_token_s"] = (load_s + row["prefill_lower_s"] + row["prefill_compile_s"] + row["decode_lower_s"]
                             + row["decode_compile_s"] + row["prefill_s"])
     line = (f"{target} {dtype} {layout}: load {load_s:.1f} s, prefill compile {row['prefill_lower_s']:.1f} + "
             f"{row['prefill_compile_s']:.1f} s, decode compile {row['decode_lower_s']:.1f} + "
             f"{row['decode_compile_s']:.1f} s; prefill {row['prefill_tokens_per_s']:.0f} tok/s = "
             f"{row['prefill_gflops']:.1f} GFLOP/s ({100 * row['prefill_fraction_of_peak']:.0f}% of the {peak:.1f} "
-            f"GFLOP/s matmul peak); decode {row['decode_tokens_per_s']:.2f} tok/s")
+            f"GFLOP/s matmul peak); decode {row['decode_tokens_per_s']:.2f} tok/s "
+            f"({100 * row['decode_fraction_of_roofline']:.0f}% of the {row['decode_roofline_tokens_per_s']:.2f} tok/s "
+            f"that {row['decode_bytes_per_token'] / 1e9:.2f} GB of weights per token allow at {bandwidth:.1f} GB/s)")
     if drafter:
       start = time.perf_counter()
       dmodel = jobs.load_model(drafter, dtype, cache_dir, progress=False, scan_layers=scan)
@@ -171,17 +206,19 @@ def bench_startup_job(target: str = jobs.DEFAULT_TARGET, drafter: str | None = j
     print(line, flush=True)
     del model, tp
   header = (f"{'dtype':<9} {'layout':<8} {'peak GF/s':>9} {'load s':>7} {'AR compile s':>12} {'prefill tok/s':>13} "
-            f"{'GF/s':>6} {'% peak':>6} {'decode tok/s':>12} {'first token s':>13} {'block compile s':>15} "
+            f"{'GF/s':>6} {'% peak':>6} {'decode tok/s':>12} {'% roofline':>10} {'first token s':>13} {'block compile s':>15} "
             f"{'block first s':>13}")
   print("\n" + header + "\n" + "-" * len(header))
   for r in rows:
     compile_s = r["prefill_lower_s"] + r["prefill_compile_s"] + r["decode_lower_s"] + r["decode_compile_s"]
     print(f"{r['dtype']:<9} {r['layout']:<8} {r['matmul_gflops']:>9.1f} {r['load_s']:>7.1f} {compile_s:>12.1f} "
           f"{r['prefill_tokens_per_s']:>13.0f} {r['prefill_gflops']:>6.1f} "
-          f"{100 * r['prefill_fraction_of_peak']:>5.0f}% {r['decode_tokens_per_s']:>12.2f} {r['first_token_s']:>13.1f} "
+          f"{100 * r['prefill_fraction_of_peak']:>5.0f}% {r['decode_tokens_per_s']:>12.2f} "
+          f"{100 * r['decode_fraction_of_roofline']:>9.0f}% {r['first_token_s']:>13.1f} "
           f"{r.get('block_compile_s', float('nan')):>15.1f} {r.get('block_first_token_s', float('nan')):>13.1f}")
   report = dict(target=target, drafter=drafter, gamma=gamma, prompt_width=prompt_width, batch=batch,
-                max_new_tokens=max_new_tokens, matmul_size=matmul_size, repeats=repeats, jax=jax.__version__,
+                max_new_tokens=max_new_tokens, matmul_size=matmul_size, repeats=repeats, memory_gbps=bandwidth,
+                bandwidth_mib=bandwidth_mib, jax=jax.__version__,
                 platform=jax.devices()[0].platform, peak_rss_gb=jobs.peak_rss_gb(), rows=rows)
   if output_json and jobs.is_main_process():
     print(f"wrote {jobs.write_report(output_json, report)}")
