@@ -3,10 +3,11 @@ import os
 # The test run compiles thousands of small programs and runs most of them for milliseconds, so XLA's compile time is
 # most of its time: LLVM at optimisation level 0 compiles them about 1.5x faster (tests/test_speculative.py 142 s ->
 # 87 s on 2 cores), though unoptimised code runs the real-model end-to-end tests slower (the smoke suite 72 -> 90 s);
-# the whole default run went from 19.2 to 17.6 min. Every exactness test compares programs compiled in one process under one setting (the layouts,
-# the rules, sharded vs one device), and those comparisons hold at either level; the level does move float32 results
-# by ulps (SmolLM2's logits by up to 2e-4), so figures the README reports come from the jobs at XLA's default level,
-# never from here. The 8-device sharding test runs in a subprocess at the default level. A level of your own in
+# the whole default run went from 19.2 to 17.6 min. Every exactness test compares programs compiled in one process
+# under one setting (the layouts, the rules, sharded vs one device); the level moves float32 results by ulps
+# (SmolLM2's logits by up to 2e-4) but not such comparisons (SmolLM2's stacked and unrolled logits are bit-identical
+# at level 0 and at the default level alike). Figures the README reports come from the jobs at XLA's default level,
+# never from here, and the 8-device sharding tests run in subprocesses at the default level. A level of your own in
 # XLA_FLAGS wins (e.g. XLA_FLAGS=--xla_backend_optimization_level=2 python -m pytest ... for the product's level).
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()

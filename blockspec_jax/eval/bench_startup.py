@@ -125,7 +125,8 @@ def bench_startup_job(target: str = jobs.DEFAULT_TARGET, drafter: str | None = j
                       gamma: int = 4, dtypes=("float32", "bfloat16"), layouts=("scanned", "unrolled"),
                       prompt_width: int = 256, batch: int = 1,
                       max_new_tokens: int = 32, matmul_size: int = 2048, bandwidth_mib: int = 1024,
-                      repeats: int = 3, cache_dir: str | None = None, output_json: str | None = "results/bench_startup.json") -> dict:
+                      repeats: int = 3, cache_dir: str | None = None,
+                      output_json: str | None = "results/bench_startup.json") -> dict:
   """Run the benchmark (see the module docstring); returns the report. With ``drafter`` (None: skip), the block
   verification programs (prefill of both models, the speculative loop at ``gamma``) are compiled and timed too.
   ``layouts``: "scanned" (layers stacked and compiled once, what the decoding jobs load) and / or "unrolled" (one
@@ -206,8 +207,8 @@ def bench_startup_job(target: str = jobs.DEFAULT_TARGET, drafter: str | None = j
     print(line, flush=True)
     del model, tp
   header = (f"{'dtype':<9} {'layout':<8} {'peak GF/s':>9} {'load s':>7} {'AR compile s':>12} {'prefill tok/s':>13} "
-            f"{'GF/s':>6} {'% peak':>6} {'decode tok/s':>12} {'% roofline':>10} {'first token s':>13} {'block compile s':>15} "
-            f"{'block first s':>13}")
+            f"{'GF/s':>6} {'% peak':>6} {'decode tok/s':>12} {'% roofline':>10} {'first token s':>13} "
+            f"{'block compile s':>15} {'block first s':>13}")
   print("\n" + header + "\n" + "-" * len(header))
   for r in rows:
     compile_s = r["prefill_lower_s"] + r["prefill_compile_s"] + r["decode_lower_s"] + r["decode_compile_s"]
