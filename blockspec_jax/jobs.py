@@ -5,7 +5,7 @@ benchmarks import these helpers from here, so no job imports another.
   cache-room check (:func:`check_cache_room`);
 * a drafter/target pair check (:func:`check_pair`), prompt encoding (:func:`encode_prompts`);
 * one method's timed decode over a prompt set (:func:`run_method`), with the first call's compilation announced
-  (:func:`compiling`);
+  (:func:`compiling`) and prefills shared between methods that run the same one (:class:`PrefillCache`);
 * JAX's persistent compilation cache (:func:`enable_compilation_cache`), peak memory (:func:`peak_rss_gb`), and the
   release of compiled programs before a long-lived process runs out of memory mappings
   (:func:`release_programs_if_near_map_limit`);
@@ -35,6 +35,7 @@ from blockspec_jax.paths import default_cache_dir
 __all__ = ["METHODS", "AUTOREGRESSIVE", "known_methods", "parse_method", "build_drafter", "UsageError", "load_model",
            "check_model_name", "drafter_labels", "check_gamma", "check_settings", "check_verifier_settings",
            "check_cache_room", "check_pair", "encode_prompts", "load_models", "check_methods_fit", "run_method",
+           "PrefillCache",
            "method_gamma", "method_is_lossy", "compiling", "enable_compilation_cache", "COMPILE_CACHE_ENV_VAR",
            "peak_rss_gb",
            "mapped_regions", "max_mapped_regions", "release_programs_if_near_map_limit", "cli_errors",
@@ -496,10 +497,55 @@ def check_verifier_settings(settings: dict | None) -> None:
       raise UsageError(f"verifier_settings[{rule!r}]: {e}") from None
 
 
+class PrefillCache:
+  """Prefill states shared by the methods of one job: a prompt's prefill depends on the models, the drafter, γ and
+  the token budget (they size and fill the caches), never on the temperature, the sampler or the verifier, so
+  ``autoregressive`` at T = 0 and T = 1, or ``token`` and ``block`` at one γ with one drafter, run the same prefill
+  program on the same inputs and get the same state bit for bit. :func:`run_method` given a cache computes each
+  such state once, times it once, and charges that measured time to every row that uses it (its ``prefill_s``),
+  so rows stay comparable end to end. The decode phase never donates its input state, so a state serves any
+  number of decodes.
+
+  Keys hold the models' ``id``: a cache belongs to one job, whose models live as long as it does. States are kept
+  oldest-first and evicted beyond ``max_bytes`` (the Qwen pair's state of a 300-token prompt is ~30 MB), so a job
+  reuses best when the rows sharing a prefill run close together. ``hits`` counts reused states."""
+
+  def __init__(self, max_bytes: int = 2 << 30):
+    import collections
+    self.max_bytes = int(max_bytes)
+    self.hits = 0
+    self._entries = collections.OrderedDict()  # key -> (state, seconds, bytes)
+    self._bytes = 0
+
+  def get(self, key):
+    """``(state, seconds)`` of ``key``, or None."""
+    entry = self._entries.get(key)
+    if entry is None:
+      return None
+    self.hits += 1
+    return entry[0], entry[1]
+
+  def put(self, key, state, seconds: float) -> None:
+    """Keep ``state`` (measured in ``seconds``), evicting the oldest states beyond ``max_bytes``."""
+    import jax
+    size = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(state))
+    if key in self._entries or size > self.max_bytes:
+      return
+    self._entries[key] = (state, float(seconds), size)
+    self._bytes += size
+    while self._bytes > self.max_bytes:
+      self._bytes -= self._entries.popitem(last=False)[1][2]
+
+  def __len__(self) -> int:
+    return len(self._entries)
+
+
 def _phases(method: str, target, drafter, gamma: int, max_new_tokens: int, sampler, stop_ids,
             drafter_settings=None, verifier_settings=None):
   """The method's two compiled phases: ``prefill(tokens, lens) -> state`` and ``decode(keys, state) ->
-  DecodeOutput`` (together exactly ``generate_autoregressive`` / ``generate_speculative``)."""
+  DecodeOutput`` (together exactly ``generate_autoregressive`` / ``generate_speculative``), and the key of its
+  prefill (:class:`PrefillCache`: equal for methods whose prefills are the same program on the same parameters;
+  None when the drafter cannot be hashed, then nothing is shared)."""
   from blockspec_jax.decoding import speculative as spec
   tp = target.params["params"]
   rule, drafter_name = parse_method(method)
@@ -507,16 +553,24 @@ def _phases(method: str, target, drafter, gamma: int, max_new_tokens: int, sampl
     common = dict(target=target.config, max_new_tokens=max_new_tokens)
     return (lambda tokens, lens: spec.prefill_autoregressive(tp, tokens, lens, **common),
             lambda keys, state: spec.decode_autoregressive(tp, keys, state, sampler=sampler, stop_ids=stop_ids,
-                                                           **common))
+                                                           **common),
+            (AUTOREGRESSIVE, id(target), max_new_tokens))
   from blockspec_jax import verify
   gamma = method_gamma(rule, gamma, verifier_settings)
   rule = verify.get_verifier(rule, **dict((verifier_settings or {}).get(rule, {})))
   drafter_obj = build_drafter(drafter_name, target, drafter, drafter_settings, gamma)
   dp = drafter_params(drafter_obj, drafter, target)
   common = dict(target=target.config, drafter=drafter_obj, gamma=gamma, max_new_tokens=max_new_tokens)
+  # The drafter object (its settings: a trained drafter's path, a tree's shape) and the two models determine ``dp``.
+  key = ("speculative", id(target), id(drafter), drafter_obj, gamma, max_new_tokens)
+  try:
+    hash(key)
+  except TypeError:
+    key = None
   return (lambda tokens, lens: spec.prefill_speculative(tp, dp, tokens, lens, **common),
           lambda keys, state: spec.decode_speculative(tp, dp, keys, state, verifier=rule, sampler=sampler,
-                                                      stop_ids=stop_ids, **common))
+                                                      stop_ids=stop_ids, **common),
+          key)
 
 
 def method_is_lossy(method: str, sampler, verifier_settings: dict | None = None) -> bool:
@@ -555,7 +609,7 @@ def drafter_params(drafter_obj, drafter_model, target_model):
 
 def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tokens, temperature, seed, stop_ids,
                drafter_settings=None, verifier_settings=None, top_k: int = 0, top_p: float = 1.0,
-               warm: bool = False):
+               warm: bool = False, prefills: PrefillCache | None = None):
   """Decode every prompt at batch 1 with ``method`` ("autoregressive", a verifier name, or
   ``"<verifier>@<drafter>"``, see :func:`parse_method`; ``drafter_settings`` as in :func:`build_drafter`); returns
   the summary row and the generated token lists.
@@ -568,6 +622,9 @@ def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tok
   ``temperature``, ``top_k`` and ``top_p`` make the sampler both models decode with (``sampling.Sampler``).
   ``warm``: a previous call compiled the same programs (same method, γ, sampler, width and models), so the untimed
   first run is skipped (a suite's later categories).
+  ``prefills``: a :class:`PrefillCache` shared by the job's calls: a prompt whose prefill another method already
+  ran (same models, drafter, γ and budget) starts from that state, and this row's ``prefill_s`` counts the time it
+  took there (``prefills_reused`` says for how many prompts).
   """
   import jax
   from blockspec_jax import sampling
@@ -575,25 +632,39 @@ def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tok
   if not warm:  # a long sweep of methods and shapes in one process; never between a warm call and its programs
     release_programs_if_near_map_limit()
   sampler = sampling.Sampler(temperature=temperature, top_k=top_k, top_p=top_p)
-  prefill, decode = _phases(method, target, drafter, gamma, max_new_tokens, sampler, stop_ids, drafter_settings,
-                            verifier_settings)
+  prefill, decode, prefill_key = _phases(method, target, drafter, gamma, max_new_tokens, sampler, stop_ids,
+                                         drafter_settings, verifier_settings)
+  if prefill_key is None:
+    prefills = None
   padded = [(ids + [0] * (width - len(ids))) for ids in prompt_ids]
   key = jax.random.key(seed)
+  reused = 0
 
   def one(keys, row, length, compile_only=False):
     """One prompt: (output, prefill seconds, decode seconds, programs compiled inside the two timed calls).
     ``compile_only``: the decode phase starts from a state whose rows are all finished, so it compiles the very
-    program the timed prompts run (same shapes, same static arguments) but its loop runs no iteration."""
+    program the timed prompts run (same shapes, same static arguments) but its loop runs no iteration. A state
+    from ``prefills`` is used as it is and its recorded time returned; a timed prefill is kept there."""
+    nonlocal reused
     tokens, lens = np.asarray([row], np.int32), np.asarray([length], np.int32)
+    cache_key = (prefill_key, tuple(row), length) if prefills is not None else None
+    shared = prefills.get(cache_key) if cache_key is not None else None
     compiled = backend_compiles()
     start = time.perf_counter()
-    state = jax.block_until_ready(prefill(tokens, lens))
+    if shared is not None:
+      state, prefill_s = shared
+      reused += not compile_only
+    else:
+      state = jax.block_until_ready(prefill(tokens, lens))
+      prefill_s = time.perf_counter() - start
+      if cache_key is not None and not compile_only:  # a compiling call's time is not a prefill's
+        prefills.put(cache_key, state, prefill_s)
     if compile_only:
       state = state.replace(done_B=np.ones(state.done_B.shape, bool))
     middle = time.perf_counter()
     out = jax.block_until_ready(decode(keys, state))
     end = time.perf_counter()
-    return out, middle - start, end - middle, backend_compiles() - compiled
+    return out, prefill_s, end - middle, backend_compiles() - compiled
 
   label = f"{method} (T = {temperature:g}" + ("" if method == "autoregressive" else
                                                f", γ = {method_gamma(method.partition('@')[0], gamma, verifier_settings)}") + ")"
@@ -623,7 +694,7 @@ def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tok
                  lossy=lossy, target_calls_per_token=calls / max(tokens, 1),
                  prompts=len(prompt_ids), tokens_generated=tokens, target_calls=calls, wall_s=wall,
                  tokens_per_s=tokens / wall, prefill_s=prefill_s, decode_s=decode_s,
-                 decode_tokens_per_s=tokens / decode_s, compiles_while_timed=compiles)
+                 decode_tokens_per_s=tokens / decode_s, compiles_while_timed=compiles, prefills_reused=reused)
   merged = jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *metrics)
   if extras and extras[0] is not None:  # rule-specific counters (SPRINTER's flags and SD rejections), summed
     summary.update({k: int(np.sum(v)) for k, v in dataclasses.asdict(

@@ -11,7 +11,9 @@ drafter shapes, e.g. ``{"k_chains": {"k": 4}, "rsd_c": {"branching": (2, 2, 1, 1
 method decodes every prompt at batch 1 (one compiled program per method and
 temperature: prompts are padded to a common width and carry their own lengths, so nothing recompiles per prompt;
 the first prompt's prefill runs once untimed and the decode program is compiled on a finished state, so
-compiling adds no decode). Prints a table and writes a JSON file with, per method and
+compiling adds no decode). Methods that run the same prefill (every speculative method with one drafter at one γ,
+autoregressive decoding at every temperature) compute each prompt's prefill once and share it: its measured time is
+charged to every row that uses it (``run_job.share_prefills = False`` times every row's own). Prints a table and writes a JSON file with, per method and
 temperature: block efficiency (mean acceptance length), draft acceptance rate, per-position acceptance, target calls,
 tokens generated, wall time, tokens/s and speedup over autoregressive decoding at the same temperature, end to end
 and for the decode phase alone (prefill and decode are compiled and timed apart), and every method's generated token
@@ -55,6 +57,10 @@ def format_table(rows, drafters: list[str] | None = None) -> str:
                "rate; lossy: the rule does not sample the target's law at this temperature; speedup: tokens/s over "
                "autoregressive decoding of the target at the same temperature, end to end (prefill + decode); dec: "
                "the decode phase alone (prompt forwards timed apart and left out).")
+  if any(r.get("prefills_reused") for r in rows):
+    lines.append("prefill s: a prompt's prefill is computed once for the rows that run the same one (one drafter "
+                 "and γ, or autoregressive decoding at every temperature) and its measured time is counted in each "
+                 "of them.")
   if drafters:
     first = {(r["method"], r["temperature"]): r for r in rows if r.get("drafter") == drafters[0]}
     for r in rows:
@@ -74,7 +80,7 @@ def run_job(target: str = jobs.DEFAULT_TARGET, drafter=jobs.DEFAULT_DRAFTER,
             seed: int = 0, chat: bool = True, output_json: str | None = "results/run.json",
             cache_dir: str | None = None, show_text: bool = True, compilation_cache: str | None = None,
             drafter_settings: dict | None = None, verifier_settings: dict | None = None,
-            scan_layers: bool = True) -> dict:
+            scan_layers: bool = True, share_prefills: bool = True) -> dict:
   """The main job (see the module docstring). Every setting is checked before a model is loaded.
 
   ``drafter``: a model name or path, the work directory of a drafter training run (``python -m
@@ -85,6 +91,9 @@ def run_job(target: str = jobs.DEFAULT_TARGET, drafter=jobs.DEFAULT_DRAFTER,
   ``scan_layers``: load both models in the stacked layout (layers compiled once: programs compile 3-5x faster, the same
   tokens; on this CPU its decode steps are about 6% and its prefill about 18% slower than the unrolled layout's, which
   ``False`` selects for long measurements).
+  ``share_prefills``: rows that run the same prefill (same models, drafter, γ and budget: temperature and verifier
+  do not enter it) compute each prompt's prefill once (``jobs.PrefillCache``; the same state bit for bit) and each
+  count its measured time; False runs and times every row's own.
   ``compilation_cache``: JAX's persistent compilation cache directory (default ``$BLOCKSPEC_JAX_COMPILE_CACHE`` or
   ``<cache dir>/jax_compilation``; "off" disables it): a second run loads its compiled programs from there.
   """
@@ -98,8 +107,9 @@ def run_job(target: str = jobs.DEFAULT_TARGET, drafter=jobs.DEFAULT_DRAFTER,
   if not rows:
     raise jobs.UsageError(f"no prompts in {prompts_path}")
   compile_dir = jobs.enable_compilation_cache(compilation_cache)
-  if not isinstance(scan_layers, bool):
-    raise jobs.UsageError(f"run_job.scan_layers must be True or False, got {scan_layers!r}")
+  for name, value in (("scan_layers", scan_layers), ("share_prefills", share_prefills)):
+    if not isinstance(value, bool):
+      raise jobs.UsageError(f"run_job.{name} must be True or False, got {value!r}")
   target_model, drafter_models, load_s = jobs.load_models(target, drafter_names, dtype, cache_dir, scan_layers)
   labels = jobs.drafter_labels(drafter_names)
   print(f"loaded {', '.join(map(str, drafter_names))} → {target} ({dtype}) in {load_s:.1f} s; "
@@ -112,6 +122,7 @@ def run_job(target: str = jobs.DEFAULT_TARGET, drafter=jobs.DEFAULT_DRAFTER,
   stop_ids = target_model.stop_ids
   several = len(drafter_models) > 1
   results, texts, generated = [], {}, {}
+  prefills = jobs.PrefillCache() if share_prefills else None
   for temperature in temperatures:
     baseline = None
     for method in methods:
@@ -120,7 +131,7 @@ def run_job(target: str = jobs.DEFAULT_TARGET, drafter=jobs.DEFAULT_DRAFTER,
         summary, outputs = jobs.run_method(method, target_model, drafter_model, prompt_ids, width, gamma=gamma,
                                            max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                            stop_ids=stop_ids, drafter_settings=drafter_settings,
-                                           verifier_settings=verifier_settings)
+                                           verifier_settings=verifier_settings, prefills=prefills)
         if label is not None:
           summary["drafter"] = label
         if method == jobs.AUTOREGRESSIVE:

@@ -44,6 +44,10 @@ def test_main_job_on_smollm2(tmp_path, capsys):
     assert r["wall_s"] == pytest.approx(r["prefill_s"] + r["decode_s"]) and 0 < r["prefill_s"] < r["wall_s"]
     assert r["block_efficiency"] == pytest.approx(4.0)  # drafter = target at T = 0: every draft token accepted
     assert r["invalid_prob_rows"] == 0
+  # block and greedy run one prefill (the model chain at γ = 3): greedy reuses block's; the RSD-C tree has its own.
+  assert [by_method[m]["prefills_reused"] for m in methods] == [0, 0, 1, 0]
+  assert by_method["greedy"]["prefill_s"] == by_method["block"]["prefill_s"]
+  assert "counted in each" in printed
   # Greedy: the same text from every method (speculative decoding is lossless; the drafter is the target here).
   texts = report["sample_text"]
   assert len({texts[f"{m}@T=0.0"] for m in methods}) == 1
@@ -62,6 +66,42 @@ def test_the_stacked_and_unrolled_layouts_emit_the_same_tokens(tmp_path):
     assert (a.get("block_efficiency"), a["target_calls"]) == (b.get("block_efficiency"), b["target_calls"])
   with pytest.raises(jobs.UsageError, match="scan_layers must be True or False"):
     run.run_job(target="smollm2-135m", drafter="smollm2-135m", scan_layers="yes")
+
+
+def test_shared_prefills_change_no_token_and_charge_every_row(tmp_path):
+  """Rows that run the same prefill share it (autoregressive decoding at both temperatures; token and block at one
+  γ): the same token ids, acceptance and target calls as when every row runs its own, each shared prefill computed
+  once and its time counted in every row that uses it."""
+  common = dict(target="smollm2-135m", drafter="smollm2-135m", num_prompts=2, gamma=3, temperatures=(0.0, 1.0),
+                methods=("autoregressive", "token", "block"), max_new_tokens=8, output_json=None, show_text=False)
+  shared, own = (run.run_job(**common, share_prefills=share) for share in (True, False))
+  assert shared["generated_ids"] == own["generated_ids"]
+  for a, b in zip(shared["results"], own["results"]):
+    assert (a.get("block_efficiency"), a["target_calls"], a.get("acceptance_per_position")) == (
+        b.get("block_efficiency"), b["target_calls"], b.get("acceptance_per_position"))
+    assert b["prefills_reused"] == 0
+  rows = {(r["method"], r["temperature"]): r for r in shared["results"]}
+  assert [r["prefills_reused"] for r in shared["results"]] == [0, 0, 2, 2, 2, 2]
+  assert rows["autoregressive", 0.0]["prefill_s"] == rows["autoregressive", 1.0]["prefill_s"] > 0
+  assert len({rows[m, t]["prefill_s"] for m in ("token", "block") for t in (0.0, 1.0)}) == 1
+  for r in shared["results"]:
+    assert r["wall_s"] == pytest.approx(r["prefill_s"] + r["decode_s"])
+  with pytest.raises(jobs.UsageError, match="share_prefills must be True or False"):
+    run.run_job(target="smollm2-135m", drafter="smollm2-135m", share_prefills=1)
+
+
+def test_prefill_cache_keeps_the_newest_states_within_its_budget():
+  cache = jobs.PrefillCache(max_bytes=3 * 400)
+  states = {k: {"cache": np.zeros((100,), np.float32) + k} for k in range(4)}  # 400 bytes each
+  for k, state in states.items():
+    cache.put(("p", k), state, seconds=0.5 + k)
+  assert len(cache) == 3 and cache.get(("p", 0)) is None  # the oldest evicted
+  state, seconds = cache.get(("p", 3))
+  assert state is states[3] and seconds == 3.5 and cache.hits == 1
+  cache.put(("p", 3), states[0], seconds=9.0)  # a key is measured once: the first time stays
+  assert cache.get(("p", 3))[1] == 3.5
+  cache.put(("big",), {"x": np.zeros((1000,), np.float32)}, seconds=1.0)  # larger than the whole budget: not kept
+  assert cache.get(("big",)) is None and len(cache) == 3
 
 
 def test_pair_checks():

@@ -121,6 +121,8 @@ def test_smoke_suite_on_smollm2_writes_a_usable_run_directory(tmp_path, monkeypa
       assert r["tokens_generated"] / r["target_calls"] <= 3.0
     assert not r["lossy"] and r["peak_rss_gb"] > 0
     assert r["compiles_while_timed"] == 0  # later categories reuse the first one's programs (warm runs)
+    # block reuses token's prefills (one drafter, one γ); autoregressive runs once per temperature here
+    assert r["prefills_reused"] == (r["prompts"] if r["method"] == "block" else 0)
   pooled = [r for r in rows if r["task"] == "all"]
   assert [p["tokens_generated"] for p in pooled] == [
       sum(r["tokens_generated"] for r in rows if r["method"] == p["method"] and r["task"] != "all") for p in pooled]
@@ -170,9 +172,12 @@ def test_the_grid_runs_each_method_at_its_gammas_and_autoregressive_once(tmp_pat
   report = suite.suite_job(prompts="default", methods=("autoregressive", "token", "block"), gammas=(2, 4),
                            method_gammas={"block": (8,)}, temperatures=(1.0, 0.0), out_dir=str(tmp_path / "run"),
                            plots=False, progress=False, target="smollm2-135m", drafter="smollm2-135m")
-  grid = [(m, g, t) for m, g, t, warm, _ in calls if not warm]
-  assert grid == [("autoregressive", 2, 1.0), ("token", 2, 1.0), ("token", 4, 1.0), ("block", 8, 1.0),
-                  ("autoregressive", 2, 0.0), ("token", 2, 0.0), ("token", 4, 0.0), ("block", 8, 0.0)]
+  grid = [("autoregressive", None, 1.0), ("token", 2, 1.0), ("token", 4, 1.0), ("block", 8, 1.0),
+          ("autoregressive", None, 0.0), ("token", 2, 0.0), ("token", 4, 0.0), ("block", 8, 0.0)]
+  executed = [(m, None if m == "autoregressive" else g, t) for m, g, t, warm, _ in calls if not warm]
+  # Executed grouped by γ (rows that may share a prefill one after the other), written in the grid's order.
+  assert executed == sorted(grid, key=lambda r: (-1 if r[1] is None else r[1], grid.index(r)))
+  assert [(r["method"], r["gamma"], r["temperature"]) for r in report["results"] if r["task"] == "all"] == grid
   assert len(calls) == 3 * len(grid) and len({w for *_, w in calls}) == 1 and calls[0][4] % 64 == 0
   assert [c[3] for c in calls[:3]] == [False, True, True]  # code compiles, chat and math reuse it
   assert len(report["results"]) == 4 * len(grid) and (tmp_path / "run" / "report.md").exists()

@@ -10,7 +10,10 @@ suite compiles one program per (method, γ, temperature), whatever its categorie
 the same bucket share compiled programs (with the persistent compilation cache). Every category of a method starts
 from the same seed, so methods are compared on the same prompts and keys. The first category of each program runs
 its first prompt's prefill once untimed and compiles the decode program on a finished state (no extra decode);
-the others reuse the compiled programs.
+the others reuse the compiled programs. Rows that run the same prefill (autoregressive decoding at every
+temperature; the methods sharing a drafter at one γ) compute each prompt's prefill once and each count its measured
+time (``jobs.PrefillCache``; ``suite.share_prefills = False`` times every row's own): the suite runs them one after
+the other, and writes its rows in the grid's order.
 
 Each run writes a directory (``suite.out_dir``; default ``results/suites/<name>-<UTC time>``):
 
@@ -75,8 +78,9 @@ def _pooled(rows: list[dict]) -> dict:
   out = {k: rows[0][k] for k in ("method", "gamma", "temperature", "top_k", "top_p", "lossy", "draft_nodes")
          if k in rows[0]}
   out["task"] = ALL_TASKS
-  for k in ("prompts", "tokens_generated", "target_calls", "wall_s", "prefill_s", "decode_s", "compiles_while_timed"):
-    out[k] = sum(r[k] for r in rows)
+  for k in ("prompts", "tokens_generated", "target_calls", "wall_s", "prefill_s", "decode_s", "compiles_while_timed",
+            "prefills_reused"):
+    out[k] = sum(r.get(k, 0) for r in rows)
   out["target_calls_per_token"] = out["target_calls"] / max(out["tokens_generated"], 1)
   out["tokens_per_s"] = out["tokens_generated"] / out["wall_s"]
   out["decode_tokens_per_s"] = out["tokens_generated"] / out["decode_s"]
@@ -247,6 +251,9 @@ def write_markdown(report: dict, rows: list[dict], plots: list[pathlib.Path], pa
            "draft acceptance rate; calls/token: target calls per emitted token; speedup: tokens/s over autoregressive "
            "decoding of the same category and temperature, "
            "end to end (prefill + decode); dec: the decode phase alone. Timings are one run on this machine."
+           + (" A prompt's prefill is computed once for the rows that run the same one (autoregressive decoding at "
+              "every temperature, the methods sharing a drafter at one γ) and its measured time counted in each."
+              if s.get("share_prefills") else "")
            + (" log p: the target's mean log-likelihood (T = 1) of the emitted tokens, Δ: its shift from "
               "autoregressive sampling (sampling noise for lossless rules, bias for lossy ones)." if fidelity else ""),
            ""]
@@ -304,7 +311,8 @@ def suite_job(name: str = "suite", target: str = jobs.DEFAULT_TARGET, drafter: s
               drafter_settings: dict | None = None, verifier_settings: dict | None = None,
               method_gammas: dict | None = None, width_bucket: int = 64, out_dir: str | None = None,
               cache_dir: str | None = None, compilation_cache: str | None = None, plots: bool = True,
-              progress: bool = True, fidelity: bool | None = None, scan_layers: bool = True) -> dict:
+              progress: bool = True, fidelity: bool | None = None, scan_layers: bool = True,
+              share_prefills: bool = True) -> dict:
   """Run a suite (see the module docstring) and write its directory; returns the report (also ``results.json``).
 
   ``prompts``: ``"six"`` (the shipped file with all six categories: code, chat, math, summarization, translation,
@@ -319,6 +327,7 @@ def suite_job(name: str = "suite", target: str = jobs.DEFAULT_TARGET, drafter: s
   log-likelihood of its emitted tokens (one teacher-forced target pass per prompt, outside the timed phases) and
   plot speed against it; None (default): when a rule of the grid is lossy at one of its temperatures.
   ``scan_layers``: the stacked layout (layers compiled once; ``False``: unrolled, as in the main job).
+  ``share_prefills``: rows that run the same prefill share it, as in the main job (``run_job.share_prefills``).
   Every setting is checked before a model is loaded.
   """
   methods, gammas, temperatures = tuple(methods), tuple(gammas), tuple(temperatures)
@@ -351,8 +360,9 @@ def suite_job(name: str = "suite", target: str = jobs.DEFAULT_TARGET, drafter: s
   out = pathlib.Path(out_dir) if out_dir else _default_out_dir(name)
 
   compile_dir = jobs.enable_compilation_cache(compilation_cache)
-  if not isinstance(scan_layers, bool):
-    raise jobs.UsageError(f"suite.scan_layers must be True or False, got {scan_layers!r}")
+  for flag, value in (("scan_layers", scan_layers), ("share_prefills", share_prefills)):
+    if not isinstance(value, bool):
+      raise jobs.UsageError(f"suite.{flag} must be True or False, got {value!r}")
   target_model, (drafter_model,), load_s = jobs.load_models(target, (drafter,), dtype, cache_dir, scan_layers)
   ids = {t: jobs.encode_prompts(target_model, task_rows, chat) for t, task_rows in by_task.items()}
   width = bucket_width(max(len(p) for task_ids in ids.values() for p in task_ids), width_bucket)
@@ -366,11 +376,16 @@ def suite_job(name: str = "suite", target: str = jobs.DEFAULT_TARGET, drafter: s
   # innermost, so one compiled program serves them all.
   runs = [(t, m, g) for t in temperatures for m in methods
           for g in ((None,) if m == jobs.AUTOREGRESSIVE else method_gammas.get(m, gammas))]
+  # Run them grouped by γ (autoregressive first), so rows that can share a prefill run one after the other; the
+  # rows are written in the grid's order.
+  order = sorted(range(len(runs)), key=lambda j: (-1 if runs[j][2] is None else runs[j][2], j))
+  prefills = jobs.PrefillCache() if share_prefills else None
   from tqdm.auto import tqdm
   bar = tqdm(total=len(runs) * len(tasks), desc=f"suite {name}", unit="run", disable=not progress, file=sys.stderr)
   start = time.perf_counter()
-  results = []
-  for temperature, method, gamma in runs:
+  by_run = {}
+  for j in order:
+    temperature, method, gamma = runs[j]
     per_task = []
     for i, task in enumerate(tasks):
       bar.set_postfix_str(f"{method} γ={gamma} T={temperature:g} {task}")
@@ -378,7 +393,7 @@ def suite_job(name: str = "suite", target: str = jobs.DEFAULT_TARGET, drafter: s
                                    gamma=gamma if gamma is not None else gammas[0], max_new_tokens=max_new_tokens,
                                    temperature=temperature, seed=seed, stop_ids=target_model.stop_ids,
                                    drafter_settings=drafter_settings, verifier_settings=verifier_settings,
-                                   top_k=top_k, top_p=top_p, warm=i > 0)
+                                   top_k=top_k, top_p=top_p, warm=i > 0, prefills=prefills)
       summary.update(task=task, top_k=top_k, top_p=top_p, peak_rss_gb=jobs.peak_rss_gb())
       if fidelity:  # one program for every row: the shape is the bucketed width + the token budget
         total, count, _ = fidelity_lib.target_loglik(target_model, ids[task], outputs, width=width + max_new_tokens,
@@ -386,10 +401,9 @@ def suite_job(name: str = "suite", target: str = jobs.DEFAULT_TARGET, drafter: s
         summary.update(loglik_sum=total, loglik_tokens=count, mean_logp=total / max(count, 1))
       per_task.append(summary)
       bar.update(1)
-    results += per_task
-    if len(tasks) > 1:
-      results.append(_pooled(per_task))
+    by_run[j] = per_task + ([_pooled(per_task)] if len(tasks) > 1 else [])
   bar.close()
+  results = [row for j in range(len(runs)) for row in by_run[j]]
   _with_speedups(results)
   wall = time.perf_counter() - start
   report = dict(
@@ -399,7 +413,8 @@ def suite_job(name: str = "suite", target: str = jobs.DEFAULT_TARGET, drafter: s
                     temperatures=list(temperatures), top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
                     dtype=dtype, seed=seed, chat=chat, drafter_settings=drafter_settings,
                     verifier_settings=verifier_settings, method_gammas=method_gammas or None,
-                    width_bucket=width_bucket, fidelity=bool(fidelity), scan_layers=scan_layers),
+                    width_bucket=width_bucket, fidelity=bool(fidelity), scan_layers=scan_layers,
+                    share_prefills=share_prefills),
       environment=dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        jax=jax.__version__, platform=jax.devices()[0].platform,
                        devices=f"{jax.device_count()} × {jax.devices()[0].device_kind}",
