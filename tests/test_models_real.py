@@ -22,6 +22,7 @@ import pytest
 from blockspec_jax import sampling
 from blockspec_jax.decoding import speculative
 from blockspec_jax.models import Decoder, causal_mask, gguf_convert, hub, init_cache, registry
+from blockspec_jax.models.decoder import stack_layers
 from blockspec_jax.models.tokenizer import tokenizer_from_gguf
 
 NUM_NEW_TOKENS = 32
@@ -313,6 +314,36 @@ def test_converted_cache_roundtrip_and_corruption(smol, tmp_path, capsys):
   np.testing.assert_array_equal(np.asarray(again.params["params"]["embed"]["embedding"]),
                                 np.asarray(first.params["params"]["embed"]["embedding"]))
   assert again.tokenizer.encode(PROMPTS[1]) == first.tokenizer.encode(PROMPTS[1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_converted_cache_is_read_once_into_aligned_arrays(smol, dtype, tmp_path):
+  """The cache reader puts every parameter's bytes straight into a 64-byte-aligned array (the CPU device then takes
+  it without a copy), the layers straight into their stacks: the same bytes as np.load in both layouts; a
+  compressed file falls back to np.load with the same result."""
+  hub.load_model("smollm2-135m", dtype=dtype, progress=False)  # converted, if it was not yet
+  spec, path = registry.MODELS["smollm2-135m"], hub.converted_cache_path("smollm2-135m", dtype)
+  with np.load(path) as npz:
+    ref = {k: npz[k] for k in npz.files if k != "__meta__"}
+  unrolled_cfg, unrolled, _ = hub._load(path, spec, dtype)
+  flat = {".".join(k.key for k in kp): np.asarray(v) for kp, v in
+          jax.tree_util.tree_flatten_with_path(unrolled["params"])[0]}
+  assert sorted(flat) == sorted(ref) and not unrolled_cfg.scan_layers
+  for k, v in flat.items():
+    assert v.ctypes.data % 64 == 0 and v.tobytes() == ref[k].tobytes(), k
+  stacked_cfg, stacked, _ = hub._load(path, spec, dtype, stacked=True)
+  assert stacked_cfg.scan_layers and "layers_0" not in stacked["params"]
+  expected = stack_layers(unrolled["params"], unrolled_cfg.num_layers)
+  assert jax.tree.structure(stacked["params"]) == jax.tree.structure(expected)
+  for a, b in zip(jax.tree.leaves(stacked["params"]), jax.tree.leaves(expected)):
+    assert a.dtype == b.dtype and a.ctypes.data % 64 == 0 and a.tobytes() == b.tobytes()
+  compressed = tmp_path / path.name
+  with np.load(path) as npz:
+    np.savez_compressed(compressed, **{k: npz[k] for k in npz.files})
+  assert hub._stored_members(compressed) is None
+  _, fallback, _ = hub._load(compressed, spec, dtype, stacked=True)
+  for a, b in zip(jax.tree.leaves(fallback["params"]), jax.tree.leaves(expected)):
+    assert a.tobytes() == b.tobytes()
 
 
 def test_convert_rejects_unknown_tensors(smol):

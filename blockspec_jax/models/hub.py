@@ -162,8 +162,65 @@ def _save(path: pathlib.Path, config: DecoderConfig, params: dict, tokenizer: To
     tmp.unlink(missing_ok=True)  # also on KeyboardInterrupt; a SIGKILL leaves it to the next conversion
 
 
-def _load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str):
-  """``(config, params numpy tree, tokenizer)`` from a cache file; raises ValueError if it is stale or broken."""
+#: Host arrays read from the cache start on this boundary: XLA's CPU client then takes them as device buffers
+#: without a copy (``jax.device_put`` aliases a 64-byte-aligned, C-contiguous array).
+_ALIGN = 64
+
+
+def _aligned_empty(shape, dtype) -> np.ndarray:
+  """An uninitialised C-contiguous array whose data starts on a ``_ALIGN``-byte boundary."""
+  dtype = np.dtype(dtype)
+  nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  raw = np.empty(nbytes + _ALIGN, np.uint8)
+  start = -raw.ctypes.data % _ALIGN
+  return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def _stored_members(path: pathlib.Path) -> dict | None:
+  """``{name: (data offset, shape, dtype)}`` of the ``.npy`` members of an uncompressed ``.npz`` (what
+  ``np.savez`` writes), read from the zip directory and each member's local and ``.npy`` headers; None when a member
+  is compressed or not a plain C-ordered array (then the file is read with ``np.load``)."""
+  import struct
+  members = {}
+  with zipfile.ZipFile(path) as archive, open(path, "rb") as f:
+    for info in archive.infolist():
+      if info.compress_type != zipfile.ZIP_STORED or not info.filename.endswith(".npy"):
+        return None
+      f.seek(info.header_offset)
+      local = f.read(30)
+      if len(local) != 30 or local[:4] != b"PK\x03\x04":
+        raise ValueError(f"member {info.filename} has no local zip header")
+      name_len, extra_len = struct.unpack("<HH", local[26:30])
+      f.seek(info.header_offset + 30 + name_len + extra_len)
+      version = np.lib.format.read_magic(f)
+      shape, fortran, dtype = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
+                               else np.lib.format.read_array_header_2_0(f))
+      if fortran or dtype.hasobject:
+        return None
+      members[info.filename[:-4]] = (f.tell(), tuple(shape), dtype)
+  return members
+
+
+def _read_into(f, offset: int, out: np.ndarray) -> None:
+  """Fill the contiguous array ``out`` with the bytes at ``offset`` of the open file ``f`` (one copy, from the page
+  cache straight into ``out``); a short file is a ValueError."""
+  view = memoryview(out.reshape(-1).view(np.uint8))
+  f.seek(offset)
+  done = 0
+  while done < len(view):
+    n = f.readinto(view[done:])
+    if not n:
+      raise ValueError(f"file ends {len(view) - done} bytes early")
+    done += n
+
+
+def _load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str, stacked: bool = False):
+  """``(config, params numpy tree, tokenizer)`` from a cache file; raises ValueError if it is stale or broken.
+
+  Every parameter is read once, from the file into its final 64-byte-aligned host array (which the device then
+  takes without a copy); with ``stacked`` the layers' leaves go straight into their ``[L, ...]`` arrays (the
+  decoding layout, ``config.scan_layers``), so stacking costs no second copy of the model. The same bytes as
+  ``np.load`` (tested), into which a compressed or unusual file falls back."""
   with np.load(path, allow_pickle=False) as npz:
     meta = json.loads(str(npz[_META_KEY]))
     if meta.get("format") != _FORMAT_VERSION or meta.get("gguf_sha256") != spec.sha256 or meta.get("dtype") != dtype:
@@ -173,24 +230,61 @@ def _load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str):
     keys = set(npz.files) - {_META_KEY}
     if keys != {".".join(p) for p in expected}:
       raise ValueError("parameter names do not match the config")
-    tree: dict = {}
+    tokenizer = TokenizerWrapper.from_json(meta["tokenizer"])
+    members = _stored_members(path)
+    if members is None:  # np.load, then stack on the host
+      tree = {}
+      for param_path, shape in expected.items():
+        _check_shape(param_path, npz[".".join(param_path)].shape, shape)
+        _set(tree, param_path, _as_dtype(npz[".".join(param_path)], dtype))
+      model = LoadedModel(config=config, params={"params": tree}, tokenizer=tokenizer, spec=spec)
+      model = scanned(model, consume=True) if stacked else model
+      return model.config, model.params, tokenizer
+  layer_names = {f"layers_{i}": i for i in range(config.num_layers)} if stacked else {}
+  tree: dict = {}
+  with open(path, "rb") as f:
     for param_path, shape in expected.items():
-      value = npz[".".join(param_path)]
-      if dtype == "bfloat16":
-        value = value.view(jnp.bfloat16)
-      if value.shape != shape:
-        raise ValueError(f"{'/'.join(param_path)} has shape {value.shape}, expected {shape}")
+      offset, file_shape, file_dtype = members[".".join(param_path)]
+      _check_shape(param_path, file_shape, shape)
+      layer = layer_names.get(param_path[0])
+      if layer is None:
+        value = _aligned_empty(shape, file_dtype)
+        _read_into(f, offset, value)
+        _set(tree, param_path, _as_dtype(value, dtype))
+        continue
+      inner = ("layers",) + param_path[1:]
       node = tree
-      for key in param_path[:-1]:
+      for key in inner[:-1]:
         node = node.setdefault(key, {})
-      node[param_path[-1]] = value
-  return config, {"params": tree}, TokenizerWrapper.from_json(meta["tokenizer"])
+      if inner[-1] not in node:
+        node[inner[-1]] = _as_dtype(_aligned_empty((config.num_layers,) + tuple(shape), file_dtype), dtype)
+      _read_into(f, offset, node[inner[-1]][layer].view(file_dtype))
+  if stacked:
+    config = dataclasses.replace(config, scan_layers=True)
+  return config, {"params": tree}, tokenizer
 
 
-def _try_load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str):
+def _check_shape(param_path, shape, expected) -> None:
+  if tuple(shape) != tuple(expected):
+    raise ValueError(f"{'/'.join(param_path)} has shape {tuple(shape)}, expected {tuple(expected)}")
+
+
+def _as_dtype(value: np.ndarray, dtype: str) -> np.ndarray:
+  """A cached array in its model dtype (bfloat16 is stored as its uint16 bits: ``.npy`` cannot spell it)."""
+  return value.view(jnp.bfloat16) if dtype == "bfloat16" else value
+
+
+def _set(tree: dict, param_path, value) -> None:
+  node = tree
+  for key in param_path[:-1]:
+    node = node.setdefault(key, {})
+  node[param_path[-1]] = value
+
+
+def _try_load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str, stacked: bool = False):
   """``_load(path, ...)``, or None (with a message) when the file is unusable; the caller rebuilds it."""
   try:
-    return _load(path, spec, dtype)
+    return _load(path, spec, dtype, stacked)
   except (ValueError, KeyError, TypeError, OSError, EOFError, zipfile.BadZipFile, json.JSONDecodeError) as e:
     print(f"[blockspec_jax] converted cache {path} is unusable ({type(e).__name__}: {e}); deleting it and "
           "converting again", file=sys.stderr)
@@ -236,13 +330,13 @@ def load_model(name: str | os.PathLike, dtype: str = "float32", cache_dir: os.Pa
   name = spec.name
   path = converted_cache_path(spec.cache_name if isinstance(spec, LocalSource) else name, dtype, cache_dir)
   seen = registry.file_id(path)
-  loaded = None if seen is None else _try_load(path, spec, dtype)
+  loaded = None if seen is None else _try_load(path, spec, dtype, scan_layers)
   if loaded is None:
     registry.check_writable_dir(path.parent, f"the converted parameters of {name} ({dtype})")  # before any work
     with registry.cache_lock(path.with_name(path.name + ".lock"), f"converting {name} ({dtype}) into {path}") as locked:
       now = registry.file_id(path)
       if now is not None and now != seen:
-        loaded = _try_load(path, spec, dtype)  # converted by another process while this one waited for the lock
+        loaded = _try_load(path, spec, dtype, scan_layers)  # converted by another process while this one waited
       if loaded is None:
         registry.remove_stale(path.parent, path.name + ".partial-", locked)  # left by killed runs
         if now is not None:
@@ -261,7 +355,7 @@ def load_model(name: str | os.PathLike, dtype: str = "float32", cache_dir: os.Pa
   config, params, tokenizer = loaded
   del loaded
   model = LoadedModel(config=config, params=params, tokenizer=tokenizer, spec=spec)
-  if scan_layers:  # on the host arrays, before they move to the device
+  if scan_layers:  # on the host arrays, before they move to the device (read stacked already: nothing to do)
     model = scanned(model, consume=True)
   _device_put_in_place(model.params)
   return model
@@ -280,7 +374,8 @@ def scanned(model: LoadedModel, consume: bool = False) -> LoadedModel:
 
 def _device_put_in_place(tree: dict) -> None:
   """Replace every numpy leaf of ``tree`` by a device array, one at a time, dropping the host copy as it goes: peak
-  memory is the model plus one tensor, not two copies of the model (1.5B in float32: 6 GB instead of 12 GB)."""
+  memory is the model plus one tensor, not two copies of the model (1.5B in float32: 6 GB instead of 12 GB). On
+  the CPU a 64-byte-aligned leaf (what :func:`_load` reads) becomes the device buffer itself, without a copy."""
   for key, value in tree.items():
     if isinstance(value, dict):
       _device_put_in_place(value)
