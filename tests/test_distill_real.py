@@ -89,6 +89,7 @@ def test_main_job_runs_a_trained_drafter_beside_its_base_losslessly(fast_pair, c
   rows = report["results"]
   assert [r.get("drafter") for r in rows] == [None, "smollm2-135m", label]
   assert rows[1]["block_efficiency"] == pytest.approx(4.0)  # the target drafting for itself
+  assert [r["compiles_while_timed"] for r in rows] == [0, 0, 0]  # each drafter compiles before its timed prompts
   texts = set(report["sample_text"].values())
   assert len(texts) == 1  # greedy speculative decoding with either drafter = the target's own greedy text
 
