@@ -88,6 +88,9 @@ def test_bench_on_smollm2_end_to_end(tmp_path, capsys):
   assert rows["sprinter θ=0.6"]["num_head_flags"] == rows["sprinter θ=0.6"]["target_calls"]
   assert rows["sprinter θ=0.6"]["num_head_accepted"] == 0
   assert rows["sprinter θ=0.4"]["lossy"] and rows["mtad τ=0.5"]["lossy"] and not rows["block"]["lossy"]
+  # block reuses token's prefills, SPRINTER at θ = 0.6 those at θ = 0.4 (the threshold is the rule's, not the drafter's)
+  assert {k: r["prefills_reused"] for k, r in rows.items()} == {
+      "autoregressive": 0, "token": 0, "block": 2, "sprinter θ=0.4": 0, "sprinter θ=0.6": 2, "mtad τ=0.5": 0}
   for r in rows.values():
     assert r["humaneval_num"] == 1 and r["humaneval_passed"] in (0, 1)  # prompt 0 is HumanEval/0
     assert np.isfinite(r["mean_logp"]) and r["perplexity"] >= 1.0

@@ -169,14 +169,18 @@ def bench_lossy_job(target: str = jobs.DEFAULT_TARGET, drafter: str = jobs.DEFAU
                     humaneval_timeout_s: float = 10.0, tabular_n: int = 3,
                     output_json: str | None = "results/bench_lossy.json",
                     plot: str | None = "results/bench_lossy.png", cache_dir: str | None = None,
-                    compilation_cache: str | None = None) -> dict:
-  """The bench (module docstring). Every setting is checked before a model is loaded."""
+                    compilation_cache: str | None = None, share_prefills: bool = True) -> dict:
+  """The bench (module docstring). Every setting is checked before a model is loaded. ``share_prefills``: rows
+  that run the same prefill (token and block; SPRINTER at every threshold; MTAD at every τ) compute each prompt's
+  prefill once and each count its measured time, as in the main job (``jobs.PrefillCache``)."""
   from blockspec_jax.eval import humaneval
   specs = method_specs(thresholds, taus, cap)
   jobs.check_settings(gamma=gamma, methods=[s["method"] for s in specs], temperatures=(temperature,),
                       max_new_tokens=max_new_tokens, num_prompts=num_prompts, dtype=dtype, models=(target, drafter))
   for s in specs:
     jobs.check_verifier_settings(s["verifier_settings"])
+  if not isinstance(share_prefills, bool):
+    raise jobs.UsageError(f"bench_lossy.share_prefills must be True or False, got {share_prefills!r}")
   if not thresholds or not taus:
     raise jobs.UsageError("bench_lossy needs at least one SPRINTER threshold and one MTAD tau")
   drafter_settings = {"sprinter": {"head": sprinter_head}, "beam": {"width": beam_width, "sample": beam_sample}}
@@ -201,11 +205,12 @@ def bench_lossy_job(target: str = jobs.DEFAULT_TARGET, drafter: str = jobs.DEFAU
   if code_rows:
     problems = humaneval.load_problems([r["id"] for r in code_rows])
   results, baseline, ar_per_seq = [], None, None
+  prefills = jobs.PrefillCache() if share_prefills else None
   for s in specs:
     summary, outputs = jobs.run_method(s["method"], target_model, drafter_model, prompt_ids, width, gamma=gamma,
                                        max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                        stop_ids=target_model.stop_ids, drafter_settings=drafter_settings,
-                                       verifier_settings=s["verifier_settings"])
+                                       verifier_settings=s["verifier_settings"], prefills=prefills)
     summary["label"] = s["label"]
     summary["verifier_settings"] = s["verifier_settings"]
     total, count, per_seq = target_loglik(target_model, prompt_ids, outputs)
