@@ -177,9 +177,9 @@ def _aligned_empty(shape, dtype) -> np.ndarray:
 
 
 def _stored_members(path: pathlib.Path) -> dict | None:
-  """``{name: (data offset, shape, dtype)}`` of the ``.npy`` members of an uncompressed ``.npz`` (what
-  ``np.savez`` writes), read from the zip directory and each member's local and ``.npy`` headers; None when a member
-  is compressed or not a plain C-ordered array (then the file is read with ``np.load``)."""
+  """``{name: (member start, data offset, shape, dtype, CRC-32)}`` of the ``.npy`` members of an uncompressed
+  ``.npz`` (what ``np.savez`` writes), read from the zip directory and each member's local and ``.npy`` headers; None
+  when a member is compressed or not a plain C-ordered array (then the file is read with ``np.load``)."""
   import struct
   members = {}
   with zipfile.ZipFile(path) as archive, open(path, "rb") as f:
@@ -191,27 +191,34 @@ def _stored_members(path: pathlib.Path) -> dict | None:
       if len(local) != 30 or local[:4] != b"PK\x03\x04":
         raise ValueError(f"member {info.filename} has no local zip header")
       name_len, extra_len = struct.unpack("<HH", local[26:30])
-      f.seek(info.header_offset + 30 + name_len + extra_len)
+      start = info.header_offset + 30 + name_len + extra_len
+      f.seek(start)
       version = np.lib.format.read_magic(f)
       shape, fortran, dtype = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
                                else np.lib.format.read_array_header_2_0(f))
       if fortran or dtype.hasobject:
         return None
-      members[info.filename[:-4]] = (f.tell(), tuple(shape), dtype)
+      members[info.filename[:-4]] = (start, f.tell(), tuple(shape), dtype, info.CRC)
   return members
 
 
-def _read_into(f, offset: int, out: np.ndarray) -> None:
-  """Fill the contiguous array ``out`` with the bytes at ``offset`` of the open file ``f`` (one copy, from the page
-  cache straight into ``out``); a short file is a ValueError."""
+def _read_into(f, member, out: np.ndarray, name: str) -> None:
+  """Fill the contiguous array ``out`` with the array bytes of ``member`` (:func:`_stored_members`) of the open file
+  ``f`` (one copy, from the page cache straight into ``out``) and check the member's CRC-32 over its header and those
+  bytes, as the zip reader would: a flipped bit or a short file is a ValueError (the cache is then rebuilt)."""
+  import zlib
+  start, offset, _, _, crc = member
   view = memoryview(out.reshape(-1).view(np.uint8))
-  f.seek(offset)
+  f.seek(start)
+  seen = zlib.crc32(f.read(offset - start))
   done = 0
   while done < len(view):
     n = f.readinto(view[done:])
     if not n:
-      raise ValueError(f"file ends {len(view) - done} bytes early")
+      raise ValueError(f"{name}: the file ends {len(view) - done} bytes early")
     done += n
+  if zlib.crc32(view, seen) != crc:
+    raise ValueError(f"{name}: CRC-32 mismatch (the file is damaged)")
 
 
 def _load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str, stacked: bool = False):
@@ -219,8 +226,9 @@ def _load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str, stacked: boo
 
   Every parameter is read once, from the file into its final 64-byte-aligned host array (which the device then
   takes without a copy); with ``stacked`` the layers' leaves go straight into their ``[L, ...]`` arrays (the
-  decoding layout, ``config.scan_layers``), so stacking costs no second copy of the model. The same bytes as
-  ``np.load`` (tested), into which a compressed or unusual file falls back."""
+  decoding layout, ``config.scan_layers``), so stacking costs no second copy of the model. Every member's CRC-32 is
+  checked as ``np.load``'s zip reader checks it. The same bytes as ``np.load`` (tested), into which a compressed or
+  unusual file falls back."""
   with np.load(path, allow_pickle=False) as npz:
     meta = json.loads(str(npz[_META_KEY]))
     if meta.get("format") != _FORMAT_VERSION or meta.get("gguf_sha256") != spec.sha256 or meta.get("dtype") != dtype:
@@ -244,12 +252,13 @@ def _load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str, stacked: boo
   tree: dict = {}
   with open(path, "rb") as f:
     for param_path, shape in expected.items():
-      offset, file_shape, file_dtype = members[".".join(param_path)]
+      member = members[".".join(param_path)]
+      _, _, file_shape, file_dtype, _ = member
       _check_shape(param_path, file_shape, shape)
       layer = layer_names.get(param_path[0])
       if layer is None:
         value = _aligned_empty(shape, file_dtype)
-        _read_into(f, offset, value)
+        _read_into(f, member, value, ".".join(param_path))
         _set(tree, param_path, _as_dtype(value, dtype))
         continue
       inner = ("layers",) + param_path[1:]
@@ -258,7 +267,7 @@ def _load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str, stacked: boo
         node = node.setdefault(key, {})
       if inner[-1] not in node:
         node[inner[-1]] = _as_dtype(_aligned_empty((config.num_layers,) + tuple(shape), file_dtype), dtype)
-      _read_into(f, offset, node[inner[-1]][layer].view(file_dtype))
+      _read_into(f, member, node[inner[-1]][layer].view(file_dtype), ".".join(param_path))
   if stacked:
     config = dataclasses.replace(config, scan_layers=True)
   return config, {"params": tree}, tokenizer
