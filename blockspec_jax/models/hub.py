@@ -243,8 +243,9 @@ def _load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str, stacked: boo
     if members is None:  # np.load, then stack on the host
       tree = {}
       for param_path, shape in expected.items():
-        _check_shape(param_path, npz[".".join(param_path)].shape, shape)
-        _set(tree, param_path, _as_dtype(npz[".".join(param_path)], dtype))
+        value = npz[".".join(param_path)]  # one read per member
+        _check_shape(param_path, value.shape, shape)
+        _parent(tree, param_path)[param_path[-1]] = _as_dtype(value, dtype)
       model = LoadedModel(config=config, params={"params": tree}, tokenizer=tokenizer, spec=spec)
       model = scanned(model, consume=True) if stacked else model
       return model.config, model.params, tokenizer
@@ -259,12 +260,10 @@ def _load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str, stacked: boo
       if layer is None:
         value = _aligned_empty(shape, file_dtype)
         _read_into(f, member, value, ".".join(param_path))
-        _set(tree, param_path, _as_dtype(value, dtype))
+        _parent(tree, param_path)[param_path[-1]] = _as_dtype(value, dtype)
         continue
       inner = ("layers",) + param_path[1:]
-      node = tree
-      for key in inner[:-1]:
-        node = node.setdefault(key, {})
+      node = _parent(tree, inner)
       if inner[-1] not in node:
         node[inner[-1]] = _as_dtype(_aligned_empty((config.num_layers,) + tuple(shape), file_dtype), dtype)
       _read_into(f, member, node[inner[-1]][layer].view(file_dtype), ".".join(param_path))
@@ -283,11 +282,12 @@ def _as_dtype(value: np.ndarray, dtype: str) -> np.ndarray:
   return value.view(jnp.bfloat16) if dtype == "bfloat16" else value
 
 
-def _set(tree: dict, param_path, value) -> None:
+def _parent(tree: dict, param_path) -> dict:
+  """The dict of ``tree`` that holds ``param_path``'s leaf, made on the way."""
   node = tree
   for key in param_path[:-1]:
     node = node.setdefault(key, {})
-  node[param_path[-1]] = value
+  return node
 
 
 def _try_load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str, stacked: bool = False):
