@@ -131,7 +131,7 @@ def build_drafter(drafter_name: str, target_model, drafter_model, settings: dict
     raise UsageError(f"drafter {drafter_name!r}: {e}") from None
 
 
-def _trained_spec(name) -> tuple[str, int | str | None] | None:
+def trained_run_spec(name) -> tuple[str, int | str | None] | None:
   """``(workdir, step)`` when ``name`` is a drafter training run's work directory, optionally with ``@<step>`` or
   ``@init`` appended (``results/train/distill_qwen_tvd@init``); None otherwise."""
   from blockspec_jax.train import recipe
@@ -185,7 +185,7 @@ def load_model(name, dtype: str = "float32", cache_dir=None, progress: bool = Tr
   (:func:`blockspec_jax.train.recipe.load_trained`). ``scan_layers``: the decoding layout, layers stacked and
   compiled once (``hub.scanned``); decoding jobs ask for it, training jobs keep the per-layer layout."""
   from blockspec_jax.models import hub
-  trained = _trained_spec(name)
+  trained = trained_run_spec(name)
   if trained is not None:
     from blockspec_jax.train import recipe
     model = recipe.load_trained(trained[0], trained[1], dtype, cache_dir, progress=progress)
@@ -209,7 +209,7 @@ def drafter_labels(names) -> list[str]:
 def check_model_name(name) -> None:
   """What :func:`load_model` would refuse at once (unknown names, missing paths, a bad ``@step``), without loading;
   a :class:`UsageError`."""
-  if _trained_spec(name) is not None or trained_drafter_spec(name) is not None:
+  if trained_run_spec(name) is not None or trained_drafter_spec(name) is not None:
     return
   from blockspec_jax.models import hub
   try:

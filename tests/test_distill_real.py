@@ -78,6 +78,54 @@ def test_fast_pair_job_and_its_drafter_loaded_back(fast_pair):
     jobs.check_model_name(f"{workdir}@latest")
 
 
+def _train(workdir, *params):
+  gin.clear_config()
+  try:
+    return train_main.main(["--gin_file", os.path.join(REPO, "gin/train/distill_smollm2_fast.gin"),
+                            "--workdir", str(workdir), "--gin_param", "distill_job.progress = False",
+                            "--gin_param", "distill_job.max_new_tokens = 8",
+                            "--gin_param", "distill_job.batch_size = 2", *params])
+  finally:
+    gin.clear_config()
+
+
+def test_a_run_started_from_another_runs_checkpoint(fast_pair, tmp_path, capsys):
+  """distill_job.init_from: the new run starts from the earlier run's trained parameters (its @init is them), trains
+  on with a fresh optimizer (here 2 steps accumulated into one update); a bad init_from fails before any model
+  loads."""
+  source, summary = fast_pair
+  workdir = tmp_path / "warm"
+  workdir.mkdir()
+  for name in ("prompts_heldout.jsonl", "prompts_train.jsonl", "held.jsonl"):
+    (workdir / name).write_text((source / name).read_text())
+  rc = _train(workdir, "--gin_param", f"distill_job.heldout_prompts = '{workdir / 'held.jsonl'}'",
+              "--gin_param", f"distill_job.init_from = '{source}'", "--gin_param", "distill_job.num_steps = 2",
+              "--gin_param", "make_optimizer.accumulate = 2", "--gin_param", "make_optimizer.warmup_steps = 0",
+              "--gin_param", "make_optimizer.learning_rate = 1e-3")
+  assert rc == 0
+  warm = json.loads((workdir / "metrics.json").read_text())
+  assert warm["init_from"].endswith("@3") and warm["steps"] == 2
+  assert warm["heldout_tv_before"] == pytest.approx(summary["heldout_tv_after"], abs=1e-6)
+  source_trained = jobs.load_model(str(source), progress=False).params["params"]
+  init = jobs.load_model(f"{workdir}@init", progress=False).params["params"]
+  trained = jobs.load_model(str(workdir), progress=False).params["params"]
+  for a, b in zip(jax.tree.leaves(init), jax.tree.leaves(source_trained)):  # @init = where it started
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  moved = [float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+           for a, b in zip(jax.tree.leaves(trained["layers_3"]), jax.tree.leaves(init["layers_3"]))]
+  assert max(moved) > 0
+  capsys.readouterr()
+  for name, extra, message in (("bad", (f"distill_job.init_from = '{tmp_path}'",),
+                                "is not the work directory of a drafter training run"),
+                               ("other", (f"distill_job.init_from = '{source}'", "drafter_recipe.layers = (0, 1, 29)"),
+                                "was trained with another drafter recipe")):
+    with pytest.raises(SystemExit) as e:
+      _train(tmp_path / name, *[a for x in extra for a in ("--gin_param", x)])
+    assert e.value.code == 2
+    out = capsys.readouterr()
+    assert message in out.err and "loaded" not in out.out  # refused before any model loads
+
+
 def test_main_job_runs_a_trained_drafter_beside_its_base_losslessly(fast_pair, capsys):
   workdir, _ = fast_pair
   report = run.run_job(target="smollm2-135m", drafter=("smollm2-135m", str(workdir)), num_prompts=1, gamma=3,

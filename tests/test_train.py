@@ -225,6 +225,56 @@ def _quadratic_fit(workdir, num_steps, stop_after=None):
 QUAD_OPTIMIZER = trainer.make_optimizer("adam", 0.1, "constant")
 
 
+def test_accumulate_applies_the_mean_gradient_every_k_steps():
+  """accumulate = k: parameters move only on every k-th step, by one update of the mean of the k gradients (the
+  clip applies to that mean); the schedule counts updates."""
+  grads = [{"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([3.0, 4.0])}, {"w": jnp.array([0.5, 0.5])},
+           {"w": jnp.array([-1.0, 2.0])}]
+  opt = trainer.make_optimizer("sgd", 0.5, "cosine", 0, 4, clip_norm=None, accumulate=2)
+  params = {"w": jnp.zeros(2)}
+  state, seen = opt.init(params), []
+  for g in grads:
+    updates, state = opt.update(g, state, params)
+    params = optax.apply_updates(params, updates)
+    seen.append(np.asarray(params["w"]))
+  lr = trainer.make_schedule(0.5, "cosine", 0, 2)  # 4 steps of 2 = 2 updates
+  first = -float(lr(0)) * np.array([2.0, 1.0])  # mean of grads 0 and 1
+  np.testing.assert_array_equal(seen[0], np.zeros(2))
+  np.testing.assert_allclose(seen[1], first, rtol=1e-6)
+  np.testing.assert_array_equal(seen[2], seen[1])
+  np.testing.assert_allclose(seen[3], first - float(lr(1)) * np.array([-0.25, 1.25]), rtol=1e-6)
+  # the clip sees the accumulated mean, not each micro-batch: a mean of norm 5 clipped to 1
+  clipped = trainer.make_optimizer("sgd", 1.0, "constant", clip_norm=1.0, accumulate=2)
+  state, p = clipped.init({"w": jnp.zeros(2)}), {"w": jnp.zeros(2)}
+  for g in ({"w": jnp.array([6.0, 8.0])}, {"w": jnp.array([0.0, 0.0])}):
+    updates, state = clipped.update(g, state, p)
+    p = optax.apply_updates(p, updates)
+  np.testing.assert_allclose(np.asarray(p["w"]), [-0.6, -0.8], rtol=1e-6)
+  for bad in (0, 1.5, True, "2"):
+    with pytest.raises(ValueError, match="accumulate must be an integer >= 1"):
+      trainer.make_optimizer(accumulate=bad)
+
+
+def test_a_run_stopped_between_accumulated_updates_resumes_exactly(tmp_path):
+  opt = trainer.make_optimizer("adamw", 0.05, "cosine", 1, 9, 0.01, 1.0, accumulate=3)
+  def loss_fn(trainable, frozen, batch, key):
+    noise = 0.01 * jax.random.normal(key, trainable["w"].shape)
+    return jnp.mean((trainable["w"] * frozen["scale"] - batch["y_B"] + noise) ** 2), {}
+  def fit(workdir, stop_after=None):
+    return trainer.fit(loss_fn=loss_fn, optimizer=opt, trainable={"w": jnp.zeros(4)},
+                       frozen={"scale": jnp.float32(2.0)},
+                       batch_fn=lambda step, t: {"y_B": jnp.arange(4, dtype=jnp.float32) + 0.1 * step},
+                       num_steps=9, key=jax.random.key(0), workdir=workdir, checkpoint_every=2, max_to_keep=2,
+                       progress=False, plot=False, stop_after=stop_after)
+  straight = fit(tmp_path / "a")
+  assert fit(tmp_path / "b", stop_after=4).resumed_from is None  # 4 = one update and one micro-step into the next
+  resumed = fit(tmp_path / "b")
+  assert resumed.resumed_from == 4
+  for a, b in zip(jax.tree.leaves(straight.state), jax.tree.leaves(resumed.state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert float(jnp.abs(straight.state.trainable["w"]).max()) > 0
+
+
 def test_fit_drops_metrics_past_the_checkpoint_it_resumes_from(tmp_path):
   straight = _quadratic_fit(tmp_path / "a", 8)
   _quadratic_fit(tmp_path / "b", 8, stop_after=4)  # checkpoints 3 and 4 (the stop's own save)

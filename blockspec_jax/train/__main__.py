@@ -110,6 +110,33 @@ def _model_setup(workdir, target_name, recipe, *, dtype, heldout_prompts, train_
                 target.stop_ids, info)
 
 
+def _check_init_from(init_from, recipe) -> tuple[str, int | None]:
+  """``(workdir, step)`` of ``distill_job.init_from`` (``<dir>[@<step>]``), checked before any model loads: a drafter
+  training run's work directory whose recipe is ``recipe``."""
+  spec = jobs.trained_run_spec(init_from)
+  if spec is None or spec[1] == "init":
+    raise jobs.UsageError(f"distill_job.init_from = {init_from!r} is not the work directory of a drafter training "
+                          "run (one with drafter.json and checkpoints), optionally with @<step>")
+  saved = recipe_lib.read_recipe(spec[0])
+  if saved != recipe:
+    raise jobs.UsageError(f"distill_job.init_from = {init_from!r} was trained with another drafter recipe "
+                          f"({saved.to_json()}) than this job's ({recipe.to_json()})")
+  return spec
+
+
+def _init_from(spec, parts) -> tuple[recipe_lib.DrafterParts, str, int]:
+  """``parts`` with its trainable tree replaced by the checkpoint ``spec = (workdir, step)``, its label
+  ``<absolute workdir>@<step>`` and the step."""
+  workdir, step = spec
+  try:
+    trainable, step = recipe_lib.restore_trainable(workdir, parts.trainable, step)
+  except (FileNotFoundError, ValueError) as e:
+    raise jobs.UsageError(f"distill_job.init_from = {workdir!r}: {e}") from None
+  label = f"{pathlib.Path(workdir).resolve()}@{step}"
+  print(f"starting from {label} (its trained parameters, a fresh optimizer)", flush=True)
+  return dataclasses.replace(parts, trainable=trainable), label, step
+
+
 @gin.configurable
 def distill_job(workdir, *, target_config=None, drafter_config=None, target=None, drafter=None,
                 target_seed: int = 0, drafter_seed: int = 1, num_prompts: int = 128, prompt_len: int = 8,
@@ -120,7 +147,7 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
                 on_policy_fraction: float = 0.5, divergence: str = "fkl", temperature: float = 1.0,
                 sample_temperature: float = 1.0, beta: float = 0.5, trainable_layers=None, num_steps: int = 100,
                 checkpoint_every: int = 50, max_to_keep: int = 2, seed: int = 0, progress: bool = True,
-                data_parallel: bool = False, eval_every: int = 0) -> dict:
+                data_parallel: bool = False, eval_every: int = 0, init_from: str | None = None) -> dict:
   """DistillSpec; returns the ``metrics.json`` summary. Two kinds of job:
 
   * random tiny models (smoke): ``target_config`` / ``drafter_config`` (``@tiny_decoder()``), random parameters
@@ -137,7 +164,10 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
   ``temperature`` is the divergence's, ``sample_temperature`` the decoding temperature (continuations and the
   held-out TV). ``eval_every``: the held-out TV every this many steps too (``eval_heldout_tv`` in
   ``metrics.jsonl`` and ``loss.png``; 0: only before and after). ``data_parallel``: split every batch over all devices (a ``(data, 1)`` mesh; ``batch_size`` must be a
-  multiple of the device count), same updates as one device.
+  multiple of the device count), same updates as one device. ``init_from``: the work directory of an earlier real
+  distillation run with the same drafter recipe (``<dir>@<step>`` for a kept step other than its newest): training
+  starts from its trained parameters with a fresh optimizer (a new schedule, another divergence or batch), and the
+  held-out TV "before" is theirs. A resume of this run's own checkpoints takes precedence over it.
   """
   t0 = time.perf_counter()
   for name, value, low in (("num_prompts", num_prompts, 2), ("prompt_len", prompt_len, 1),
@@ -167,6 +197,12 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
       distill.check_pair(target_config, drafter_config)
   except ValueError as e:
     raise jobs.UsageError(str(e)) from None
+  init_spec = None
+  if init_from is not None:
+    if not real:
+      raise jobs.UsageError("distill_job.init_from starts from an earlier real run (a drafter recipe's work "
+                            "directory); the random tiny-model job has none")
+    init_spec = _check_init_from(init_from, drafter)
   mesh = None
   if data_parallel:
     mesh = parallel.make_mesh(model=1)
@@ -182,6 +218,9 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
                           trainable_layers=trainable_layers, num_prompts=num_prompts, prompt_len=prompt_len,
                           seed=seed)
   parts = setup.parts
+  if init_from is not None:
+    parts, setup.info["init_from"], step = _init_from(init_spec, parts)
+    recipe_lib.save_init_from(workdir, init_spec[0], step)
   loss_fn = distill.DistillLoss(setup.target_config, setup.drafter_config, divergence, temperature, beta,
                                 assemble=parts.assemble)
   try:

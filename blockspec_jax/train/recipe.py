@@ -36,9 +36,10 @@ from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.train import params as params_lib
 
 __all__ = ["DrafterRecipe", "RECIPE_FILE", "is_trained_dir", "select_layers", "DrafterParts", "save_recipe",
-           "read_recipe", "restore_trainable", "load_trained"]
+           "read_recipe", "save_init_from", "read_init_from", "restore_trainable", "load_trained"]
 
 RECIPE_FILE = "drafter.json"
+INIT_FILE = "init_from.json"  # a run that started from another run's checkpoint: {"workdir": ..., "step": ...}
 _INIT = "init"
 
 
@@ -154,6 +155,25 @@ def save_recipe(workdir: str | os.PathLike, recipe: DrafterRecipe) -> pathlib.Pa
   return path
 
 
+def save_init_from(workdir: str | os.PathLike, source: str | os.PathLike, step: int) -> pathlib.Path:
+  """Records that the run in ``workdir`` started from checkpoint ``step`` of the run in ``source`` (its ``@init``)."""
+  path = pathlib.Path(workdir) / INIT_FILE
+  path.write_text(json.dumps({"workdir": str(pathlib.Path(source).expanduser().resolve()), "step": int(step)}) + "\n")
+  return path
+
+
+def read_init_from(workdir: str | os.PathLike) -> tuple[str, int] | None:
+  """``(source workdir, step)`` written by :func:`save_init_from`, None for a run that started from its recipe."""
+  path = pathlib.Path(workdir).expanduser() / INIT_FILE
+  if not path.is_file():
+    return None
+  try:
+    record = json.loads(path.read_text())
+    return str(record["workdir"]), int(record["step"])
+  except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+    raise ValueError(f"{path} is not a valid record of the run's starting point: {e}") from None
+
+
 def read_recipe(workdir: str | os.PathLike) -> DrafterRecipe:
   path = pathlib.Path(workdir).expanduser() / RECIPE_FILE
   if not path.is_file():
@@ -223,8 +243,9 @@ def load_trained(workdir: str | os.PathLike, step: int | str | None = None, dtyp
                  cache_dir: str | os.PathLike | None = None, progress: bool = True):
   """The drafter of a training run as a ``hub.LoadedModel`` (adapters merged into the weights).
 
-  ``step``: None for the newest checkpoint, an int for that checkpoint, ``"init"`` for the recipe applied to the base
-  model without training (what the run started from). The tokenizer is the base model's. ``spec.name`` is
+  ``step``: None for the newest checkpoint, an int for that checkpoint, ``"init"`` for what the run started from:
+  the recipe applied to the base model without training, or, for a run started from another run's checkpoint
+  (``init_from.json``), that checkpoint. The tokenizer is the base model's. ``spec.name`` is
   ``<absolute workdir>@<step>``.
   """
   from blockspec_jax.models import hub
@@ -234,7 +255,8 @@ def load_trained(workdir: str | os.PathLike, step: int | str | None = None, dtyp
   config, params = recipe.derive(base.config, base.params["params"])
   parts = recipe.split(config, params)
   if step == _INIT:
-    trainable, label = parts.trainable, _INIT
+    label, started = _INIT, read_init_from(workdir)
+    trainable = parts.trainable if started is None else restore_trainable(started[0], parts.trainable, started[1])[0]
   else:
     trainable, label = restore_trainable(workdir, parts.trainable, step)
   merged = parts.assemble(trainable, parts.frozen)

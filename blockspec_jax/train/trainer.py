@@ -89,15 +89,27 @@ def make_schedule(learning_rate: float, schedule: str = "cosine", warmup_steps: 
 def make_optimizer(name: str = "adamw", learning_rate: float = 1e-3, schedule: str = "cosine",
                    warmup_steps: int = 0, total_steps: int = 1000, weight_decay: float = 0.0,
                    clip_norm: float | None = 1.0, b1: float = 0.9, b2: float = 0.999,
-                   eps: float = 1e-8) -> optax.GradientTransformation:
+                   eps: float = 1e-8, accumulate: int = 1) -> optax.GradientTransformation:
   """``clip_by_global_norm(clip_norm)`` (left out when None or 0) then the optimizer with the learning-rate schedule.
 
   ``name``: "adamw" (decoupled ``weight_decay``), "adam" or "sgd" (plain, no momentum); ValueError otherwise.
+  ``accumulate = k > 1``: gradient accumulation (``optax.MultiSteps``): the gradients of ``k`` consecutive steps are
+  averaged, then clipped and applied as one update (parameters change on every k-th step only), so batch b with
+  ``k`` is the update of batch ``k * b`` at the memory of batch b. ``total_steps`` still counts steps (micro-batches);
+  the schedule runs over the ``ceil(total_steps / k)`` updates, and ``warmup_steps`` counts updates. The
+  accumulated gradient and the micro-step counter are part of the optimizer state, so a run checkpointed between
+  two updates resumes exactly.
   """
   if name not in OPTIMIZERS:
     raise ValueError(f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZERS)}")
   if weight_decay < 0:
     raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+  if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+    raise ValueError(f"accumulate must be an integer >= 1 (steps per update), got {accumulate!r}")
+  if accumulate > 1:
+    inner = make_optimizer(name, learning_rate, schedule, warmup_steps, -(-total_steps // accumulate),
+                           weight_decay, clip_norm, b1, b2, eps)
+    return optax.MultiSteps(inner, every_k_schedule=accumulate).gradient_transformation()
   lr = make_schedule(learning_rate, schedule, warmup_steps, total_steps)
   if name == "adamw":
     opt = optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
