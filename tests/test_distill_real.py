@@ -156,8 +156,18 @@ def test_paired_drafters_summary_arithmetic():
   assert r["by_task"]["code"] == pytest.approx(1 + (1.2 + 1.7) / 2 + 0.6)
   assert by[("base", "token", 1)]["diff"] == 0.0 and by[("base", "token", 1)]["gain"] == 0.0
   assert r["be_se"] == pytest.approx(np.std([1.2, 0.5, 1.7], ddof=1) / np.sqrt(3))
+  ref_accepted = (1.2 + 0.5 + 1.7) / 3  # E[τ] of the reference, block rule, γ = 2 (draws averaged first)
+  assert r["accepted_gain"] == pytest.approx(0.6 / ref_accepted)
+  assert r["gain"] == pytest.approx(0.6 / (1 + ref_accepted))
   text = paired_drafters.format_drafters(rows, 1.0)
-  assert "| tuned | block | 2 |" in text and "Δ vs base" in text
+  assert "| tuned | block | 2 |" in text and "Δ vs base" in text and f"{100 * 0.6 / ref_accepted:+.1f}% |" in text
+  # Offsets past the prompt as the groups: sorted by number, not as strings ("+8" before "+16").
+  by_offset = paired_drafters.summarize_drafters({"base": ref, "tuned": better}, ["+16", "+8", "+0"],
+                                                 ("token", "block"))
+  assert list(by_offset[0]["by_task"]) == ["+0", "+8", "+16"]
+  assert by_offset[-1]["by_task"]["+8"] == pytest.approx(1 + 0.5 + 0.6)
+  text = paired_drafters.format_drafters(by_offset, 1.0, groups="tokens past the prompt")
+  assert "by tokens past the prompt" in text and "| +0 | +8 | +16 |" in text
   with pytest.raises(ValueError, match="share the contexts"):
     paired_drafters.summarize_drafters({"a": ref, "b": ref[:, :2]}, ["code"] * 3, ("token", "block"))
 

@@ -49,6 +49,15 @@ def test_summary_arithmetic():
   assert s["gain"] == pytest.approx(2.3 / 2.1 - 1) and (s["contexts"], s["draws"]) == (3, 2)
 
 
+def test_contexts_record_their_prompt_and_offset():
+  owners, offsets = [], []
+  contexts = paired.build_contexts([[1, 2], [3]], [[10, 11, 12, 13, 14, 15, 16, 17], [20, 21]], 4, owners, offsets)
+  # 8 sampled tokens, 4 positions: prefixes of 0, 2, 4, 6; a 2-token sample gives only 0 and 1 (no repeats).
+  assert offsets == [0, 2, 4, 6, 0, 1] and owners == [0, 0, 0, 0, 1, 1]
+  assert contexts[2] == [1, 2, 10, 11, 12, 13] and contexts[5] == [3, 20]
+  assert all(len(c) == len([[1, 2], [3]][o]) + j for c, o, j in zip(contexts, owners, offsets))
+
+
 def test_bad_arguments():
   config, target, drafter = model_pair()
   with pytest.raises(ValueError, match="gamma and draws must be >= 1"):

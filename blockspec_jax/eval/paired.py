@@ -118,9 +118,10 @@ def summarize_paired(table_DxBxRxG: np.ndarray, verifiers: tuple[str, ...] = ("t
 
 
 def build_contexts(prompt_ids: Sequence[Sequence[int]], samples: Sequence[Sequence[int]], positions: int,
-                   owners: list | None = None) -> list:
+                   owners: list | None = None, offsets: list | None = None) -> list:
   """Each prompt extended by the first ``0, n/k, …, (k−1)n/k`` tokens of its sample (n = the sample's length; a
-  short sample gives fewer distinct contexts). ``owners``, when given, receives each context's prompt index."""
+  short sample gives fewer distinct contexts). ``owners``, when given, receives each context's prompt index and
+  ``offsets`` its number of sampled tokens past the prompt."""
   contexts = []
   for i, (ids, sample) in enumerate(zip(prompt_ids, samples)):
     n = len(sample)
@@ -128,10 +129,13 @@ def build_contexts(prompt_ids: Sequence[Sequence[int]], samples: Sequence[Sequen
       contexts.append(list(ids) + list(sample[:j]))
       if owners is not None:
         owners.append(i)
+      if offsets is not None:
+        offsets.append(j)
   return contexts
 
 
-def sampled_contexts(target, prompt_ids, temperature: float, args, owners: list | None = None) -> list:
+def sampled_contexts(target, prompt_ids, temperature: float, args, owners: list | None = None,
+                     offsets: list | None = None) -> list:
   """Prompts extended by prefixes of one target sample each at ``temperature`` (see :func:`build_contexts`)."""
   from blockspec_jax import jobs
   tokens_BxP, prompt_len_B = spec.prepare_prompts(prompt_ids)
@@ -141,7 +145,7 @@ def sampled_contexts(target, prompt_ids, temperature: float, args, owners: list 
                                        target=target.config, max_new_tokens=args.sample_tokens,
                                        sampler=sampling.Sampler(temperature=temperature), stop_ids=target.stop_ids)
   samples = [np.asarray(out.tokens_BxN[b, :int(out.num_tokens_B[b])]).tolist() for b in range(len(prompt_ids))]
-  return build_contexts(prompt_ids, samples, args.positions, owners)
+  return build_contexts(prompt_ids, samples, args.positions, owners, offsets)
 
 
 def _trees_main(args, target, drafter_model, prompt_ids, start) -> int:
@@ -221,8 +225,8 @@ def _drafters_main(args, target, prompt_rows, prompt_ids, start) -> int:
       if (temperature, label) in have:
         continue
       if contexts is None:
-        owners: list = []
-        contexts = sampled_contexts(target, prompt_ids, temperature, args, owners)
+        owners, offsets = [], []
+        contexts = sampled_contexts(target, prompt_ids, temperature, args, owners, offsets)
         tasks = [prompt_rows[i]["task"] for i in owners]
       drafter_obj, drafter_params = _paired_drafter(name, target, args)
       draws = 1 if temperature == 0 else args.draws  # greedy drafts are the same in every draw
@@ -232,7 +236,7 @@ def _drafters_main(args, target, prompt_rows, prompt_ids, start) -> int:
                                   target=target.config, drafter=drafter_obj, gamma=args.gamma,
                                   temperature=temperature, draws=draws, seed=args.seed, verifiers=rules)
       del drafter_obj, drafter_params
-      results.append(dict(temperature=temperature, drafter=label, name=name, tasks=tasks,
+      results.append(dict(temperature=temperature, drafter=label, name=name, tasks=tasks, offsets=offsets,
                           seconds=time.perf_counter() - t0, table=table.tolist()))
       be = 1 + table.mean(axis=(0, 1))
       print(f"  T={temperature:g} {label}: BE block γ=4 {be[1, min(3, args.gamma - 1)]:.3f}, γ={args.gamma} "
@@ -243,9 +247,12 @@ def _drafters_main(args, target, prompt_rows, prompt_ids, start) -> int:
   for temperature in args.temperature_list:
     sub = {r["drafter"]: np.asarray(r["table"]) for r in results if r["temperature"] == temperature}
     sub = {label: sub[label] for label in labels if label in sub}
-    tasks = next(r["tasks"] for r in results if r["temperature"] == temperature)
-    rows = pd.summarize_drafters(sub, tasks, rules, gammas={4, args.gamma})
+    first = next(r for r in results if r["temperature"] == temperature)
+    rows = pd.summarize_drafters(sub, first["tasks"], rules, gammas={4, args.gamma})
     report.append(pd.format_drafters(rows, temperature))
+    if first.get("offsets") is not None:  # tables written before offsets were recorded have none
+      rows = pd.summarize_drafters(sub, [f"+{j}" for j in first["offsets"]], rules, gammas={4, args.gamma})
+      report.append(pd.format_drafters(rows, temperature, groups="tokens past the prompt"))
   text = "\n\n".join(report)
   print(text)
   md = path.with_suffix(".md")

@@ -7,7 +7,10 @@ Each drafter drafts on the same contexts (prompts extended by prefixes of one ta
 Per drafter, rule and γ: BE averaged over contexts, ± one standard error over contexts (draws of one context are
 averaged first: they share it); per category (code, chat, math, … from the prompt rows); and against the first
 drafter (the reference, e.g. the base model): the per-context difference of BE, averaged, ± its standard error over
-contexts (paired by context, so the spread of contexts cancels), and the relative gain.
+contexts (paired by context, so the spread of contexts cancels), the relative gain in BE and the relative gain in
+accepted tokens E[τ] (= BE − 1: the draft tokens kept per target call, without the one the target adds itself).
+The groups may be any per-context labels: the prompts' categories, or the contexts' offsets past the prompt
+(``"+16"``, sorted by number).
 """
 
 from __future__ import annotations
@@ -19,10 +22,16 @@ from blockspec_jax.eval.paired import mean_stderr
 __all__ = ["summarize_drafters", "format_drafters"]
 
 
+def _group_key(label: str):
+  """Offsets (``"+16"``) sort by number, before any other label; other labels alphabetically."""
+  return (0, int(label[1:]), "") if label[:1] == "+" and label[1:].isdigit() else (1, 0, label)
+
+
 def summarize_drafters(tables: dict, tasks: list[str], rules: tuple[str, ...], gammas=None) -> list[dict]:
-  """Rows ``{drafter, rule, gamma, be, be_se, by_task: {task: be}, diff, diff_se, gain}`` for every drafter (in
-  the order of ``tables``: label → ``E_DxBxRxG``), rule and γ (all γ of the tables, or ``gammas``). The first
-  drafter is the reference of ``diff`` (BE − reference BE, per context) and ``gain`` (relative)."""
+  """Rows ``{drafter, rule, gamma, be, be_se, by_task: {task: be}, diff, diff_se, gain, accepted_gain}`` for every
+  drafter (in the order of ``tables``: label → ``E_DxBxRxG``), rule and γ (all γ of the tables, or ``gammas``).
+  ``tasks`` labels each context (a category or an offset). The first drafter is the reference of ``diff`` (BE −
+  reference BE, per context), ``gain`` (BE / reference BE − 1) and ``accepted_gain`` (E[τ] / reference E[τ] − 1)."""
   labels = list(tables)
   if not labels:
     raise ValueError("no drafter tables to summarize")
@@ -37,7 +46,7 @@ def summarize_drafters(tables: dict, tasks: list[str], rules: tuple[str, ...], g
                      f"{contexts} contexts")
   ref = per_context[labels[0]]
   out = []
-  task_names = sorted(set(tasks))
+  task_names = sorted(set(tasks), key=_group_key)
   tasks_B = np.asarray(tasks)
   for label in labels:
     table = per_context[label]
@@ -51,20 +60,24 @@ def summarize_drafters(tables: dict, tasks: list[str], rules: tuple[str, ...], g
         ref_be = float(1.0 + ref[:, r, g].mean())
         out.append(dict(drafter=label, rule=rule, gamma=g + 1, be=be, be_se=be_se,
                         by_task={t: float(be_B[tasks_B == t].mean()) for t in task_names},
-                        diff=diff, diff_se=diff_se, gain=be / ref_be - 1.0, contexts=int(contexts)))
+                        diff=diff, diff_se=diff_se, gain=be / ref_be - 1.0,
+                        accepted_gain=(be - 1.0) / (ref_be - 1.0) - 1.0 if ref_be > 1.0 else float("nan"),
+                        contexts=int(contexts)))
   return out
 
 
-def format_drafters(rows: list[dict], temperature: float) -> str:
-  """A Markdown table of :func:`summarize_drafters` rows at one temperature."""
-  tasks = sorted({t for r in rows for t in r["by_task"]})
-  head = (f"| drafter | rule | γ | BE ± se | {' | '.join(tasks)} | Δ vs {rows[0]['drafter']} ± se | gain |"
-          if rows else "")
-  lines = [f"T = {temperature:g}: block efficiency (1 + E[τ], Rao–Blackwellised) on the same contexts; ± one "
-           "standard error over contexts; Δ paired by context", "", head,
-           "|" + "---|" * (6 + len(tasks))]
+def format_drafters(rows: list[dict], temperature: float, groups: str = "category") -> str:
+  """A Markdown table of :func:`summarize_drafters` rows at one temperature; ``groups`` names what the per-group
+  columns are (the prompts' category, or the tokens past the prompt)."""
+  tasks = list(rows[0]["by_task"]) if rows else []
+  head = (f"| drafter | rule | γ | BE ± se | {' | '.join(tasks)} | Δ vs {rows[0]['drafter']} ± se | gain | "
+          "accepted gain |" if rows else "")
+  lines = [f"T = {temperature:g}: block efficiency (1 + E[τ], Rao–Blackwellised) on the same contexts, by {groups}; "
+           "± one standard error over contexts; Δ paired by context; accepted gain = E[τ] / reference E[τ] − 1", "",
+           head, "|" + "---|" * (7 + len(tasks))]
   for r in rows:
     by = " | ".join(f"{r['by_task'][t]:.3f}" for t in tasks)
     lines.append(f"| {r['drafter']} | {r['rule']} | {r['gamma']} | {r['be']:.3f} ± {r['be_se']:.3f} | {by} | "
-                 f"{r['diff']:+.3f} ± {r['diff_se']:.3f} | {100 * r['gain']:+.1f}% |")
+                 f"{r['diff']:+.3f} ± {r['diff_se']:.3f} | {100 * r['gain']:+.1f}% | "
+                 f"{100 * r['accepted_gain']:+.1f}% |")
   return "\n".join(lines)
