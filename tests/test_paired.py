@@ -49,6 +49,21 @@ def test_summary_arithmetic():
   assert s["gain"] == pytest.approx(2.3 / 2.1 - 1) and (s["contexts"], s["draws"]) == (3, 2)
 
 
+def test_length_buckets_give_the_one_batch_table():
+  """Contexts measured in batches of similar length draw the same drafts (row keys follow the context, not its
+  place in a batch), so the table is the one-batch table up to float rounding of the padding."""
+  config, target, drafter = model_pair(noise=1.0)
+  assert [list(r) for r in paired.length_buckets([7, 2, 4, 1], 2)] == [[3, 1], [2, 0]]
+  assert len(paired.length_buckets([3, 1], 5)) == 2  # never an empty batch
+  with pytest.raises(ValueError, match="buckets must be an integer >= 1"):
+    paired.length_buckets([3], 0)
+  one = _table(drafter, config, target, gamma=3, draws=4)
+  for buckets in (2, 4):
+    split = paired.paired_acceptance(target, drafter, PROMPTS, target=config, drafter=ModelDrafter(config), gamma=3,
+                                     temperature=1.0, draws=4, buckets=buckets)
+    np.testing.assert_allclose(split, one, rtol=1e-5, atol=1e-6)
+
+
 def test_contexts_record_their_prompt_and_offset():
   owners, offsets = [], []
   contexts = paired.build_contexts([[1, 2], [3]], [[10, 11, 12, 13, 14, 15, 16, 17], [20, 21]], 4, owners, offsets)
