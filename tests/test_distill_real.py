@@ -142,6 +142,33 @@ def test_main_job_runs_a_trained_drafter_beside_its_base_losslessly(fast_pair, c
   assert len(texts) == 1  # greedy speculative decoding with either drafter = the target's own greedy text
 
 
+def test_paired_drafters_resume_and_take_appended_drafters(fast_pair, tmp_path, capsys):
+  """eval.paired --drafters on SmolLM2: a finished comparison takes another drafter appended (only its tables are
+  measured, on the same contexts), records each context's offset, reports by category and by offset, and refuses a
+  file measured with other settings or other first drafters."""
+  from blockspec_jax.eval import paired
+  workdir, _ = fast_pair
+  out = tmp_path / "p.json"
+  common = ["--target", "smollm2-135m", "--drafter", "smollm2-135m", "--num-prompts", "2", "--sample-tokens", "4",
+            "--positions", "2", "--draws", "2", "--gamma", "2", "--temperatures", "1", "--json", str(out)]
+  assert paired.main([*common, "--drafters", f"{workdir}@init"]) == 0
+  first = json.loads(out.read_text())["results"]
+  assert len(first) == 1 and first[0]["offsets"] == [0, 2, 0, 2] and len(first[0]["tasks"]) == 4
+  capsys.readouterr()
+  assert paired.main([*common, "--buckets", "2", "--drafters", f"{workdir}@init,{workdir}"]) == 0
+  printed = capsys.readouterr().out
+  assert "resuming from" in printed and "1 (temperature, drafter) tables already measured" in printed
+  results = json.loads(out.read_text())["results"]
+  assert results[0] == first[0] and len(results) == 2 and results[1]["offsets"] == first[0]["offsets"]
+  report = out.with_suffix(".md").read_text()
+  assert "by category" in report and "by tokens past the prompt" in report and "| +0 | +2 |" in report
+  for extra, message in ((["--seed", "1", "--drafters", f"{workdir}@init,{workdir}"], "other settings (--seed)"),
+                         (["--drafters", f"{workdir},{workdir}@init"], "give them first")):
+    with pytest.raises(SystemExit) as e:
+      paired.main([*common, *extra])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_paired_drafters_summary_arithmetic():
   # 2 draws × 3 contexts × 2 rules × 2 γ; the second drafter accepts 0.5 more at every context, rule and γ.
   ref = np.asarray([[[[0.5, 1.0], [0.6, 1.2]], [[0.3, 0.4], [0.3, 0.5]], [[0.8, 1.5], [0.9, 1.7]]]] * 2)

@@ -226,15 +226,30 @@ def _paired_drafter(name, target, args):
   return drafter, jobs.drafter_params(drafter, base, target)
 
 
+#: The settings that make the contexts and the drafts of a ``--drafters`` comparison: a resumed (or extended) run must
+#: have the same ones (``--buckets`` may differ: it changes float rounding, not the drafts).
+_CONTEXT_SETTINGS = ("target", "drafter", "prompts", "num_prompts", "sample_tokens", "positions", "gamma", "draws",
+                     "dtype", "seed")
+
+
 def _drafters_main(args, target, prompt_rows, prompt_ids, start) -> int:
-  """``--drafters A,B,…``: every drafter on the same contexts at every temperature; resumable (``--json``)."""
+  """``--drafters A,B,…``: every drafter on the same contexts at every temperature; resumable (``--json``), and a
+  finished comparison takes more drafters appended to its list (only theirs are measured)."""
   from blockspec_jax import jobs
   from blockspec_jax.eval import paired_drafters as pd
   path = pathlib.Path(args.json)
   saved = json.loads(path.read_text()) if path.exists() else {}
   done = saved.get("results", [])
-  if done and saved.get("drafters") != args.drafter_list:
-    raise jobs.UsageError(f"{path} holds results for other drafters; pass another --json or remove it")
+  if done:
+    before = saved.get("drafters") or []
+    if args.drafter_list[:len(before)] != before:
+      raise jobs.UsageError(f"{path} holds results for the drafters {','.join(before)}; give them first (more may "
+                            "follow: they are measured on the same contexts), or pass another --json")
+    changed = ["--" + k.replace("_", "-") for k in _CONTEXT_SETTINGS
+               if saved.get("config", {}).get(k) != vars(args)[k]]
+    if changed:
+      raise jobs.UsageError(f"{path} was measured with other settings ({', '.join(changed)}), so its contexts or "
+                            "drafts differ; pass another --json or remove it")
   have = {(r["temperature"], r["drafter"]) for r in done}
   if done:
     print(f"resuming from {path}: {len(done)} (temperature, drafter) tables already measured", flush=True)
@@ -346,7 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
                   help="comma-separated drafters (names, paths, training work directories, '<dir>@init', or "
                        "'<drafter>:<run dir>[?key=value&…]' for drafters with trained parts: "
                        "heads:results/train/heads_qwen?rescore=pbest_ngram, steered:results/train/steer_qwen, built "
-                       "on --drafter's model) compared on the same contexts, the first as reference; resumable")
+                       "on --drafter's model) compared on the same contexts, the first as reference; resumable, "
+                       "and more drafters may be appended to a finished --json")
   ap.add_argument("--verify-draws", type=int, default=16, help="--trees: verifier keys per draft for tree rules")
   return ap
 
