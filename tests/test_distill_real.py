@@ -161,7 +161,7 @@ def test_paired_drafters_resume_and_take_appended_drafters(fast_pair, tmp_path, 
   results = json.loads(out.read_text())["results"]
   assert results[0] == first[0] and len(results) == 2 and results[1]["offsets"] == first[0]["offsets"]
   report = out.with_suffix(".md").read_text()
-  assert "by category" in report and "by tokens past the prompt" in report and "| +0 | +2 |" in report
+  assert "by category" in report and "by tokens past the prompt" in report and "| +0–1 | +2–3 |" in report
   for extra, message in ((["--seed", "1", "--drafters", f"{workdir}@init,{workdir}"], "other settings (--seed)"),
                          (["--drafters", f"{workdir},{workdir}@init"], "give them first")):
     with pytest.raises(SystemExit) as e:
@@ -195,6 +195,13 @@ def test_paired_drafters_summary_arithmetic():
   assert by_offset[-1]["by_task"]["+8"] == pytest.approx(1 + 0.5 + 0.6)
   text = paired_drafters.format_drafters(by_offset, 1.0, groups="tokens past the prompt")
   assert "by tokens past the prompt" in text and "| +0 | +8 | +16 |" in text
+  # Offsets of short samples fall into the bins where they are, not where a full sample would put them.
+  assert paired_drafters.offset_bins([0, 16, 32, 48, 0, 3, 6, 9, 33], 16) == [
+      "+0–15", "+16–31", "+32–47", "+48–63", "+0–15", "+0–15", "+0–15", "+0–15", "+32–47"]
+  assert paired_drafters.offset_bins([0, 2], 1) == ["+0", "+2"]
+  assert paired_drafters._group_key("+16–31") < paired_drafters._group_key("+32–47") < paired_drafters._group_key("chat")
+  with pytest.raises(ValueError, match="width"):
+    paired_drafters.offset_bins([0], 0)
   with pytest.raises(ValueError, match="share the contexts"):
     paired_drafters.summarize_drafters({"a": ref, "b": ref[:, :2]}, ["code"] * 3, ("token", "block"))
 

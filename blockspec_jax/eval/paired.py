@@ -289,7 +289,8 @@ def _drafters_main(args, target, prompt_rows, prompt_ids, start) -> int:
     rows = pd.summarize_drafters(sub, first["tasks"], rules, gammas={4, args.gamma})
     report.append(pd.format_drafters(rows, temperature))
     if first.get("offsets") is not None:  # tables written before offsets were recorded have none
-      rows = pd.summarize_drafters(sub, [f"+{j}" for j in first["offsets"]], rules, gammas={4, args.gamma})
+      groups = pd.offset_bins(first["offsets"], max(args.sample_tokens // args.positions, 1))
+      rows = pd.summarize_drafters(sub, groups, rules, gammas={4, args.gamma})
       report.append(pd.format_drafters(rows, temperature, groups="tokens past the prompt"))
   text = "\n\n".join(report)
   print(text)

@@ -9,8 +9,8 @@ averaged first: they share it); per category (code, chat, math, … from the pro
 drafter (the reference, e.g. the base model): the per-context difference of BE, averaged, ± its standard error over
 contexts (paired by context, so the spread of contexts cancels), the relative gain in BE and the relative gain in
 accepted tokens E[τ] (= BE − 1: the draft tokens kept per target call, without the one the target adds itself).
-The groups may be any per-context labels: the prompts' categories, or the contexts' offsets past the prompt
-(``"+16"``, sorted by number).
+The groups may be any per-context labels: the prompts' categories, or the contexts' offsets past the prompt in bins
+(``"+16–31"``, :func:`offset_bins`, sorted by number).
 """
 
 from __future__ import annotations
@@ -19,12 +19,27 @@ import numpy as np
 
 from blockspec_jax.eval.paired import mean_stderr
 
-__all__ = ["summarize_drafters", "format_drafters"]
+__all__ = ["summarize_drafters", "format_drafters", "offset_bins"]
+
+
+def offset_bins(offsets, width: int) -> list[str]:
+  """Each context's offset past the prompt as its bin of ``width`` tokens, ``"+16–31"`` (``"+0"`` for width 1 at 0):
+  a target sample that ends early (a short answer) puts its contexts at smaller offsets than the nominal
+  ``0, n/k, …``, so the report groups by where the contexts actually are."""
+  if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+    raise ValueError(f"width must be an integer >= 1, got {width!r}")
+  labels = []
+  for j in offsets:
+    lo = (int(j) // width) * width
+    labels.append(f"+{lo}" if width == 1 else f"+{lo}–{lo + width - 1}")
+  return labels
 
 
 def _group_key(label: str):
-  """Offsets (``"+16"``) sort by number, before any other label; other labels alphabetically."""
-  return (0, int(label[1:]), "") if label[:1] == "+" and label[1:].isdigit() else (1, 0, label)
+  """Offset labels (``"+16"``, ``"+16–31"``) sort by their first number, before any other label; other labels
+  alphabetically."""
+  digits = label[1:].split("–")[0]
+  return (0, int(digits), "") if label[:1] == "+" and digits.isdigit() else (1, 0, label)
 
 
 def summarize_drafters(tables: dict, tasks: list[str], rules: tuple[str, ...], gammas=None) -> list[dict]:
