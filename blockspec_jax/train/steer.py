@@ -21,7 +21,9 @@ runs once over the whole sequence (no cache on disk) and gives the teacher logit
 
 The offset ``o`` is drawn uniformly from ``1..γ`` per step (the authors' "regular" scheme), from the step's key: at
 decode time the ``o``-th draft law after a commit is produced by the query ``o`` positions after the last accepted
-one. The clamp at ``P − 2`` is the first steered position of decoding (the prefill's commit). The loss is the mean
+one. The "blocks" scheme (``SteerLoss.scheme``) instead tiles the window with blocks of ``γ`` positions at a random
+phase, each block reading the taps just before it, as a decode drafts (the positions before the ``o``-th draft law
+ran under the same vector). The clamp at ``P − 2`` is the first steered position of decoding (the prefill's commit). The loss is the mean
 over the loss window (positions ``P − 1 .. P − 2 + n`` that predict generated tokens, :func:`distill.loss_window`)
 of ``D(p_target(t) ‖ q_steered(t))``; gradients reach only the map (both models are ``frozen``).
 
@@ -51,11 +53,14 @@ from blockspec_jax.drafters.steer import check_layers, steer_dims, steering_vect
 from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.train import distill, divergences
 
-__all__ = ["STEER_JSON", "STEER_NPZ", "SteerLoss", "window_sources", "target_window", "steered_window_logits",
+__all__ = ["STEER_JSON", "STEER_NPZ", "SCHEMES", "SteerLoss", "window_sources", "target_window", "steered_window_logits",
            "make_steer_data", "make_batch_fn", "heldout_tv", "save_steer", "load_steer", "read_steer_info",
            "check_steer_setup"]
 
 STEER_JSON, STEER_NPZ = "steer.json", "steer.npz"
+#: Where a training position's bias comes from (:class:`SteerLoss`): the authors' one offset per step, or blocks of
+#: γ positions sharing one vector, as decoding drafts them.
+SCHEMES = ("regular", "blocks")
 _STEER = artifacts.Artifact(
     STEER_NPZ, STEER_JSON, what="SD² steering map",
     absent="is not the work directory of a finished SD² training run (python -m blockspec_jax.train --gin_file "
@@ -98,13 +103,16 @@ def target_window(target: decoder_lib.DecoderConfig, target_params, tokens_BxT, 
   return jax.lax.stop_gradient(logits_BxNxV), jax.lax.stop_gradient(taps_BxTxKxD)
 
 
-def window_sources(prompt_len_B: jax.Array, length: int, window: int, offset=None, gamma: Optional[int] = None):
+def window_sources(prompt_len_B: jax.Array, length: int, window: int, offset=None, gamma: Optional[int] = None,
+                   phase=0):
   """Where each position's bias comes from: ``(src_BxT int32 in [0, window), active_BxT bool)`` relative to the
   first steered position ``w0 = P − 2`` (``window`` = n + 1 steered positions, ``P − 2 .. P − 2 + n``).
 
-  ``offset`` (int32 [] or int, ≥ 1): ``src(t) = max(t − o, P − 2)`` (training); else ``gamma``: blocks of ``γ``
-  draft laws tiling the window from ``P − 1`` on, each reading the taps just before its block
-  (``src(t) = P − 2 + γ·⌊(t − P + 1) / γ⌋``, clamped at ``P − 2``; the held-out metric)."""
+  ``offset`` (int32 [] or int, ≥ 1): ``src(t) = max(t − o, P − 2)`` (the "regular" training scheme); else
+  ``gamma``: blocks of ``γ`` draft laws tiling the window from ``P − 1`` on, each reading the taps just before its
+  block: with window index ``k = t − (P − 2)``, ``src = γ·⌊(k − 1 + φ) / γ⌋ − φ`` clamped at 0, where the
+  ``phase`` ``φ`` (int32 [] or int in ``0..γ−1``) shortens the first block to ``γ − φ`` positions (φ = 0: the
+  held-out metric's tiling; a random φ per step: the "blocks" training scheme)."""
   batch = prompt_len_B.shape[0]
   t_BxT = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None, :], (batch, length))
   k_BxT = t_BxT - (prompt_len_B[:, None] - 2)  # index in the window
@@ -112,7 +120,7 @@ def window_sources(prompt_len_B: jax.Array, length: int, window: int, offset=Non
   if offset is not None:
     src_BxT = k_BxT - offset
   elif gamma is not None:
-    src_BxT = gamma * jnp.floor_divide(k_BxT - 1, gamma)
+    src_BxT = gamma * jnp.floor_divide(k_BxT - 1 + phase, gamma) - phase
   else:
     raise ValueError("window_sources needs an offset (training) or gamma (tiled blocks)")
   return jnp.clip(src_BxT, 0, window - 1), active_BxT
@@ -145,9 +153,16 @@ class SteerLoss:
   """``(steer, frozen, batch, key) -> (loss, aux)`` for :func:`blockspec_jax.train.trainer.fit`.
 
   ``frozen = {"target": target params, "drafter": drafter params}``; ``batch = {"tokens_BxT" int32 [B, T],
-  "prompt_len_B" int32 [B], "positions_BxN" int32 [B, N], "mask_BxN" f32 [B, N]}`` (:func:`make_batch_fn`). The
-  step's offset ``o ~ U{1..γ}`` comes from ``key``. aux: ``tv`` (mean total variation at the loss temperature, no
-  gradient) and ``offset``.
+  "prompt_len_B" int32 [B], "positions_BxN" int32 [B, N], "mask_BxN" f32 [B, N]}`` (:func:`make_batch_fn`).
+  ``scheme`` says where each position's bias comes from (:func:`window_sources`), drawn from ``key`` per step:
+
+  * ``"regular"`` (the authors'): one offset ``o ~ U{1..γ}``; every position reads the taps ``o`` before it, so the
+    positions before it, which a decode would draft under the same vector, were run under other vectors;
+  * ``"blocks"``: a phase ``φ ~ U{0..γ−1}`` and blocks of ``γ`` positions that share the vector of the position
+    before the block, as a decode drafts them (every earlier position of a draft runs under the vector its
+    successors read), so one pass trains every offset ``1..γ`` in the context decoding gives it.
+
+  aux: ``tv`` (mean total variation at the loss temperature, no gradient) and ``offset`` (regular) or ``phase``.
   """
   target: decoder_lib.DecoderConfig
   drafter: decoder_lib.DecoderConfig
@@ -157,8 +172,11 @@ class SteerLoss:
   divergence: str = "fkl"
   temperature: float = 1.0
   beta: float = 0.5
+  scheme: str = "regular"
 
   def __post_init__(self):
+    if self.scheme not in SCHEMES:
+      raise ValueError(f"scheme must be one of {SCHEMES}, got {self.scheme!r}")
     target_layers, steered_layers = check_steer_setup(self.target, self.drafter, self.target_layers,
                                                       self.steered_layers, self.gamma)
     object.__setattr__(self, "target_layers", target_layers)
@@ -169,18 +187,22 @@ class SteerLoss:
   def __call__(self, steer, frozen, batch, key):
     tokens_BxT, positions_BxN, mask_BxN = batch["tokens_BxT"], batch["positions_BxN"], batch["mask_BxN"]
     prompt_len_B = batch["prompt_len_B"]
-    offset = jax.random.randint(key, (), 1, self.gamma + 1)
     target_logits_BxNxV, taps_BxTxKxD = target_window(self.target, frozen["target"], tokens_BxT, positions_BxN,
                                                       self.target_layers)
-    src_BxT, active_BxT = window_sources(prompt_len_B, tokens_BxT.shape[1], positions_BxN.shape[1] + 1,
-                                         offset=offset)
+    window = positions_BxN.shape[1] + 1
+    if self.scheme == "regular":
+      draw = jax.random.randint(key, (), 1, self.gamma + 1)
+      src_BxT, active_BxT = window_sources(prompt_len_B, tokens_BxT.shape[1], window, offset=draw)
+    else:
+      draw = jax.random.randint(key, (), 0, self.gamma)
+      src_BxT, active_BxT = window_sources(prompt_len_B, tokens_BxT.shape[1], window, gamma=self.gamma, phase=draw)
     drafter_logits_BxNxV = steered_window_logits(self.drafter, frozen["drafter"], steer, tokens_BxT, positions_BxN,
                                                  prompt_len_B, taps_BxTxKxD, src_BxT, active_BxT, self.steered_layers)
     loss = divergences.token_divergence(self.divergence, target_logits_BxNxV, drafter_logits_BxNxV, mask_BxN,
                                         temperature=self.temperature, beta=self.beta)
     tv = divergences.token_divergence("tvd", target_logits_BxNxV, jax.lax.stop_gradient(drafter_logits_BxNxV),
                                       mask_BxN, temperature=self.temperature)
-    return loss, {"tv": tv, "offset": offset.astype(jnp.float32)}
+    return loss, {"tv": tv, ("offset" if self.scheme == "regular" else "phase"): draw.astype(jnp.float32)}
 
 
 # --- data -----------------------------------------------------------------------------------------------------------

@@ -86,7 +86,8 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
               max_prompt_len: int = pools.DEFAULT_MAX_PROMPT_LEN, chat: bool = True, dtype: str = "float32",
               max_new_tokens: int = 16,
               batch_size: int = 16, sample_batch_size=None, target_layers=None, steered_layers=None, rank=None,
-              gamma: int = 4, divergence: str = "fkl", temperature: float = 1.0, sample_temperature: float = 1.0,
+              gamma: int = 4, scheme: str = "regular", divergence: str = "fkl", temperature: float = 1.0,
+              sample_temperature: float = 1.0,
               beta: float = 0.5, optimizer=None, num_steps: int = 100, checkpoint_every: int = 50,
               max_to_keep: int = 2, eval_every: int = 0, seed: int = 0, progress: bool = True,
               stop_after=None) -> dict:
@@ -101,7 +102,8 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
   Data: the target's continuations (``max_new_tokens`` at ``sample_temperature``, ``sample_batch_size`` prompts at
   a time, default ``batch_size``). Map: ``target_layers`` (default ``default_target_layers``), ``steered_layers``
   (default all drafter layers), ``rank`` (None: the paper's full ``W_guide``). Loss: ``divergence`` at
-  ``temperature`` (``beta`` for JSD), offsets ``1..gamma``. ``optimizer``: a dict of ``trainer.make_optimizer``
+  ``temperature`` (``beta`` for JSD), offsets ``1..gamma`` under ``scheme`` (``"regular"``: one offset per step, the
+  authors'; ``"blocks"``: blocks of ``gamma`` sharing one vector, as decoding drafts; ``steer.SteerLoss``). ``optimizer``: a dict of ``trainer.make_optimizer``
   arguments (``total_steps`` = ``num_steps``; default adamw 1e-3, cosine). ``eval_every``: the steered held-out TV
   every this many steps too (``eval_heldout_tv``; 0: only at the end). ``stop_after``: stop after that many steps as
   if killed (resume tests): only the checkpoints and ``metrics.jsonl`` are written.
@@ -114,6 +116,8 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
                            ("max_prompt_len", max_prompt_len, 1), ("eval_every", eval_every, 0),
                            ("gamma", gamma, 1)):
     pools.check_int(value, name, low, job=JOB)
+  if scheme not in steer_lib.SCHEMES:
+    raise jobs.UsageError(f"{JOB}.scheme must be one of {steer_lib.SCHEMES}, got {scheme!r}")
   if sample_batch_size is not None:
     pools.check_int(sample_batch_size, "sample_batch_size", job=JOB)
   if stop_after is not None:
@@ -154,7 +158,7 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
     target_layers, steered_layers = steer_lib.check_steer_setup(target_cfg, drafter_cfg, target_layers,
                                                                 steered_layers, gamma)
     loss_fn = steer_lib.SteerLoss(target_cfg, drafter_cfg, target_layers, steered_layers, gamma, divergence,
-                                  temperature, beta)
+                                  temperature, beta, scheme)
     data = steer_lib.make_steer_data(target_cfg, setup["target_params"], drafter_cfg, setup["prompts_NxP"],
                                      setup["prompt_len_N"], batch_size=batch_size, max_new_tokens=max_new_tokens,
                                      sample_batch_size=sample_batch_size, sample_temperature=sample_temperature,
@@ -165,6 +169,7 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
   steer0 = init_steer(target_cfg.d_model, len(target_layers), drafter_cfg, steered_layers, rank=rank, seed=seed)
   target_params, drafter_params = setup["target_params"], setup["drafter_params"]
   settings = dict(target_layers=list(target_layers), steered_layers=list(steered_layers), rank=rank, gamma=gamma,
+                  scheme=scheme,
                   divergence=divergence, temperature=temperature, sample_temperature=sample_temperature,
                   batch_size=batch_size, max_new_tokens=max_new_tokens, num_steps=num_steps, optimizer=optimizer,
                   seed=seed)
