@@ -72,7 +72,7 @@ def summarize_drafters(tables: dict, tasks: list[str], rules: tuple[str, ...], g
         be_B = 1.0 + table[:, r, g]
         be, be_se = mean_stderr(be_B)
         diff, diff_se = mean_stderr(be_B - (1.0 + ref[:, r, g]))
-        ref_be = float(1.0 + ref[:, r, g].mean())
+        ref_be = mean_stderr(1.0 + ref[:, r, g])[0]  # the reference row: exactly 0 gain
         out.append(dict(drafter=label, rule=rule, gamma=g + 1, be=be, be_se=be_se,
                         by_task={t: float(be_B[tasks_B == t].mean()) for t in task_names},
                         diff=diff, diff_se=diff_se, gain=be / ref_be - 1.0,
