@@ -261,6 +261,110 @@ def test_steering_after_a_commit_is_the_map_of_the_last_accepted_position():
   assert set(tau.tolist()) != {GAMMA_GREEDY}  # some rows were cut short: the position really depends on τ
 
 
+def decoded_history_state(tp, params, drafter, prompt, history, stride, gamma):
+  """One row, the way the loop fills a steered drafter's cache: the prompt prefilled, then rounds that each re-feed
+  the last two committed tokens and draft from there under the vector of the taps at ``length − 2``, committing
+  ``stride`` tokens of ``history`` (``stride − 1`` drafted and accepted, then the bonus token; the last round
+  fewer) — the draft positions past a round's commit hold junk until the next round overwrites them."""
+  target = pair()[0]
+  context = list(prompt) + list(history)
+  state = spec.speculative_prefill(tp, params, *spec.prepare_prompts([prompt]), target=target, drafter=drafter,
+                                   gamma=gamma, max_new_tokens=len(history) + gamma)
+  taps = full_forward(target, tp, [context], drafter.target_layers)[1]
+  tokens_1xS = state.tokens_BxS.at[0, :len(context)].set(jnp.asarray(context, jnp.int32))
+  ds, length = state.drafter_state, len(prompt)
+  while length < len(context):
+    ds, _, _ = drafter.begin(params, ds, tokens_1xS, jnp.asarray([length]), T1)
+    for j in range(stride - 1):  # drafted tokens, fed; those past the commit are junk (token 0)
+      x = context[length + j] if length + j < len(context) else 0
+      ds, _, _ = drafter.step(params, ds, jnp.asarray([x]), jnp.asarray([length + j]), T1)
+    length = min(length + stride, len(context))
+    ds = drafter.commit(params, ds, contracts.prompt_commit(jnp.zeros((1, len(context), 1)), taps,
+                                                            jnp.asarray([context], jnp.int32),
+                                                            jnp.asarray([length]), gamma))
+  return state.replace(tokens_BxS=tokens_1xS, length_B=jnp.asarray([length]), drafter_state=ds)
+
+
+@pytest.mark.parametrize("stride", [1, 3])
+def test_replayed_history_is_the_state_decoding_leaves(stride):
+  """speculative_prefill(history_B=h, replay_stride=s) on prompt + history: a steered drafter's first draft has the
+  q rows of the drafter that decoded the history in rounds of s committed tokens (its cache written under each
+  round's vector), one-token prompts, empty and partial last rounds included; the plain prefill of the same context
+  drafts other rows, and a plain drafter ignores history_B bit for bit."""
+  target, tp, drafter_cfg, dp = pair()
+  drafter = steered_drafter(drafter_cfg, target)
+  params = {"model": dp, "steer": random_map(target, drafter_cfg)}
+  gamma = 3
+  prompts = [[1, 2, 3, 4], [3], [5, 1, 2], [2, 5]]
+  histories = [[0, 5, 2, 2, 1, 3, 4], [4, 4, 0, 1], [], [1, 3, 5, 0, 2]]
+  contexts = [p + h for p, h in zip(prompts, histories)]
+  tokens, lens = spec.prepare_prompts(contexts)
+  history_B = jnp.asarray([len(h) for h in histories], jnp.int32)
+  key_B = jax.random.split(jax.random.key(7), len(contexts))
+
+  def first_draft(params, state, key_B, drafter=drafter):
+    return spec.draft_and_score(tp, params, state, key_B, target=target, drafter=drafter, gamma=gamma, sampler=T1)
+
+  replayed = spec.speculative_prefill(tp, params, tokens, lens, target=target, drafter=drafter, gamma=gamma,
+                                      max_new_tokens=1, history_B=history_B, replay_stride=stride)
+  plain = spec.speculative_prefill(tp, params, tokens, lens, target=target, drafter=drafter, gamma=gamma,
+                                   max_new_tokens=1)
+  got, flat = first_draft(params, replayed, key_B), first_draft(params, plain, key_B)
+  for b, (p, h) in enumerate(zip(prompts, histories)):
+    decoded = decoded_history_state(tp, params, drafter, p, h, stride, gamma)
+    want = first_draft(params, decoded, key_B[b:b + 1])
+    np.testing.assert_array_equal(np.asarray(got.draft.tokens_BxN[b]), np.asarray(want.draft.tokens_BxN[0]))
+    np.testing.assert_allclose(np.asarray(got.draft.q_BxNxV[b]), np.asarray(want.draft.q_BxNxV[0]), rtol=1e-4,
+                               atol=1e-6)
+    gap = float(np.abs(np.asarray(flat.draft.q_BxNxV[b, 0]) - np.asarray(want.draft.q_BxNxV[0, 0])).max())
+    assert (gap < 1e-6) == (len(h) == 0), (b, gap)  # the plain prefill differs exactly where there is a history
+  plain_drafter = ModelDrafter(drafter_cfg)
+  a = spec.speculative_prefill(tp, dp, tokens, lens, target=target, drafter=plain_drafter, gamma=gamma,
+                               max_new_tokens=1, history_B=history_B, replay_stride=stride)
+  b_ = spec.speculative_prefill(tp, dp, tokens, lens, target=target, drafter=plain_drafter, gamma=gamma,
+                                max_new_tokens=1)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b_)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  with pytest.raises(ValueError, match="replay_stride"):
+    spec.speculative_prefill(tp, params, tokens, lens, target=target, drafter=drafter, gamma=gamma,
+                             max_new_tokens=1, history_B=history_B, replay_stride=0)
+
+
+def test_paired_acceptance_replays_a_steered_drafter_history():
+  """eval.paired with each context's offset: a steered drafter's rows change exactly where a context has tokens past
+  its prompt (and with the stride), stride 0 or no offsets is the prompt prefill, a plain drafter's table does not
+  move; bad offsets, strides and `?replay=` settings are refused."""
+  import argparse
+  from blockspec_jax.eval import paired
+  target, tp, drafter_cfg, dp = pair()
+  drafter = steered_drafter(drafter_cfg, target)
+  params = {"model": dp, "steer": random_map(target, drafter_cfg)}
+  contexts = [[1, 2, 3, 4, 0, 5, 2, 2, 1], [3, 4, 4, 0], [5, 1, 2], [2, 5, 1, 3, 5]]
+  offsets = [5, 3, 0, 3]
+
+  def table(drafter, params, **kw):
+    return paired.paired_acceptance(tp, params, contexts, target=target, drafter=drafter, gamma=3, temperature=1.0,
+                                    draws=2, **kw)
+
+  prompt = table(drafter, params)
+  np.testing.assert_array_equal(prompt, table(drafter, params, offsets=offsets, replay_stride=0))
+  by_stride = {s: table(drafter, params, offsets=offsets, replay_stride=s) for s in (1, 3)}
+  for replayed in by_stride.values():
+    moved_B = np.abs(replayed - prompt).max(axis=(0, 2, 3)) > 1e-6
+    np.testing.assert_array_equal(moved_B, np.asarray(offsets) > 0)
+  assert np.abs(by_stride[1] - by_stride[3]).max() > 1e-4
+  plain = ModelDrafter(drafter_cfg)
+  np.testing.assert_array_equal(table(plain, dp), table(plain, dp, offsets=offsets, replay_stride=3))
+  with pytest.raises(ValueError, match="offsets must give each"):
+    table(drafter, params, offsets=[5, 3, 0, 5], replay_stride=1)  # 5 tokens past a 5-token context's prompt
+  with pytest.raises(ValueError, match="replay_stride must be an integer >= 0"):
+    table(drafter, params, offsets=offsets, replay_stride=-1)
+  with pytest.raises(jobs.UsageError, match="replay must be an integer >= 0"):
+    paired._paired_drafter("steered:results/train/none?replay=-2", None, argparse.Namespace(replay_stride=8))
+  assert paired._shown("steer_qwen", 8) == "steer_qwen (replay 8)" and paired._shown("base", None) == "base"
+  assert paired._shown("steer_qwen?replay=0", 0) == "steer_qwen?replay=0 (prefilled as prompt)"
+
+
 def test_map_shapes_subsets_and_low_rank():
   """Unsteered layers get exact zeros; the initial W_hml sums the taps; a low-rank map starts at zero too."""
   target, _, drafter, _ = pair()

@@ -33,7 +33,7 @@ from blockspec_jax import sampling
 __all__ = ["Draft", "Commit", "Scored", "TargetScorer", "Drafter", "chain_draft", "chain_parents_BxN",
            "ancestors", "node_depths", "tree_positions", "tree_attention_mask", "accepted_path", "path_slots",
            "SAMPLING_CHAIN", "SAMPLING_BEAM", "check_drafter", "StepDrafter", "prompt_commit", "reads_target",
-           "target_layers"]
+           "replays_history", "target_layers"]
 
 #: A chain drafter's declared ``sibling_sampling``: one child per node, a draw both with and without replacement.
 SAMPLING_CHAIN = "chain"
@@ -218,6 +218,12 @@ class Drafter(Protocol):
                      states at the position before the last prompt token
   ``target_layers``  layers whose residual stream the loop's target pass must return (``Commit.taps_BxG1xLxD``);
                      the loop makes the scorer tap them (:func:`blockspec_jax.models.scorer.as_scorer`)
+  ``replay(params, state, tokens_BxS, taps_BxPxLxD, start_B, end_B, stride) -> state``: for drafters whose state
+                     depends on how the committed tokens were committed (SD²: the keys and values written under
+                     each round's steering vector), bring a state prefilled plainly over ``tokens_BxS[b, :end_B[b]]``
+                     to the state decoding leaves after committing positions ``start_B[b] .. end_B[b] − 1`` in rounds
+                     of ``stride`` tokens (``taps_BxPxLxD``: the target's taps at every prefilled position).
+                     Drafters without it are replayed by the plain prefill (:func:`replays_history`).
   """
 
   @property
@@ -275,6 +281,11 @@ def check_drafter(drafter) -> None:
 def reads_target(drafter) -> bool:
   """Whether ``drafter`` declares that it reads the target (and gets the prefill's :func:`prompt_commit`)."""
   return bool(getattr(drafter, "reads_target", False))
+
+
+def replays_history(drafter) -> bool:
+  """Whether ``drafter``'s state after committed tokens depends on how they were committed (it has ``replay``)."""
+  return callable(getattr(drafter, "replay", None))
 
 
 def target_layers(drafter) -> tuple[int, ...]:

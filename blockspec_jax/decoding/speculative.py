@@ -310,7 +310,7 @@ decode_autoregressive = jax.jit(autoregressive_decode, static_argnames=AUTOREGRE
 
 SPECULATIVE_STATIC = ("target", "drafter", "gamma", "max_new_tokens", "verifier", "sampler", "stop_ids", "pad_id",
                       "cache_sharding")
-SPECULATIVE_PREFILL_STATIC = ("target", "drafter", "gamma", "max_new_tokens", "cache_sharding")
+SPECULATIVE_PREFILL_STATIC = ("target", "drafter", "gamma", "max_new_tokens", "cache_sharding", "replay_stride")
 
 
 def _draft_slots(drafter: Drafter, gamma: int) -> int:
@@ -322,10 +322,17 @@ def _draft_slots(drafter: Drafter, gamma: int) -> int:
 
 
 def speculative_prefill(target_params, drafter_params, tokens_BxP, prompt_len_B, *, target, drafter: Drafter,
-                        gamma: int, max_new_tokens: int, cache_sharding=None) -> DecodeState:
+                        gamma: int, max_new_tokens: int, cache_sharding=None, history_B=None,
+                        replay_stride: int = 1) -> DecodeState:
   """Phase 1: checks (γ, vocabularies, cache room), then the target's and the drafter's forward over the prompt
   width into caches of ``S = P + max_new_tokens + N + 1`` slots (``N = drafter.num_nodes(γ)``). Returns the loop's
-  initial state."""
+  initial state.
+
+  ``history_B`` (int32 ``[B]``, optional): the last ``history_B[b]`` tokens of row ``b``'s prompt were committed by
+  decoding, not given as a prompt (an evaluation that starts drafting inside a continuation). A drafter whose state
+  depends on how tokens were committed (:func:`~blockspec_jax.decoding.contracts.replays_history`, SD²) is brought to
+  the state decoding leaves after committing them in rounds of ``replay_stride`` tokens; for every other drafter the
+  plain prefill already is that state, and ``history_B`` changes nothing."""
   draft_slots = _draft_slots(drafter, gamma)
   target = as_scorer(target, contracts.target_layers(drafter))
   if drafter.vocab_size != target.vocab_size:
@@ -340,6 +347,12 @@ def speculative_prefill(target_params, drafter_params, tokens_BxP, prompt_len_B,
   tokens_BxS, scored = _init(target, target_params, tokens_BxP, prompt_len_B, cache_len, cache_sharding)
   drafter_state = constrain_caches(drafter.init_state(drafter_params, tokens_BxP, prompt_len_B, cache_len),
                                    cache_sharding)
+  if history_B is not None and contracts.replays_history(drafter):
+    if isinstance(replay_stride, bool) or not isinstance(replay_stride, int) or replay_stride < 1:
+      raise ValueError(f"replay_stride must be an integer >= 1 (tokens committed per round), got {replay_stride!r}")
+    history_B = jnp.clip(jnp.asarray(history_B, jnp.int32), 0, prompt_len_B - 1)
+    drafter_state = drafter.replay(drafter_params, drafter_state, tokens_BxS, scored.taps_BxTxLxD,
+                                   prompt_len_B - history_B, prompt_len_B, replay_stride)
   if contracts.reads_target(drafter):  # the prompt as a committed block: the first draft reads the target too
     drafter_state = drafter.commit(drafter_params, drafter_state, contracts.prompt_commit(
         scored.hidden_BxTxD, scored.taps_BxTxLxD, tokens_BxP, prompt_len_B, gamma))

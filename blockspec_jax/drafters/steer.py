@@ -247,6 +247,36 @@ class SteeredDrafter(ModelDrafter):
                                              state.max_len, return_hidden=True, mlp_delta_LxBxTxF=state.delta_LxBx1xF)
     return state.replace(cache=cache), logits_BxTxV, hidden_BxTxD
 
+  def replay(self, params, state: SteerState, tokens_BxS, taps_BxPxKxD, start_B, end_B, stride: int):
+    """The cache decoding leaves after committing positions ``start_B .. end_B − 1`` of ``tokens_BxS`` in rounds of
+    ``stride`` tokens, from a state prefilled plainly over ``tokens_BxS[b, :end_B[b]]``.
+
+    A round that starts at length ``L`` re-feeds positions ``L − 2``, ``L − 1`` and drafts from ``L`` on under the
+    vector of the target's taps at ``L − 2``; when it commits ``stride`` tokens, the next round overwrites from
+    ``L + stride − 2`` on. So positions ``[s, s + stride)`` with ``s = start − 2 + k·stride`` hold keys and values
+    written under the map of the taps at ``s`` (zeros where ``s < 0``), up to ``end − 2``; positions
+    ``end − 2, end − 1`` are re-fed by the next draft (:meth:`begin`) and the prompt before ``start − 2`` stays plain.
+    Re-fed in order, block by block, so each block attends to the rewritten blocks before it. ``taps_BxPxKxD``: the
+    target's taps at the prefilled positions; the biases are left for the caller's commit to set."""
+    batch, width = taps_BxPxKxD.shape[:2]
+    rows_B = jnp.arange(batch)
+    first_B = start_B - 2
+    offset_T = jnp.arange(stride, dtype=jnp.int32)
+    num_blocks = jnp.max(-((first_B - (end_B - 2)) // stride))  # ⌈(end − start) / stride⌉ over the rows
+
+    def block(k, state):
+      source_B = first_B + k * stride
+      taps_BxKxD = taps_BxPxKxD[rows_B, jnp.clip(source_B, 0, width - 1)]
+      taps_BxKxD = jnp.where((source_B >= 0)[:, None, None], taps_BxKxD, 0)  # one-token prompts: no state
+      # Rows past their end re-feed their last positions (next draft rewrites them); positions never leave the row.
+      positions_BxT = jnp.clip(source_B[:, None] + offset_T[None, :], 0, (end_B - 1)[:, None])
+      tokens_BxT = tokens_BxS[rows_B[:, None], positions_BxT]
+      state = state.replace(delta_LxBx1xF=steering_deltas(params["steer"], taps_BxKxD, self.config,
+                                                          self.steered_layers))
+      return self.forward(params, state, tokens_BxT, positions_BxT)[0]
+
+    return jax.lax.fori_loop(0, num_blocks, block, state)
+
   def commit(self, params, state: SteerState, commit: Commit):
     """The next draft's biases from the target's taps at the last accepted position (``commit.last_states()``)."""
     _, taps_BxKxD = commit.last_states()

@@ -24,6 +24,14 @@ Contexts: the first ``--num-prompts`` shipped prompts (chat template, as the mai
 0, n/k, 2n/k, … tokens (k = ``--positions``) of one autoregressive sample of n = ``--sample-tokens`` tokens from the
 target at ``--temperature``.
 
+Drafters (``--drafters A,B,…``): every drafter on the same contexts and keys, the first as the reference. A context's
+tokens past its prompt were, in the decode it stands for, committed by decoding: a drafter whose state depends on
+how they were committed (SD²: its cache holds keys and values written under each round's steering vector) is
+brought to the state decoding leaves after committing them in rounds of ``--replay-stride`` tokens (default γ;
+``steered:DIR?replay=1`` per drafter; 0 prefills the context as a prompt, as every drafter was measured before the
+replay existed). Decoding's rounds commit τ + 1 tokens, between 1 and γ + 1; strides 1 and γ + 1 bound the
+freshest and the stalest vectors a decode can leave. Plain drafters get the same table at any stride.
+
 Trees (:mod:`blockspec_jax.eval.paired_trees`): ``--trees [--budgets 4,8,16] [--temperatures 1,0.6]`` compares
 chains, SpecTr's k chains, RSD-C and RSD-S trees under their rules at equal node budgets, writes the table to
 ``--json`` after every arm (a rerun with the same file resumes: finished arms are kept) and a plot (SVG) beside it.
@@ -43,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from blockspec_jax import sampling
-from blockspec_jax.decoding import speculative as spec
+from blockspec_jax.decoding import contracts, speculative as spec
 from blockspec_jax.decoding.contracts import Drafter
 from blockspec_jax.drafters import ModelDrafter
 from blockspec_jax.verify import get_verifier
@@ -51,15 +59,19 @@ from blockspec_jax.verify import get_verifier
 __all__ = ["expected_accepted_table", "length_buckets", "paired_acceptance", "mean_stderr", "summarize_paired"]
 
 
-def expected_accepted_table(target_params, drafter_params, keys_D, tokens_BxP, prompt_len_B, row_ids_B=None, *,
-                            target, drafter: Drafter, gamma: int, sampler: sampling.Sampler,
-                            verifiers: tuple[str, ...] = ("token", "block")) -> jax.Array:
+def expected_accepted_table(target_params, drafter_params, keys_D, tokens_BxP, prompt_len_B, row_ids_B=None,
+                            history_B=None, *, target, drafter: Drafter, gamma: int, sampler: sampling.Sampler,
+                            verifiers: tuple[str, ...] = ("token", "block"), replay_stride: int = 1) -> jax.Array:
   """``E_DxBxRxG`` f32: for draw d, context b, rule r and γ = g + 1, ``Σ_{i≤γ} P(τ ≥ i | X^i)`` on the first γ tokens
   of draw d's draft. ``keys_D`` holds one key per draw; row b's draft in draw d uses ``fold_in(keys_D[d], id_b)``
-  with ``id_b = row_ids_B[b]`` (default ``b``), so a context keeps its drafts when it is measured in another batch."""
+  with ``id_b = row_ids_B[b]`` (default ``b``), so a context keeps its drafts when it is measured in another batch.
+  ``history_B``: tokens at the end of each context that decoding committed (past the prompt); a drafter whose state
+  depends on how they were committed (SD²) is replayed in rounds of ``replay_stride`` tokens
+  (:func:`blockspec_jax.decoding.speculative.speculative_prefill`); None: every context is a prompt."""
   rules = tuple(get_verifier(v) for v in verifiers)
   state = spec.speculative_prefill(target_params, drafter_params, tokens_BxP, prompt_len_B, target=target,
-                                   drafter=drafter, gamma=gamma, max_new_tokens=1)
+                                   drafter=drafter, gamma=gamma, max_new_tokens=1, history_B=history_B,
+                                   replay_stride=replay_stride)
   batch = tokens_BxP.shape[0]
   row_ids_B = jnp.arange(batch) if row_ids_B is None else jnp.asarray(row_ids_B, jnp.int32)
 
@@ -78,7 +90,8 @@ def expected_accepted_table(target_params, drafter_params, keys_D, tokens_BxP, p
   return jax.lax.map(one_draw, keys_D)
 
 
-_table = jax.jit(expected_accepted_table, static_argnames=("target", "drafter", "gamma", "sampler", "verifiers"))
+_table = jax.jit(expected_accepted_table,
+                 static_argnames=("target", "drafter", "gamma", "sampler", "verifiers", "replay_stride"))
 
 
 def length_buckets(lengths: Sequence[int], buckets: int) -> list[np.ndarray]:
@@ -92,8 +105,15 @@ def length_buckets(lengths: Sequence[int], buckets: int) -> list[np.ndarray]:
 
 def paired_acceptance(target_params, drafter_params, contexts: Sequence[Sequence[int]], *, target,
                       drafter: Drafter, gamma: int, temperature: float, draws: int, seed: int = 0,
-                      verifiers: tuple[str, ...] = ("token", "block"), buckets: int = 1) -> np.ndarray:
+                      verifiers: tuple[str, ...] = ("token", "block"), buckets: int = 1,
+                      offsets: Sequence[int] | None = None, replay_stride: int = 0) -> np.ndarray:
   """Ragged token-id ``contexts`` → the ``[draws, contexts, rules, γ]`` table of :func:`expected_accepted_table`.
+
+  ``offsets`` (each context's tokens past its prompt, :func:`build_contexts`) with ``replay_stride ≥ 1``: those
+  tokens count as committed by decoding in rounds of ``replay_stride`` tokens, so a drafter whose state depends on
+  how they were committed (SD²'s cache, written under each round's steering vector) is measured in the state
+  decoding gives it; ``replay_stride = 0``, or no offsets: every context is prefilled as a prompt. Drafters without
+  such state get the same table either way.
 
   ``buckets``: the contexts sorted by length and measured in this many batches, each padded to its own longest
   (:func:`length_buckets`): the prefill, which dominates a measurement, then runs over far fewer padding positions
@@ -103,13 +123,24 @@ def paired_acceptance(target_params, drafter_params, contexts: Sequence[Sequence
     raise ValueError(f"gamma and draws must be >= 1, got gamma = {gamma}, draws = {draws}")
   if not contexts or min(len(c) for c in contexts) < 1:
     raise ValueError("every context needs at least one token")
+  if isinstance(replay_stride, bool) or not isinstance(replay_stride, (int, np.integer)) or replay_stride < 0:
+    raise ValueError(f"replay_stride must be an integer >= 0 (0: contexts prefilled as prompts), got {replay_stride!r}")
+  if offsets is not None:
+    offsets = np.asarray(offsets, np.int32)
+    if offsets.shape != (len(contexts),) or (offsets < 0).any() or \
+        (offsets >= np.asarray([len(c) for c in contexts])).any():
+      raise ValueError(f"offsets must give each of the {len(contexts)} contexts a count of tokens past its prompt in "
+                       "[0, its length − 1]")
+  replay = offsets is not None and replay_stride >= 1
   keys_D = jax.random.split(jax.random.key(seed), draws)
   table_DxBxRxG = None
   for run in length_buckets([len(c) for c in contexts], buckets):
     tokens_BxP, prompt_len_B = spec.prepare_prompts([list(contexts[i]) for i in run])
     part = np.asarray(_table(target_params, drafter_params, keys_D, tokens_BxP, prompt_len_B,
-                             jnp.asarray(run, jnp.int32), target=target, drafter=drafter, gamma=gamma,
-                             sampler=sampling.Sampler(temperature=temperature), verifiers=tuple(verifiers)))
+                             jnp.asarray(run, jnp.int32), jnp.asarray(offsets[run]) if replay else None,
+                             target=target, drafter=drafter, gamma=gamma,
+                             sampler=sampling.Sampler(temperature=temperature), verifiers=tuple(verifiers),
+                             replay_stride=int(replay_stride) if replay else 1))
     if table_DxBxRxG is None:
       table_DxBxRxG = np.zeros((part.shape[0], len(contexts), *part.shape[2:]), part.dtype)
     table_DxBxRxG[:, run] = part
@@ -210,20 +241,25 @@ def _trees_main(args, target, drafter_model, prompt_ids, start) -> int:
 
 
 def _paired_drafter(name, target, args):
-  """``(drafter, its parameters)`` for one ``--drafters`` entry: a model (name, path, training run) as a chain
-  drafter, or ``<drafter>:<run dir>[?settings]`` (:func:`blockspec_jax.jobs.trained_drafter_spec`: BPD heads, SD²)
-  built on ``--drafter``'s model (the steered base, the heads' neural rescorer)."""
+  """``(drafter, its parameters, replay stride)`` for one ``--drafters`` entry: a model (name, path, training run) as
+  a chain drafter, or ``<drafter>:<run dir>[?settings]`` (:func:`blockspec_jax.jobs.trained_drafter_spec`: BPD heads,
+  SD²) built on ``--drafter``'s model (the steered base, the heads' neural rescorer). The stride is the entry's
+  ``replay`` setting (``steered:DIR?replay=1``), else ``--replay-stride``; None for drafters that do not replay."""
   from blockspec_jax import jobs
   spec_ = jobs.trained_drafter_spec(name)
   if spec_ is None:
     drafter = jobs.load_model(name, args.dtype, progress=False, scan_layers=True)
     jobs.check_pair(target, drafter)
-    return ModelDrafter(drafter.config), drafter.params["params"]
+    return ModelDrafter(drafter.config), drafter.params["params"], None
   kind, settings = spec_
+  stride = settings.pop("replay", args.replay_stride)
+  if isinstance(stride, bool) or not isinstance(stride, int) or stride < 0:
+    raise jobs.UsageError(f"{name!r}: replay must be an integer >= 0 (0: contexts prefilled as prompts), got {stride!r}")
   base = jobs.load_model(args.drafter, args.dtype, progress=False, scan_layers=True)
   jobs.check_pair(target, base)
   drafter = jobs.build_drafter(kind, target, base, {kind: settings}, args.gamma)
-  return drafter, jobs.drafter_params(drafter, base, target)
+  return (drafter, jobs.drafter_params(drafter, base, target),
+          stride if contracts.replays_history(drafter) else None)
 
 
 #: The settings that make the contexts and the drafts of a ``--drafters`` comparison: a resumed (or extended) run must
@@ -265,16 +301,17 @@ def _drafters_main(args, target, prompt_rows, prompt_ids, start) -> int:
         owners, offsets = [], []
         contexts = sampled_contexts(target, prompt_ids, temperature, args, owners, offsets)
         tasks = [prompt_rows[i]["task"] for i in owners]
-      drafter_obj, drafter_params = _paired_drafter(name, target, args)
+      drafter_obj, drafter_params, stride = _paired_drafter(name, target, args)
       draws = 1 if temperature == 0 else args.draws  # greedy drafts are the same in every draw
       t0 = time.perf_counter()
       with jobs.compiling(f"T = {temperature:g}, drafter {label} ({len(contexts)} contexts × {draws} drafts)"):
         table = paired_acceptance(target.params["params"], drafter_params, contexts,
                                   target=target.config, drafter=drafter_obj, gamma=args.gamma,
                                   temperature=temperature, draws=draws, seed=args.seed, verifiers=rules,
-                                  buckets=args.buckets)
+                                  buckets=args.buckets, offsets=offsets, replay_stride=stride or 0)
       del drafter_obj, drafter_params
       results.append(dict(temperature=temperature, drafter=label, name=name, tasks=tasks, offsets=offsets,
+                          replay_stride=stride,
                           seconds=time.perf_counter() - t0, table=table.tolist()))
       be = 1 + table.mean(axis=(0, 1))
       print(f"  T={temperature:g} {label}: BE block γ=4 {be[1, min(3, args.gamma - 1)]:.3f}, γ={args.gamma} "
@@ -283,8 +320,9 @@ def _drafters_main(args, target, prompt_rows, prompt_ids, start) -> int:
       path.write_text(json.dumps(dict(config=vars(args), drafters=args.drafter_list, results=results)))
   report = []
   for temperature in args.temperature_list:
-    sub = {r["drafter"]: np.asarray(r["table"]) for r in results if r["temperature"] == temperature}
-    sub = {label: sub[label] for label in labels if label in sub}
+    here = {r["drafter"]: r for r in results if r["temperature"] == temperature}
+    sub = {_shown(label, here[label].get("replay_stride")): np.asarray(here[label]["table"])
+           for label in labels if label in here}
     first = next(r for r in results if r["temperature"] == temperature)
     rows = pd.summarize_drafters(sub, first["tasks"], rules, gammas={4, args.gamma})
     report.append(pd.format_drafters(rows, temperature))
@@ -298,6 +336,13 @@ def _drafters_main(args, target, prompt_rows, prompt_ids, start) -> int:
   md.write_text(text + "\n")
   print(f"wrote {path} and {md}; {time.perf_counter() - start:.0f} s")
   return 0
+
+
+def _shown(label: str, stride) -> str:
+  """A drafter's label in the report, with how its contexts' history was replayed (drafters that replay it)."""
+  if stride is None:
+    return label
+  return f"{label} (replay {stride})" if stride else f"{label} (prefilled as prompt)"
 
 
 def format_trees(results, temperatures) -> str:
@@ -353,6 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--buckets", type=int, default=1,
                   help="measure the contexts in this many batches of similar length (less padding in the prefill, "
                        "one compile each; the same drafts per context)")
+  ap.add_argument("--replay-stride", type=int, default=None,
+                  help="--drafters: a context's tokens past its prompt count as committed by decoding in rounds of "
+                       "this many tokens, so drafters whose state depends on how tokens were committed (SD²: keys and "
+                       "values written under each round's steering vector) are measured in the state decoding gives "
+                       "them; 0 prefills every context as a prompt (default γ)")
   ap.add_argument("--json", default=None, help="default results/paired.json (results/paired_trees.json with --trees)")
   ap.add_argument("--trees", action="store_true", help="trees and chains at equal node budgets (see above)")
   ap.add_argument("--budgets", default="4,8,16", help="--trees: draft nodes per target call")
@@ -381,6 +431,10 @@ def main(argv=None) -> int:
   args.drafter_list = [d for d in (args.drafters or "").split(",") if d]
   if args.positions < 1 or args.sample_tokens < 1 or args.buckets < 1:
     ap.error("--positions, --sample-tokens and --buckets must be >= 1")
+  if args.replay_stride is None:
+    args.replay_stride = args.gamma
+  if args.replay_stride < 0:
+    ap.error("--replay-stride must be >= 0 (0: every context prefilled as a prompt)")
   with jobs.cli_errors(ap.prog):
     jobs.check_settings(gamma=args.gamma, temperatures=(args.temperature,), num_prompts=args.num_prompts,
                         dtype=args.dtype, models=(args.target, args.drafter, *args.drafter_list))
