@@ -348,6 +348,36 @@ def _distill_setup(source="mixed"):
   return target, drafter, data
 
 
+def test_target_samples_are_kept_for_a_resume(tmp_path, monkeypatch):
+  """make_distill_data(samples_path=...): the first call samples and writes the file; a second call with the same
+  prompts and settings reads the same arrays without sampling; other settings or a damaged file are refused."""
+  target = init_params(TARGET, 0)
+  prompts, lens = distill.random_prompts(12, 4, TARGET.vocab_size, 0)
+  path = tmp_path / "samples.npz"
+
+  def make(**kw):
+    settings = dict(batch_size=4, max_new_tokens=5, source="fixed", heldout_fraction=0.25, seed=0,
+                    samples_path=path, samples_meta={"target_name": "tiny"})
+    return distill.make_distill_data(TARGET, target, DRAFTER, prompts, lens, **{**settings, **kw})
+
+  first = make()
+  assert path.exists()
+  monkeypatch.setattr(distill, "sample_sequences", lambda *a, **k: pytest.fail("sampled again"))
+  again = make()
+  np.testing.assert_array_equal(again.fixed_tokens_NxT, first.fixed_tokens_NxT)
+  np.testing.assert_array_equal(again.fixed_mask_NxT, first.fixed_mask_NxT)
+  np.testing.assert_array_equal(again.train_idx, first.train_idx)
+  assert first.fixed_mask_NxT.sum() > 0
+  for kw, name in ((dict(max_new_tokens=6), "max_new_tokens"), (dict(seed=1), "seed"),
+                   (dict(samples_meta={"target_name": "other"}), "target_name"),
+                   (dict(sample_temperature=0.5), "sample_temperature")):
+    with pytest.raises(ValueError, match=f"other settings \\(.*{name}"):
+      make(**kw)
+  path.write_bytes(path.read_bytes()[:100])
+  with pytest.raises(ValueError, match="not a readable file of target samples"):
+    make()
+
+
 RESUME_OPTIMIZER = trainer.make_optimizer("adamw", 1e-2, "cosine", 1, 6, 0.01, 1.0)  # one object: one compile
 
 

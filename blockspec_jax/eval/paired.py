@@ -254,7 +254,8 @@ def _paired_drafter(name, target, args):
   kind, settings = spec_
   stride = settings.pop("replay", args.replay_stride)
   if isinstance(stride, bool) or not isinstance(stride, int) or stride < 0:
-    raise jobs.UsageError(f"{name!r}: replay must be an integer >= 0 (0: contexts prefilled as prompts), got {stride!r}")
+    raise jobs.UsageError(f"{name!r}: replay must be an integer >= 0 (0: contexts prefilled as prompts), "
+                          f"got {stride!r}")
   base = jobs.load_model(args.drafter, args.dtype, progress=False, scan_layers=True)
   jobs.check_pair(target, base)
   drafter = jobs.build_drafter(kind, target, base, {kind: settings}, args.gamma)

@@ -229,7 +229,9 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
                                      max_new_tokens=max_new_tokens, sample_temperature=sample_temperature,
                                      source=source, on_policy_fraction=on_policy_fraction,
                                      heldout_fraction=heldout_fraction, seed=seed, stop_ids=setup.stop_ids,
-                                     split=setup.split, progress=progress and real)
+                                     split=setup.split, progress=progress and real,
+                                     samples_path=pools.samples_path(workdir),
+                                     samples_meta=pools.samples_meta(target if real else None, target_seed))
   except ValueError as e:
     raise jobs.UsageError(str(e)) from None
   tv_before = distill.heldout_tv(parts.assemble(parts.trainable, parts.frozen), setup.target_params, data)

@@ -12,7 +12,7 @@ Data (:class:`DistillData`, built by :func:`make_distill_data`):
 * prompts are split into train / held-out by a fixed-seed numpy permutation (never Python's ``hash()``); held-out
   prompts are never used in training;
 * ``"fixed"``: continuations sampled once from the target (``generate_autoregressive`` at the decoding temperature,
-  row ``i``'s key ``fold_in(key, i)``), kept in memory;
+  row ``i``'s key ``fold_in(key, i)``), kept in memory and, with ``samples_path``, on disk for a resume;
 * ``"on_policy"``: continuations sampled from the current drafter at each step;
 * ``"mixed"``: each batch is on-policy with probability ``on_policy_fraction`` (λ), drawn from
   ``numpy.random.default_rng([seed, step])``, so a step's source is a pure function of the step.
@@ -205,9 +205,15 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
                       prompts_NxP, prompt_len_N, *, batch_size: int, max_new_tokens: int,
                       sample_temperature: float = 1.0, source: str = "fixed", on_policy_fraction: float = 0.5,
                       heldout_fraction: float = 0.125, seed: int = 0, stop_ids: tuple[int, ...] = (),
-                      split: tuple[np.ndarray, np.ndarray] | None = None, progress: bool = False) -> DistillData:
+                      split: tuple[np.ndarray, np.ndarray] | None = None, progress: bool = False,
+                      samples_path=None, samples_meta: dict | None = None) -> DistillData:
   """Split the prompts and sample the target's continuations (in batches of ``batch_size``, one compiled program),
   row ``i`` with key ``fold_in(key(seed), i)``.
+
+  ``samples_path`` (an ``.npz``, e.g. in a run's work directory): the continuations are read from it when it holds
+  those of the same prompts, rows and sampling settings (and ``samples_meta``: what names the target, e.g. its model
+  name), else sampled and written there atomically, so a resumed run does not sample them again. A file made with
+  other settings is a ValueError naming them.
 
   ``split``: explicit ``(train_idx, heldout_idx)`` (disjoint indices into the prompts), e.g. a held-out file and a
   training pool concatenated; default :func:`split_prompts` with ``heldout_fraction``. The target samples the
@@ -239,6 +245,14 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
   need = heldout_idx if source == "on_policy" else np.arange(num)
   key = jax.random.fold_in(jax.random.key(seed), 0)
   width = prompts_NxP.shape[1] + max_new_tokens
+  meta = {"prompts_sha256": _sha256(prompts_NxP, prompt_len_N), "rows_sha256": _sha256(np.asarray(need, np.int64)),
+          "max_new_tokens": int(max_new_tokens), "sample_temperature": float(sample_temperature), "seed": int(seed),
+          "stop_ids": [int(i) for i in stop_ids], "target": repr(target), **(samples_meta or {})}
+  cached = None if samples_path is None else _read_samples(samples_path, meta)
+  if cached is not None:
+    return DistillData(target, drafter, prompts_NxP, prompt_len_N, train_idx, heldout_idx, *cached, batch_size,
+                       max_new_tokens, float(sample_temperature), source, float(on_policy_fraction), seed,
+                       tuple(stop_ids))
   fixed_tokens_NxT = np.zeros((num, width), np.int32)
   fixed_mask_NxT = np.zeros((num, width), np.float32)
   starts = range(0, len(need), batch_size)
@@ -251,9 +265,52 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
                                             _row_keys(key, rows), max_new_tokens=max_new_tokens,
                                             temperature=sample_temperature, stop_ids=stop_ids)
     fixed_tokens_NxT[rows], fixed_mask_NxT[rows] = tokens_BxT, mask_BxT
+  if samples_path is not None:
+    _write_samples(samples_path, meta, fixed_tokens_NxT, fixed_mask_NxT)
   return DistillData(target, drafter, prompts_NxP, prompt_len_N, train_idx, heldout_idx, fixed_tokens_NxT,
                      fixed_mask_NxT, batch_size, max_new_tokens, float(sample_temperature), source,
                      float(on_policy_fraction), seed, tuple(stop_ids))
+
+
+def _sha256(*arrays) -> str:
+  import hashlib
+  digest = hashlib.sha256()
+  for a in arrays:
+    a = np.ascontiguousarray(a)
+    digest.update(f"{a.dtype.str}{a.shape}".encode())
+    digest.update(a.tobytes())
+  return digest.hexdigest()
+
+
+def _read_samples(path, meta: dict):
+  """``(tokens_NxT, mask_NxT)`` from a :func:`_write_samples` file made with ``meta``; None when absent."""
+  import json
+  import pathlib
+  import zipfile
+  path = pathlib.Path(path)
+  if not path.exists():
+    return None
+  try:
+    with np.load(path, allow_pickle=False) as z:
+      saved = json.loads(str(z["meta"]))
+      tokens_NxT, mask_NxT = np.asarray(z["tokens_NxT"], np.int32), np.asarray(z["mask_NxT"], np.float32)
+  except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+    raise ValueError(f"{path} is not a readable file of target samples ({type(e).__name__}: {e}); delete it to "
+                     "sample them again") from None
+  changed = sorted(k for k in set(meta) | set(saved) if meta.get(k) != saved.get(k))
+  if changed:
+    raise ValueError(f"{path} holds target samples made with other settings ({', '.join(changed)} differ); use a "
+                     "fresh work directory or delete it to sample them again")
+  return tokens_NxT, mask_NxT
+
+
+def _write_samples(path, meta: dict, tokens_NxT, mask_NxT) -> None:
+  import io
+  import json
+  from blockspec_jax import artifacts
+  buffer = io.BytesIO()
+  np.savez(buffer, meta=np.asarray(json.dumps(meta, sort_keys=True)), tokens_NxT=tokens_NxT, mask_NxT=mask_NxT)
+  artifacts.atomic_write(path, buffer.getvalue())
 
 
 def _train_rows(data: DistillData, step: int) -> np.ndarray:

@@ -20,7 +20,7 @@ from blockspec_jax import jobs
 from blockspec_jax.eval import prompts as prompts_lib
 
 __all__ = ["check_int", "check_number", "prompt_rows", "encode_pool", "model_name", "read_cached", "DEFAULT_HELDOUT",
-           "DEFAULT_MAX_PROMPT_LEN"]
+           "DEFAULT_MAX_PROMPT_LEN", "samples_path", "samples_meta"]
 
 #: The real-model training jobs' held-out prompts: the shipped six-category file (code, chat, math, summarization,
 #: translation, qa); their training pool comes from the same packages, disjoint from it, ``per_task`` per category.
@@ -120,3 +120,15 @@ def read_cached(path: pathlib.Path, meta: dict, load: Callable, *, redo: str, co
     raise jobs.UsageError(f"{path} was collected with other settings ({', '.join(changed)} differ); use a fresh "
                           f"workdir or delete {redo}")
   return data
+
+
+def samples_path(workdir) -> pathlib.Path:
+  """Where a run keeps the target's sampled continuations (``distill.make_distill_data``): a resume reads them."""
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  return workdir / "samples.npz"
+
+
+def samples_meta(target_name, target_seed: int) -> dict:
+  """What names the target of a run's samples: its model name, or the seed of a random tiny target."""
+  return {"target_name": str(target_name) if target_name is not None else f"random tiny target, seed {target_seed}"}

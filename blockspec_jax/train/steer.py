@@ -211,10 +211,11 @@ def make_steer_data(target: decoder_lib.DecoderConfig, target_params, drafter: d
                     prompts_NxP, prompt_len_N, *, batch_size: int, max_new_tokens: int,
                     sample_batch_size: Optional[int] = None, sample_temperature: float = 1.0,
                     heldout_fraction: float = 0.125, seed: int = 0, stop_ids: tuple[int, ...] = (), split=None,
-                    progress: bool = False) -> distill.DistillData:
+                    progress: bool = False, samples_path=None, samples_meta=None) -> distill.DistillData:
   """:func:`distill.make_distill_data` with source ``"fixed"`` (the target's continuations of every prompt, sampled
   once at ``sample_temperature``), sampled ``sample_batch_size`` prompts at a time (default ``batch_size``: a larger
-  one amortises the target's weights over more rows), then served ``batch_size`` rows per step."""
+  one amortises the target's weights over more rows), then served ``batch_size`` rows per step; ``samples_path`` /
+  ``samples_meta``: the samples kept for a resume (:func:`distill.make_distill_data`)."""
   sample_batch_size = batch_size if sample_batch_size is None else sample_batch_size
   if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
     raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -222,7 +223,7 @@ def make_steer_data(target: decoder_lib.DecoderConfig, target_params, drafter: d
                                    batch_size=sample_batch_size, max_new_tokens=max_new_tokens,
                                    sample_temperature=sample_temperature, source="fixed",
                                    heldout_fraction=heldout_fraction, seed=seed, stop_ids=stop_ids, split=split,
-                                   progress=progress)
+                                   progress=progress, samples_path=samples_path, samples_meta=samples_meta)
   return dataclasses.replace(data, batch_size=batch_size)
 
 

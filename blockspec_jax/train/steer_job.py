@@ -163,7 +163,9 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
                                      setup["prompt_len_N"], batch_size=batch_size, max_new_tokens=max_new_tokens,
                                      sample_batch_size=sample_batch_size, sample_temperature=sample_temperature,
                                      heldout_fraction=heldout_fraction, seed=seed, stop_ids=setup["stop_ids"],
-                                     split=setup["split"], progress=progress)
+                                     split=setup["split"], progress=progress,
+                                     samples_path=pools.samples_path(workdir),
+                                     samples_meta=pools.samples_meta(target if real else None, target_seed))
   except ValueError as e:
     raise jobs.UsageError(str(e)) from None
   steer0 = init_steer(target_cfg.d_model, len(target_layers), drafter_cfg, steered_layers, rank=rank, seed=seed)
