@@ -249,14 +249,9 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
           "max_new_tokens": int(max_new_tokens), "sample_temperature": float(sample_temperature), "seed": int(seed),
           "stop_ids": [int(i) for i in stop_ids], "target": repr(target), **(samples_meta or {})}
   cached = None if samples_path is None else _read_samples(samples_path, meta)
-  if cached is not None:
-    return DistillData(target, drafter, prompts_NxP, prompt_len_N, train_idx, heldout_idx, *cached, batch_size,
-                       max_new_tokens, float(sample_temperature), source, float(on_policy_fraction), seed,
-                       tuple(stop_ids))
-  fixed_tokens_NxT = np.zeros((num, width), np.int32)
-  fixed_mask_NxT = np.zeros((num, width), np.float32)
-  starts = range(0, len(need), batch_size)
-  if progress and len(need):
+  fixed_tokens_NxT, fixed_mask_NxT = cached or (np.zeros((num, width), np.int32), np.zeros((num, width), np.float32))
+  starts = range(0, len(need) if cached is None else 0, batch_size)
+  if progress and len(starts):
     from tqdm import tqdm
     starts = tqdm(starts, desc="target samples", unit="batch", dynamic_ncols=True)
   for start in starts:
@@ -265,7 +260,7 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
                                             _row_keys(key, rows), max_new_tokens=max_new_tokens,
                                             temperature=sample_temperature, stop_ids=stop_ids)
     fixed_tokens_NxT[rows], fixed_mask_NxT[rows] = tokens_BxT, mask_BxT
-  if samples_path is not None:
+  if samples_path is not None and cached is None:
     _write_samples(samples_path, meta, fixed_tokens_NxT, fixed_mask_NxT)
   return DistillData(target, drafter, prompts_NxP, prompt_len_N, train_idx, heldout_idx, fixed_tokens_NxT,
                      fixed_mask_NxT, batch_size, max_new_tokens, float(sample_temperature), source,
