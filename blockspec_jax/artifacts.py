@@ -11,7 +11,12 @@ the npz as ``<stem>_file`` and its digest as ``<stem>_sha256`` (``<stem>`` = the
 name the file and the problem: FileNotFoundError for a missing directory or file, ValueError for a json that is
 unreadable, of another format or lacking a field, and for an npz whose SHA-256 differs from the record's
 (truncated, corrupted or tampered) or that is not a readable archive of the named arrays. Shape checks are the
-caller's. NumPy and the standard library only.
+caller's.
+
+Caches of collected data (the target's samples, SPRINTER's labels, BPD's hidden states) are one npz that carries its
+own settings: :func:`save_tagged` writes the arrays with a JSON ``meta`` inside, :func:`load_tagged` reads them back,
+and :func:`changed_settings` names the settings a cache was made with that differ from a run's. NumPy and the standard
+library only.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["atomic_write", "Artifact"]
+__all__ = ["atomic_write", "Artifact", "save_tagged", "load_tagged", "changed_settings"]
 
 
 def atomic_write(path, data: bytes) -> None:
@@ -40,6 +45,47 @@ def atomic_write(path, data: bytes) -> None:
     f.flush()
     os.fsync(f.fileno())
   os.replace(tmp, path)
+
+
+def save_tagged(path, arrays: Mapping[str, Any], meta: Mapping, *, names: Sequence[str] = ()) -> pathlib.Path:
+  """Write ``arrays`` and ``meta`` (a JSON-able dict: how they were made, stored as the array ``meta``) to ``path``
+  (an ``.npz``), atomically. ``names``: arrays that must be among ``arrays`` (ValueError naming those missing)."""
+  missing = sorted(set(names) - set(arrays))
+  if missing:
+    raise ValueError(f"{pathlib.Path(path).name}: arrays {missing} missing")
+  if "meta" in arrays:
+    raise ValueError("an array may not be named 'meta' (it holds the settings)")
+  buffer = io.BytesIO()
+  np.savez(buffer, meta=np.asarray(json.dumps(dict(meta), sort_keys=True)),
+           **{k: np.asarray(v) for k, v in arrays.items()})
+  atomic_write(path, buffer.getvalue())
+  return pathlib.Path(path)
+
+
+def load_tagged(path, names: Sequence[str], *, what: str, redo: str) -> tuple[dict[str, np.ndarray], dict]:
+  """``(arrays, meta)`` of a :func:`save_tagged` file: the arrays of ``names`` (as stored) and its settings.
+  FileNotFoundError when ``path`` is absent; ValueError ``"<path> is not a readable <what> file (…); <redo>"`` when
+  it is truncated, not an npz, lacks an array or holds no JSON object as ``meta``."""
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise FileNotFoundError(f"no {what} file {path}")
+  try:
+    with np.load(path, allow_pickle=False) as z:
+      meta = json.loads(str(z["meta"]))
+      if not isinstance(meta, dict):
+        raise ValueError("its meta is not a JSON object")
+      arrays = {k: np.asarray(z[k]) for k in names}
+  except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+    raise ValueError(f"{path} is not a readable {what} file ({type(e).__name__}: {e}); {redo}") from None
+  return arrays, meta
+
+
+def changed_settings(meta: Mapping, saved: Mapping, *, compare_saved_keys: bool = True) -> list[str]:
+  """The keys whose values differ between a run's settings ``meta`` and those a file was ``saved`` with, sorted;
+  keys only ``saved`` has count too unless ``compare_saved_keys`` is False (files that also record facts found
+  while collecting, such as V and D)."""
+  keys = set(meta) | set(saved) if compare_saved_keys else set(meta)
+  return sorted(k for k in keys if meta.get(k) != saved.get(k))
 
 
 @dataclasses.dataclass(frozen=True)

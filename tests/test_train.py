@@ -374,7 +374,7 @@ def test_target_samples_are_kept_for_a_resume(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=f"other settings \\(.*{name}"):
       make(**kw)
   path.write_bytes(path.read_bytes()[:100])
-  with pytest.raises(ValueError, match="not a readable file of target samples"):
+  with pytest.raises(ValueError, match="not a readable target samples file"):
     make()
 
 

@@ -279,33 +279,22 @@ def _sha256(*arrays) -> str:
 
 def _read_samples(path, meta: dict):
   """``(tokens_NxT, mask_NxT)`` from a :func:`_write_samples` file made with ``meta``; None when absent."""
-  import json
-  import pathlib
-  import zipfile
-  path = pathlib.Path(path)
-  if not path.exists():
-    return None
+  from blockspec_jax import artifacts
+  redo = "delete it to sample them again"
   try:
-    with np.load(path, allow_pickle=False) as z:
-      saved = json.loads(str(z["meta"]))
-      tokens_NxT, mask_NxT = np.asarray(z["tokens_NxT"], np.int32), np.asarray(z["mask_NxT"], np.float32)
-  except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
-    raise ValueError(f"{path} is not a readable file of target samples ({type(e).__name__}: {e}); delete it to "
-                     "sample them again") from None
-  changed = sorted(k for k in set(meta) | set(saved) if meta.get(k) != saved.get(k))
+    arrays, saved = artifacts.load_tagged(path, ("tokens_NxT", "mask_NxT"), what="target samples", redo=redo)
+  except FileNotFoundError:
+    return None
+  changed = artifacts.changed_settings(meta, saved)
   if changed:
     raise ValueError(f"{path} holds target samples made with other settings ({', '.join(changed)} differ); use a "
-                     "fresh work directory or delete it to sample them again")
-  return tokens_NxT, mask_NxT
+                     f"fresh work directory or {redo}")
+  return np.asarray(arrays["tokens_NxT"], np.int32), np.asarray(arrays["mask_NxT"], np.float32)
 
 
 def _write_samples(path, meta: dict, tokens_NxT, mask_NxT) -> None:
-  import io
-  import json
   from blockspec_jax import artifacts
-  buffer = io.BytesIO()
-  np.savez(buffer, meta=np.asarray(json.dumps(meta, sort_keys=True)), tokens_NxT=tokens_NxT, mask_NxT=mask_NxT)
-  artifacts.atomic_write(path, buffer.getvalue())
+  artifacts.save_tagged(path, {"tokens_NxT": tokens_NxT, "mask_NxT": mask_NxT}, meta)
 
 
 def _train_rows(data: DistillData, step: int) -> np.ndarray:

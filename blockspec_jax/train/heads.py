@@ -27,7 +27,6 @@ import hashlib
 import io
 import json
 import pathlib
-import zipfile
 
 import jax
 import jax.numpy as jnp
@@ -164,30 +163,14 @@ def head_labels(data: dict, num_heads: int) -> np.ndarray:
 def save_hidden(path, data: dict, meta: dict) -> pathlib.Path:
   """Write :func:`collect_hidden`'s arrays and ``meta`` (JSON-able: how they were collected) to ``path`` (.npz),
   atomically."""
-  path = pathlib.Path(path)
-  missing = set(HIDDEN_FIELDS) - set(data)
-  if missing:
-    raise ValueError(f"hidden-state data lack {sorted(missing)}")
-  buffer = io.BytesIO()
-  np.savez(buffer, meta=np.asarray(json.dumps(meta, sort_keys=True)),
-           **{k: np.asarray(data[k]) for k in HIDDEN_FIELDS})
-  artifacts.atomic_write(path, buffer.getvalue())
-  return path
+  return artifacts.save_tagged(path, {k: data[k] for k in HIDDEN_FIELDS if k in data}, meta, names=HIDDEN_FIELDS)
 
 
 def load_hidden(path) -> tuple[dict, dict]:
   """``(data, meta)`` of a :func:`save_hidden` file; FileNotFoundError when absent, ValueError when unreadable or
   inconsistent."""
-  path = pathlib.Path(path)
-  if not path.is_file():
-    raise FileNotFoundError(f"no hidden-state file {path}")
-  try:
-    with np.load(path, allow_pickle=False) as z:
-      meta = json.loads(str(z["meta"]))
-      data = {k: np.asarray(z[k]) for k in HIDDEN_FIELDS}
-  except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
-    raise ValueError(f"{path} is not a readable hidden-state file ({type(e).__name__}: {e}); delete it to collect "
-                     "the data again") from None
+  data, meta = artifacts.load_tagged(path, HIDDEN_FIELDS, what="hidden-state",
+                                     redo="delete it to collect the data again")
   m = data["features_MxD"].shape[0]
   n = data["tokens_NxT"].shape[0]
   if data["features_MxD"].ndim != 2 or data["seq_M"].shape != (m,) or data["position_M"].shape != (m,) \

@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from blockspec_jax import jobs
+from blockspec_jax import artifacts, jobs
 from blockspec_jax.eval import prompts as prompts_lib
 
 __all__ = ["check_int", "check_number", "prompt_rows", "encode_pool", "model_name", "read_cached", "DEFAULT_HELDOUT",
@@ -114,8 +114,7 @@ def read_cached(path: pathlib.Path, meta: dict, load: Callable, *, redo: str, co
     data, saved = load(path)
   except ValueError as e:
     raise jobs.UsageError(str(e)) from None
-  keys = set(meta) | set(saved) if compare_saved_keys else set(meta)
-  changed = sorted(k for k in keys if meta.get(k) != saved.get(k))
+  changed = artifacts.changed_settings(meta, saved, compare_saved_keys=compare_saved_keys)
   if changed:
     raise jobs.UsageError(f"{path} was collected with other settings ({', '.join(changed)} differ); use a fresh "
                           f"workdir or delete {redo}")

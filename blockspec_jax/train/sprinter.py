@@ -33,11 +33,8 @@ standardised-space head, from which the folded one is recomputed exactly on a re
 from __future__ import annotations
 
 import functools
-import io
-import json
 import math
 import pathlib
-import zipfile
 from typing import Sequence
 
 import jax
@@ -169,29 +166,12 @@ def collect_labels(target_config: decoder_lib.DecoderConfig, target_params, draf
 def save_labels(path, data: dict, meta: dict) -> pathlib.Path:
   """Write :func:`collect_labels`' arrays and ``meta`` (a JSON-able dict: how they were collected) to ``path`` (an
   ``.npz``), atomically (a temporary file renamed over it: a killed writer leaves no truncated file)."""
-  path = pathlib.Path(path)
-  missing = set(LABEL_FIELDS) - set(data)
-  if missing:
-    raise ValueError(f"labels lack {sorted(missing)}")
-  buffer = io.BytesIO()
-  np.savez(buffer, meta=np.asarray(json.dumps(meta, sort_keys=True)), **{k: np.asarray(data[k]) for k in LABEL_FIELDS})
-  artifacts.atomic_write(path, buffer.getvalue())
-  return path
+  return artifacts.save_tagged(path, {k: data[k] for k in LABEL_FIELDS if k in data}, meta, names=LABEL_FIELDS)
 
 
 def load_labels(path) -> tuple[dict, dict]:
   """``(data, meta)`` of a :func:`save_labels` file; FileNotFoundError when absent, ValueError when unreadable."""
-  path = pathlib.Path(path)
-  if not path.is_file():
-    raise FileNotFoundError(f"no labels file {path}")
-  try:
-    with np.load(path, allow_pickle=False) as z:
-      meta = json.loads(str(z["meta"]))
-      data = {k: np.asarray(z[k]) for k in LABEL_FIELDS}
-  except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
-    raise ValueError(f"{path} is not a readable labels file ({type(e).__name__}: {e}); delete it to collect the "
-                     "labels again") from None
-  return data, meta
+  return artifacts.load_tagged(path, LABEL_FIELDS, what="labels", redo="delete it to collect the labels again")
 
 
 # --- training -------------------------------------------------------------------------------------------------------
