@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blockspec_jax import sampling
+from blockspec_jax import artifacts, sampling
 from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.train import divergences, params as params_lib
@@ -261,14 +262,13 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
                                             temperature=sample_temperature, stop_ids=stop_ids)
     fixed_tokens_NxT[rows], fixed_mask_NxT[rows] = tokens_BxT, mask_BxT
   if samples_path is not None and cached is None:
-    _write_samples(samples_path, meta, fixed_tokens_NxT, fixed_mask_NxT)
+    artifacts.save_tagged(samples_path, {"tokens_NxT": fixed_tokens_NxT, "mask_NxT": fixed_mask_NxT}, meta)
   return DistillData(target, drafter, prompts_NxP, prompt_len_N, train_idx, heldout_idx, fixed_tokens_NxT,
                      fixed_mask_NxT, batch_size, max_new_tokens, float(sample_temperature), source,
                      float(on_policy_fraction), seed, tuple(stop_ids))
 
 
 def _sha256(*arrays) -> str:
-  import hashlib
   digest = hashlib.sha256()
   for a in arrays:
     a = np.ascontiguousarray(a)
@@ -278,8 +278,8 @@ def _sha256(*arrays) -> str:
 
 
 def _read_samples(path, meta: dict):
-  """``(tokens_NxT, mask_NxT)`` from a :func:`_write_samples` file made with ``meta``; None when absent."""
-  from blockspec_jax import artifacts
+  """``(tokens_NxT, mask_NxT)`` from a samples file (:func:`make_distill_data`) made with ``meta``; None when
+  absent."""
   redo = "delete it to sample them again"
   try:
     arrays, saved = artifacts.load_tagged(path, ("tokens_NxT", "mask_NxT"), what="target samples", redo=redo)
@@ -290,11 +290,6 @@ def _read_samples(path, meta: dict):
     raise ValueError(f"{path} holds target samples made with other settings ({', '.join(changed)} differ); use a "
                      f"fresh work directory or {redo}")
   return np.asarray(arrays["tokens_NxT"], np.int32), np.asarray(arrays["mask_NxT"], np.float32)
-
-
-def _write_samples(path, meta: dict, tokens_NxT, mask_NxT) -> None:
-  from blockspec_jax import artifacts
-  artifacts.save_tagged(path, {"tokens_NxT": tokens_NxT, "mask_NxT": mask_NxT}, meta)
 
 
 def _train_rows(data: DistillData, step: int) -> np.ndarray:
