@@ -2,6 +2,7 @@
 parameters, exact resume, 8 fake devices = 1), DistillSpec data and loss, and the smoke job through its entry point."""
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -363,7 +364,7 @@ def test_target_samples_are_kept_for_a_resume(tmp_path, monkeypatch):
   first = make()
   assert path.exists()
   monkeypatch.setattr(distill, "sample_sequences", lambda *a, **k: pytest.fail("sampled again"))
-  again = make()
+  again = make(sample_batch_size=5)  # the sampling width is a cost, not a setting of the samples: read, not refused
   np.testing.assert_array_equal(again.fixed_tokens_NxT, first.fixed_tokens_NxT)
   np.testing.assert_array_equal(again.fixed_mask_NxT, first.fixed_mask_NxT)
   np.testing.assert_array_equal(again.train_idx, first.train_idx)
@@ -376,6 +377,25 @@ def test_target_samples_are_kept_for_a_resume(tmp_path, monkeypatch):
   path.write_bytes(path.read_bytes()[:100])
   with pytest.raises(ValueError, match="not a readable target samples file"):
     make()
+
+
+def test_the_sampling_batch_width_does_not_change_the_samples():
+  """Row i is sampled with its own key: 1, 2 or 5 rows at a time (the last batch wrapping around) give the same
+  continuations, and the training batch size is not the sampling one."""
+  target = init_params(TARGET, 0)
+  prompts, lens = distill.random_prompts(12, 4, TARGET.vocab_size, 0)
+  lens = lens - np.arange(12) % 3  # ragged prompts
+  make = functools.partial(distill.make_distill_data, TARGET, target, DRAFTER, prompts, lens, batch_size=4,
+                           max_new_tokens=5, source="fixed", heldout_fraction=0.25, seed=0)
+  one = make(sample_batch_size=1)
+  assert one.batch_size == 4 and one.fixed_mask_NxT.sum() > 12
+  for width in (2, 5, 64):
+    other = make(sample_batch_size=width)
+    np.testing.assert_array_equal(other.fixed_tokens_NxT, one.fixed_tokens_NxT)
+    np.testing.assert_array_equal(other.fixed_mask_NxT, one.fixed_mask_NxT)
+  for bad in (0, 2.0, True):
+    with pytest.raises(ValueError, match="sample_batch_size must be an integer >= 1"):
+      make(sample_batch_size=bad)
 
 
 RESUME_OPTIMIZER = trainer.make_optimizer("adamw", 1e-2, "cosine", 1, 6, 0.01, 1.0)  # one object: one compile

@@ -207,9 +207,12 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
                       sample_temperature: float = 1.0, source: str = "fixed", on_policy_fraction: float = 0.5,
                       heldout_fraction: float = 0.125, seed: int = 0, stop_ids: tuple[int, ...] = (),
                       split: tuple[np.ndarray, np.ndarray] | None = None, progress: bool = False,
-                      samples_path=None, samples_meta: dict | None = None) -> DistillData:
-  """Split the prompts and sample the target's continuations (in batches of ``batch_size``, one compiled program),
-  row ``i`` with key ``fold_in(key(seed), i)``.
+                      samples_path=None, samples_meta: dict | None = None,
+                      sample_batch_size: int | None = None) -> DistillData:
+  """Split the prompts and sample the target's continuations (in batches of ``sample_batch_size`` rows, default
+  ``batch_size``, one compiled program), row ``i`` with key ``fold_in(key(seed), i)``: the law of a row does not
+  depend on the rows sampled beside it, so a wider sampling batch (decode steps are memory-bound: 16 rows cost
+  little more than 2) changes the cost, not the data's distribution. ``batch_size`` is the training batch.
 
   ``samples_path`` (an ``.npz``, e.g. in a run's work directory): the continuations are read from it when it holds
   those of the same prompts, rows and sampling settings (and ``samples_meta``: what names the target, e.g. its model
@@ -226,8 +229,10 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
     raise ValueError(f"unknown data source {source!r}; known: {', '.join(SOURCES)}")
   if not 0.0 <= on_policy_fraction <= 1.0:
     raise ValueError(f"on_policy_fraction must be in [0, 1], got {on_policy_fraction}")
-  if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-    raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+  sample_batch_size = batch_size if sample_batch_size is None else sample_batch_size
+  for name, value in (("batch_size", batch_size), ("sample_batch_size", sample_batch_size)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
   prompts_NxP, prompt_len_N = np.asarray(prompts_NxP, np.int32), np.asarray(prompt_len_N, np.int32)
   spec.check_prompt_values(prompts_NxP, prompt_len_N, target.vocab_size)
   sampling.Sampler(sample_temperature)  # validates it (T = 0: greedy continuations are allowed)
@@ -251,12 +256,13 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
           "stop_ids": [int(i) for i in stop_ids], "target": repr(target), **(samples_meta or {})}
   cached = None if samples_path is None else _read_samples(samples_path, meta)
   fixed_tokens_NxT, fixed_mask_NxT = cached or (np.zeros((num, width), np.int32), np.zeros((num, width), np.float32))
-  starts = range(0, len(need) if cached is None else 0, batch_size)
+  sample_batch_size = max(1, min(sample_batch_size, len(need)))
+  starts = range(0, len(need) if cached is None else 0, sample_batch_size)
   if progress and len(starts):
     from tqdm import tqdm
     starts = tqdm(starts, desc="target samples", unit="batch", dynamic_ncols=True)
   for start in starts:
-    rows = need[np.arange(start, start + batch_size) % len(need)]  # the last chunk wraps: same shapes, no recompile
+    rows = need[np.arange(start, start + sample_batch_size) % len(need)]  # the last chunk wraps: same shapes, no recompile
     tokens_BxT, mask_BxT = sample_sequences(target, target_params, prompts_NxP[rows], prompt_len_N[rows],
                                             _row_keys(key, rows), max_new_tokens=max_new_tokens,
                                             temperature=sample_temperature, stop_ids=stop_ids)
