@@ -15,8 +15,9 @@ caller's.
 
 Caches of collected data (the target's samples, SPRINTER's labels, BPD's hidden states) are one npz that carries its
 own settings: :func:`save_tagged` writes the arrays with a JSON ``meta`` inside, :func:`load_tagged` reads them back,
-and :func:`changed_settings` names the settings a cache was made with that differ from a run's. NumPy and the standard
-library only.
+and :func:`changed_settings` names the settings a cache was made with that differ from a run's; :func:`read_matching`
+is the one "read it if it was made like this, else refuse naming the differences" every such cache goes through.
+NumPy and the standard library only.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["atomic_write", "Artifact", "save_tagged", "load_tagged", "changed_settings"]
+__all__ = ["atomic_write", "Artifact", "save_tagged", "load_tagged", "changed_settings", "read_matching"]
 
 
 def atomic_write(path, data: bytes) -> None:
@@ -86,6 +87,24 @@ def changed_settings(meta: Mapping, saved: Mapping, *, compare_saved_keys: bool 
   while collecting, such as V and D)."""
   keys = set(meta) | set(saved) if compare_saved_keys else set(meta)
   return sorted(k for k in keys if meta.get(k) != saved.get(k))
+
+
+def read_matching(path, meta: Mapping, load: Callable[[pathlib.Path], tuple[Any, Mapping]], *, redo: str,
+                  compare_saved_keys: bool = True):
+  """The data of the cache ``path`` (read by ``load(path) -> (data, saved_meta)``, e.g. a :func:`load_tagged`
+  call) when it exists and was made with ``meta``'s settings; None when absent. A cache made with other settings is
+  a ValueError ``"<path> was collected with other settings (<keys> differ); use a fresh work directory or <redo>"``
+  (keys as :func:`changed_settings` with ``compare_saved_keys``); ``load``'s own ValueError (a damaged file)
+  passes through."""
+  path = pathlib.Path(path)
+  if not path.exists():
+    return None
+  data, saved = load(path)
+  changed = changed_settings(meta, saved, compare_saved_keys=compare_saved_keys)
+  if changed:
+    raise ValueError(f"{path} was collected with other settings ({', '.join(changed)} differ); use a fresh work "
+                     f"directory or {redo}")
+  return data
 
 
 @dataclasses.dataclass(frozen=True)

@@ -64,3 +64,20 @@ def test_changed_settings_names_the_keys_that_differ():
   assert artifacts.changed_settings({"seed": 0, "target": "a"}, saved, compare_saved_keys=False) == []
   assert artifacts.changed_settings({"seed": 1, "target": "b", "new": 1}, saved,
                                     compare_saved_keys=False) == ["new", "seed", "target"]
+
+
+def test_read_matching_reads_a_cache_made_alike_and_refuses_one_made_otherwise(tmp_path):
+  path = tmp_path / "labels.npz"
+  load = lambda p: artifacts.load_tagged(p, ("labels_N",), what="labels", redo="delete it")
+  assert artifacts.read_matching(path, {"seed": 0}, load, redo="delete it") is None  # absent: collect
+  artifacts.save_tagged(path, {"labels_N": np.arange(3)}, {"seed": 0, "V": 64})
+  data = artifacts.read_matching(path, {"seed": 0}, load, redo="delete it", compare_saved_keys=False)
+  np.testing.assert_array_equal(data["labels_N"], np.arange(3))
+  with pytest.raises(ValueError, match=r"labels.npz was collected with other settings \(V differ\); use a fresh "
+                                       r"work directory or delete it"):
+    artifacts.read_matching(path, {"seed": 0}, load, redo="delete it")
+  with pytest.raises(ValueError, match=r"\(seed differ\)"):
+    artifacts.read_matching(path, {"seed": 1}, load, redo="delete it", compare_saved_keys=False)
+  path.write_bytes(path.read_bytes()[:40])
+  with pytest.raises(ValueError, match="not a readable labels file"):  # the loader's own error passes through
+    artifacts.read_matching(path, {"seed": 0}, load, redo="delete it")

@@ -285,16 +285,13 @@ def _sha256(*arrays) -> str:
 
 def _read_samples(path, meta: dict):
   """``(tokens_NxT, mask_NxT)`` from a samples file (:func:`make_distill_data`) made with ``meta``; None when
-  absent."""
+  absent; ValueError for one made with other settings or damaged."""
   redo = "delete it to sample them again"
-  try:
-    arrays, saved = artifacts.load_tagged(path, ("tokens_NxT", "mask_NxT"), what="target samples", redo=redo)
-  except FileNotFoundError:
+  arrays = artifacts.read_matching(
+      path, meta, lambda p: artifacts.load_tagged(p, ("tokens_NxT", "mask_NxT"), what="target samples", redo=redo),
+      redo=redo)
+  if arrays is None:
     return None
-  changed = artifacts.changed_settings(meta, saved)
-  if changed:
-    raise ValueError(f"{path} holds target samples made with other settings ({', '.join(changed)} differ); use a "
-                     f"fresh work directory or {redo}")
   return np.asarray(arrays["tokens_NxT"], np.int32), np.asarray(arrays["mask_NxT"], np.float32)
 
 

@@ -104,21 +104,13 @@ def model_name(name, config, seed) -> str:
 
 
 def read_cached(path: pathlib.Path, meta: dict, load: Callable, *, redo: str, compare_saved_keys: bool = True):
-  """The data in ``path`` (read by ``load(path) -> (data, saved_meta)``) when it exists and was collected with
-  ``meta``'s settings; None when absent. Settings that differ are a UsageError ending ``use a fresh workdir or delete
-  {redo}``; keys only the file records are compared too unless ``compare_saved_keys`` is False (files that also
-  record facts such as V and D)."""
-  if not path.exists():
-    return None
+  """:func:`blockspec_jax.artifacts.read_matching` for a job: the data in ``path`` when it was collected with
+  ``meta``'s settings, None when absent; other settings or a damaged file are a UsageError (other settings: ending
+  ``use a fresh work directory or delete {redo}``)."""
   try:
-    data, saved = load(path)
+    return artifacts.read_matching(path, meta, load, redo=f"delete {redo}", compare_saved_keys=compare_saved_keys)
   except ValueError as e:
     raise jobs.UsageError(str(e)) from None
-  changed = artifacts.changed_settings(meta, saved, compare_saved_keys=compare_saved_keys)
-  if changed:
-    raise jobs.UsageError(f"{path} was collected with other settings ({', '.join(changed)} differ); use a fresh "
-                          f"workdir or delete {redo}")
-  return data
 
 
 def samples_path(workdir) -> pathlib.Path:
