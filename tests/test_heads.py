@@ -244,6 +244,29 @@ def _lm_pass(config, params, seqs_BxT):
   return jax.nn.log_softmax(logits, -1), cache
 
 
+def test_both_collectors_refuse_bad_inputs_with_the_same_named_errors():
+  """BPD's hidden states and SPRINTER's labels check their inputs through one helper (pools.check_collection)."""
+  from blockspec_jax.train import sprinter as sprinter_train
+  target = dec.DecoderConfig.tiny(vocab_size=64, d_model=32, num_layers=2, max_len=64)
+  drafter = dec.DecoderConfig.tiny(vocab_size=64, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, ffn_dim=32)
+  tp, dp = dec.init_params(target, 0), dec.init_params(drafter, 1)
+  tokens_BxP, lens_B = np.ones((3, 4), np.int32), np.full((3,), 4, np.int32)
+  for collect in (functools.partial(heads_train.collect_hidden, target, tp),
+                  functools.partial(sprinter_train.collect_labels, target, tp, drafter, dp)):
+    run = functools.partial(collect, key=jax.random.key(0), temperature=1.0, progress=False)
+    for kw, message in ((dict(rows=[1, 1, 2]), r"rows must be 3 distinct prompt ids >= 0, got \[1, 1, 2\]"),
+                        (dict(rows=[0, -1, 2]), "distinct prompt ids >= 0"),
+                        (dict(max_new_tokens=60), r"prompt width 4 \+ 60 new tokens does not fit max_len 64"),
+                        (dict(batch_size=0), "batch_size must be an integer >= 1"),
+                        (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1")):
+      with pytest.raises(ValueError, match=message):
+        run(tokens_BxP, lens_B, **{"max_new_tokens": 3, "batch_size": 2, **kw})
+    with pytest.raises(ValueError, match=r"need tokens_BxP \[B, P\] and prompt_len_B \[B\]"):
+      run(tokens_BxP, lens_B[:2], max_new_tokens=3, batch_size=2)
+    with pytest.raises(ValueError, match="vocab|ids"):
+      run(tokens_BxP * 64, lens_B, max_new_tokens=3, batch_size=2)
+
+
 # --- training data, checkpoints, the job ------------------------------------------------------------------------------
 
 def test_training_positions_and_labels_match_the_drafters_offset():

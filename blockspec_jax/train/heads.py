@@ -33,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from blockspec_jax import artifacts, sampling
-from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.drafters import heads as heads_lib
 from blockspec_jax.drafters import lattice
 from blockspec_jax.models import decoder as decoder_lib
@@ -87,21 +86,10 @@ def collect_hidden(target_config: decoder_lib.DecoderConfig, target_params, toke
   prompt's id).
   """
   from blockspec_jax import jobs  # the "compiling …" announcements
-  pools.check_int(max_new_tokens, "max_new_tokens")
-  pools.check_int(batch_size, "batch_size")
   sampling.Sampler(temperature)  # validates it
-  tokens_BxP, prompt_len_B = np.asarray(tokens_BxP, np.int32), np.asarray(prompt_len_B, np.int32)
-  if tokens_BxP.ndim != 2 or prompt_len_B.shape != tokens_BxP.shape[:1]:
-    raise ValueError(f"need tokens_BxP [B, P] and prompt_len_B [B], got {tokens_BxP.shape} and {prompt_len_B.shape}")
-  spec.check_prompt_values(tokens_BxP, prompt_len_B, target_config.vocab_size)
+  tokens_BxP, prompt_len_B, rows, width = pools.check_collection(
+      tokens_BxP, prompt_len_B, rows, max_new_tokens=max_new_tokens, batch_size=batch_size, configs=(target_config,))
   num = tokens_BxP.shape[0]
-  rows = np.arange(num, dtype=np.int64) if rows is None else np.asarray(rows, np.int64).reshape(-1)
-  if rows.shape != (num,) or len(np.unique(rows)) != num or (num and rows.min() < 0):
-    raise ValueError(f"rows must be {num} distinct prompt ids >= 0, got {rows.tolist()}")
-  width = tokens_BxP.shape[1] + max_new_tokens
-  if width + 1 > target_config.max_len:
-    raise ValueError(f"prompt width {tokens_BxP.shape[1]} + {max_new_tokens} new tokens does not fit max_len "
-                     f"{target_config.max_len}")
   pass_config = _xla(target_config)
   tokens_NxT = np.zeros((num, width), np.int32)
   length_N = np.zeros((num,), np.int32)

@@ -19,7 +19,7 @@ import numpy as np
 from blockspec_jax import artifacts, jobs
 from blockspec_jax.eval import prompts as prompts_lib
 
-__all__ = ["check_int", "check_number", "prompt_rows", "encode_pool", "model_name", "read_cached", "DEFAULT_HELDOUT",
+__all__ = ["check_int", "check_collection", "check_number", "prompt_rows", "encode_pool", "model_name", "read_cached", "DEFAULT_HELDOUT",
            "DEFAULT_MAX_PROMPT_LEN", "samples_path", "samples_meta"]
 
 #: The real-model training jobs' held-out prompts: the shipped six-category file (code, chat, math, summarization,
@@ -40,6 +40,31 @@ def check_int(value, name: str, low: int = 1, *, job: str | None = None) -> int:
       raise jobs.UsageError(f"{job}.{name} must be an integer >= {low}, got {value!r}")
     raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
   return int(value)
+
+
+def check_collection(tokens_BxP, prompt_len_B, rows, *, max_new_tokens: int, batch_size: int, configs: tuple):
+  """The inputs of a collection pass (every prompt continued by a model, something recorded at each new token;
+  ``heads.collect_hidden``, ``sprinter.collect_labels``), checked: ``(tokens_BxP int32 [B, P], prompt_len_B int32
+  [B], rows int64 [B] (distinct ids >= 0, default ``arange(B)``), width = P + max_new_tokens)``. ValueError naming
+  the problem: bad counts, shapes, prompt ids or lengths, repeated or negative rows, or a width past a config's
+  ``max_len`` (``configs``: the models that run over it)."""
+  from blockspec_jax.decoding import speculative as spec
+  check_int(max_new_tokens, "max_new_tokens")
+  check_int(batch_size, "batch_size")
+  tokens_BxP, prompt_len_B = np.asarray(tokens_BxP, np.int32), np.asarray(prompt_len_B, np.int32)
+  if tokens_BxP.ndim != 2 or prompt_len_B.shape != tokens_BxP.shape[:1]:
+    raise ValueError(f"need tokens_BxP [B, P] and prompt_len_B [B], got {tokens_BxP.shape} and {prompt_len_B.shape}")
+  spec.check_prompt_values(tokens_BxP, prompt_len_B, configs[0].vocab_size)
+  num = tokens_BxP.shape[0]
+  rows = np.arange(num, dtype=np.int64) if rows is None else np.asarray(rows, np.int64).reshape(-1)
+  if rows.shape != (num,) or len(np.unique(rows)) != num or (num and rows.min() < 0):
+    raise ValueError(f"rows must be {num} distinct prompt ids >= 0, got {rows.tolist()}")
+  width = tokens_BxP.shape[1] + max_new_tokens
+  for config in configs:
+    if config.max_len is not None and width + 1 > config.max_len:
+      raise ValueError(f"prompt width {tokens_BxP.shape[1]} + {max_new_tokens} new tokens does not fit max_len "
+                       f"{config.max_len}")
+  return tokens_BxP, prompt_len_B, rows, width
 
 
 def check_number(value, name: str, low: float = 0.0, strict: bool = False, *, job: str | None = None) -> float:
