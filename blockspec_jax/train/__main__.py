@@ -164,9 +164,9 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
 
   ``temperature`` is the divergence's, ``sample_temperature`` the decoding temperature (continuations and the
   held-out TV). ``sample_batch_size``: rows per batch when the target samples the fixed continuations (default
-  ``batch_size``; the samples' law does not depend on it, only the cost: decoding 16 rows at once costs little more
-  than 2 on a CPU). ``eval_every``: the held-out TV every this many steps too (``eval_heldout_tv`` in
-  ``metrics.jsonl`` and ``loss.png``; 0: only before and after). ``data_parallel``: split every batch over all devices (a ``(data, 1)`` mesh; ``batch_size`` must be a
+  ``batch_size``; the samples' law does not depend on it, only the cost: the Qwen 1.5B target on 2 CPU cores samples
+  a row in 4.3 s at 16 rows a batch, 7.4 s at 2). ``eval_every``: the held-out TV every this many steps too
+  (``eval_heldout_tv`` in ``metrics.jsonl`` and ``loss.png``; 0: only before and after). ``data_parallel``: split every batch over all devices (a ``(data, 1)`` mesh; ``batch_size`` must be a
   multiple of the device count), same updates as one device. ``init_from``: the work directory of an earlier real
   distillation run with the same drafter recipe (``<dir>@<step>`` for a kept step other than its newest): training
   starts from its trained parameters with a fresh optimizer (a new schedule, another divergence or batch), and the

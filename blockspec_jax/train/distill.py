@@ -211,8 +211,8 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
                       sample_batch_size: int | None = None) -> DistillData:
   """Split the prompts and sample the target's continuations (in batches of ``sample_batch_size`` rows, default
   ``batch_size``, one compiled program), row ``i`` with key ``fold_in(key(seed), i)``: the law of a row does not
-  depend on the rows sampled beside it, so a wider sampling batch (decode steps are memory-bound: 16 rows cost
-  little more than 2) changes the cost, not the data's distribution. ``batch_size`` is the training batch.
+  depend on the rows sampled beside it, so a wider sampling batch changes the cost (each decode step reads the
+  weights once for all its rows), not the data's distribution. ``batch_size`` is the training batch.
 
   ``samples_path`` (an ``.npz``, e.g. in a run's work directory): the continuations are read from it when it holds
   those of the same prompts, rows and sampling settings (and ``samples_meta``: what names the target, e.g. its model
@@ -262,7 +262,7 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
     from tqdm import tqdm
     starts = tqdm(starts, desc="target samples", unit="batch", dynamic_ncols=True)
   for start in starts:
-    rows = need[np.arange(start, start + sample_batch_size) % len(need)]  # the last chunk wraps: same shapes, no recompile
+    rows = need[np.arange(start, start + sample_batch_size) % len(need)]  # the last one wraps: no recompile
     tokens_BxT, mask_BxT = sample_sequences(target, target_params, prompts_NxP[rows], prompt_len_N[rows],
                                             _row_keys(key, rows), max_new_tokens=max_new_tokens,
                                             temperature=sample_temperature, stop_ids=stop_ids)
