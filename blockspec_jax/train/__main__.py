@@ -173,12 +173,13 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
   held-out TV "before" is theirs. A resume of this run's own checkpoints takes precedence over it.
   """
   t0 = time.perf_counter()
+  sample_batch_size = batch_size if sample_batch_size is None else sample_batch_size
   for name, value, low in (("num_prompts", num_prompts, 2), ("prompt_len", prompt_len, 1),
                            ("max_new_tokens", max_new_tokens, 1), ("batch_size", batch_size, 1),
                            ("num_steps", num_steps, 1), ("checkpoint_every", checkpoint_every, 1),
                            ("max_to_keep", max_to_keep, 1), ("train_prompts_per_task", train_prompts_per_task, 1),
                            ("max_prompt_len", max_prompt_len, 1), ("eval_every", eval_every, 0),
-                           ("sample_batch_size", batch_size if sample_batch_size is None else sample_batch_size, 1)):
+                           ("sample_batch_size", sample_batch_size, 1)):
     pools.check_int(value, name, low, job="distill_job")
   models_given = (target is not None, drafter is not None)
   configs_given = (target_config is not None, drafter_config is not None)
@@ -264,7 +265,7 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
       "heldout_positions": int(data.fixed_mask_NxT[data.heldout_idx].sum()),
       "divergence": divergence, "source": source, "temperature": temperature,
       "sample_temperature": sample_temperature, "batch_size": batch_size, "max_new_tokens": max_new_tokens,
-      "sample_batch_size": batch_size if sample_batch_size is None else sample_batch_size,
+      "sample_batch_size": sample_batch_size,
       "trainable_params": params_lib.count_params(result.state.trainable),
       "peak_rss_gb": jobs.peak_rss_gb(),
       "device": jax.devices()[0].platform, "data_parallel_devices": mesh.size if mesh is not None else 1,
