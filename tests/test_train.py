@@ -398,6 +398,35 @@ def test_the_sampling_batch_width_does_not_change_the_samples():
       make(sample_batch_size=bad)
 
 
+def test_heldout_tv_by_offset_is_the_direct_per_position_computation():
+  """heldout_tv_report: at offset i, the mean over held-out rows that generated token i of ½ Σ |p − q| at the
+  position predicting it, computed here from whole-sequence logits; its mean is heldout_tv, and the 16-wide bins
+  average the offsets they hold."""
+  target, drafter, data = _distill_setup("fixed")
+  object.__setattr__(data, "fixed_mask_NxT", data.fixed_mask_NxT.copy())
+  data.fixed_mask_NxT[data.heldout_idx[0], :] = 0.0
+  data.fixed_mask_NxT[data.heldout_idx[0], data.prompt_len_N[data.heldout_idx[0]] - 1] = 1.0  # one generated token
+  report = distill.heldout_tv_report(drafter, target, data)
+  sum_N, count_N = np.zeros(6), np.zeros(6)
+  for row in data.heldout_idx:
+    tokens = jnp.asarray(data.fixed_tokens_NxT[row][None])
+    tv_T = np.asarray(divergences.total_variation(distill.sequence_logits(TARGET, target, tokens),
+                                                  distill.sequence_logits(DRAFTER, drafter, tokens)))[0]
+    start = int(data.prompt_len_N[row]) - 1
+    for i in range(6):
+      if data.fixed_mask_NxT[row, start + i] > 0:
+        sum_N[i] += tv_T[start + i]
+        count_N[i] += 1
+  assert count_N[0] == len(data.heldout_idx) and count_N[-1] == len(data.heldout_idx) - 1
+  np.testing.assert_allclose(report.count_N, count_N)
+  np.testing.assert_allclose(report.sum_N, sum_N, rtol=1e-5)
+  assert report.mean == pytest.approx(sum_N.sum() / count_N.sum(), rel=1e-5)
+  assert report.mean == distill.heldout_tv(drafter, target, data)
+  assert report.by_offset(4) == pytest.approx({"0-3": sum_N[:4].sum() / count_N[:4].sum(),
+                                               "4-5": sum_N[4:].sum() / count_N[4:].sum()}, rel=1e-5)
+  assert distill.HeldoutTV(np.zeros(3), np.array([1.0, 0.0, 0.0])).by_offset(2) == {"0-1": 0.0, "2-2": None}
+
+
 RESUME_OPTIMIZER = trainer.make_optimizer("adamw", 1e-2, "cosine", 1, 6, 0.01, 1.0)  # one object: one compile
 
 
@@ -501,6 +530,8 @@ def test_smoke_job_end_to_end(tmp_path, capsys):
   summary = json.loads((workdir / "metrics.json").read_text())
   assert summary["steps"] == 40 and summary["final_loss"] > 0 and summary["seconds"] > 0
   assert summary["heldout_tv_after"] < summary["heldout_tv_before"]
+  assert list(summary["heldout_tv_after_by_offset"]) == ["0-15"]  # 16 new tokens: one bin, the mean
+  assert summary["heldout_tv_after_by_offset"]["0-15"] == pytest.approx(summary["heldout_tv_after"], rel=1e-6)
   assert len(trainer.read_metrics(workdir / "metrics.jsonl")) == 40
   try:
     import matplotlib  # noqa: F401  (pinned in requirements.txt; the plot is skipped without it)

@@ -11,7 +11,8 @@ SPRINTER's verifier head (``sprinter_job``, :mod:`blockspec_jax.train.sprinter`)
 Outputs in the workdir (default ``results/train/<gin file stem>``): ``config.gin`` (the operative config),
 ``metrics.jsonl`` (a line per step), ``checkpoints/`` (resumed from when present: re-running the command continues
 a stopped run), ``loss.png`` (with matplotlib) and, at the end, ``metrics.json``: ``heldout_tv_before``,
-``heldout_tv_after`` (mean total variation drafter vs target on the held-out prompts' generated positions),
+``heldout_tv_after`` (mean total variation drafter vs target on the held-out prompts' generated positions;
+``heldout_tv_before_by_offset`` / ``heldout_tv_after_by_offset``: the same by offset into the continuation, 16 a bin),
 ``final_loss``, ``steps``, ``seconds`` and the settings. ``sprinter_job``'s outputs are listed in its docstring.
 """
 
@@ -240,10 +241,16 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
                                      sample_batch_size=sample_batch_size)
   except ValueError as e:
     raise jobs.UsageError(str(e)) from None
-  tv_before = distill.heldout_tv(parts.assemble(parts.trainable, parts.frozen), setup.target_params, data)
-  print(f"held-out TV before training: {tv_before:.4f}", flush=True)
-  eval_fn = lambda step, trainable: {"heldout_tv": distill.heldout_tv(parts.assemble(trainable, parts.frozen),
-                                                                       setup.target_params, data)}
+  report = lambda trainable: distill.heldout_tv_report(parts.assemble(trainable, parts.frozen), setup.target_params,
+                                                        data)
+  tv_before = report(parts.trainable)
+  print(f"held-out TV before training: {tv_before.mean:.4f}", flush=True)
+  last_eval = {}  # the last evaluation's full report, so the final one is not computed twice
+
+  def eval_fn(step, trainable):
+    last_eval.update(step=step, report=report(trainable))
+    return {"heldout_tv": last_eval["report"].mean}
+
   result = trainer.fit(loss_fn=loss_fn, optimizer=optimizer, trainable=parts.trainable,
                        frozen={"target": setup.target_params, "drafter": parts.frozen},
                        batch_fn=distill.make_batch_fn(data, parts.frozen, parts.assemble), num_steps=num_steps,
@@ -251,12 +258,14 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
                        max_to_keep=max_to_keep, progress=progress, label="distill train step", mesh=mesh,
                        eval_fn=eval_fn if eval_every else None, eval_every=eval_every)
   rows = trainer.read_metrics(pathlib.Path(workdir) / "metrics.jsonl")
-  if rows and rows[-1].get("step") == int(result.state.step) and "eval_heldout_tv" in rows[-1]:
-    tv_after = rows[-1]["eval_heldout_tv"]  # measured on the final parameters by the last step's evaluation
+  if last_eval.get("step") == int(result.state.step):
+    tv_after = last_eval["report"]  # measured on the final parameters by the last step's evaluation
   else:
-    tv_after = distill.heldout_tv(parts.assemble(result.state.trainable, parts.frozen), setup.target_params, data)
+    tv_after = report(result.state.trainable)
   summary = {
-      "heldout_tv_before": tv_before, "heldout_tv_after": tv_after,
+      "heldout_tv_before": tv_before.mean, "heldout_tv_after": tv_after.mean,
+      # by offset into the continuation (16 tokens a bin): where the drafter moved toward the target
+      "heldout_tv_before_by_offset": tv_before.by_offset(), "heldout_tv_after_by_offset": tv_after.by_offset(),
       "final_loss": rows[-1]["loss"] if rows else None, "final_train_tv": rows[-1]["tv"] if rows else None,
       "steps": int(result.state.step), "resumed_from": result.resumed_from,
       "seconds": time.perf_counter() - t0, "train_seconds": result.seconds,

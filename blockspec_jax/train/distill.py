@@ -42,7 +42,7 @@ from blockspec_jax.train import divergences, params as params_lib
 
 __all__ = ["SOURCES", "check_pair", "sequence_logits", "loss_window", "DistillLoss", "split_prompts", "random_prompts",
            "build_sequences", "sample_sequences", "DistillData", "make_distill_data", "make_batch_fn",
-           "heldout_tv"]
+           "HeldoutTV", "heldout_tv_report", "heldout_tv"]
 
 SOURCES = ("fixed", "on_policy", "mixed")
 Assemble = Callable[[Any, Any], Any]  # (trainable, frozen drafter part) -> drafter params
@@ -256,6 +256,9 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
           "stop_ids": [int(i) for i in stop_ids], "target": repr(target), **(samples_meta or {})}
   cached = None if samples_path is None else _read_samples(samples_path, meta)
   fixed_tokens_NxT, fixed_mask_NxT = cached or (np.zeros((num, width), np.int32), np.zeros((num, width), np.float32))
+  if cached is not None and progress:
+    print(f"target continuations of {len(need)} prompts read from {samples_path} (made with these settings)",
+          flush=True)
   sample_batch_size = max(1, min(sample_batch_size, len(need)))
   starts = range(0, len(need) if cached is None else 0, sample_batch_size)
   if progress and len(starts):
@@ -341,30 +344,59 @@ def make_batch_fn(data: DistillData, frozen_drafter, assemble: Assemble = params
 
 
 @functools.partial(jax.jit, static_argnames=("target", "drafter", "temperature"))
-def _tv_sum(target_params, drafter_params, tokens_BxT, positions_BxN, mask_BxN, *, target, drafter, temperature):
+def _tv_sums(target_params, drafter_params, tokens_BxT, positions_BxN, mask_BxN, *, target, drafter, temperature):
+  """``(sum_N, count_N)``: the masked total variation summed over the batch at each continuation offset."""
   target_logits_BxNxV = sequence_logits(target, target_params, tokens_BxT, positions_BxN)
   drafter_logits_BxNxV = sequence_logits(drafter, drafter_params, tokens_BxT, positions_BxN)
-  mean = divergences.mean_total_variation(target_logits_BxNxV, drafter_logits_BxNxV, mask_BxN,
-                                          temperature=temperature)
-  return mean * jnp.sum(mask_BxN), jnp.sum(mask_BxN)
+  tv_BxN = divergences.total_variation(target_logits_BxNxV, drafter_logits_BxNxV, temperature=temperature)
+  return jnp.sum(tv_BxN * mask_BxN, axis=0), jnp.sum(mask_BxN, axis=0)
 
 
-def heldout_tv(drafter_params, target_params, data: DistillData, temperature: float | None = None) -> float:
-  """Mean total variation between the drafter's and the target's next-token laws (at the decoding temperature by
-  default) over the held-out prompts' generated positions (the target's fixed continuations), in batches of
-  ``data.batch_size`` rows (the last one wrapped around with its repeated rows masked out)."""
+@dataclasses.dataclass(frozen=True)
+class HeldoutTV:
+  """The held-out total variation: ``mean`` over every generated position, and per continuation offset
+  (``sum_N`` / ``count_N``, offset ``i`` = the drafter's law for generated token ``i``, N = ``max_new_tokens``)."""
+  sum_N: np.ndarray
+  count_N: np.ndarray
+
+  @property
+  def mean(self) -> float:
+    return float(self.sum_N.sum() / max(self.count_N.sum(), 1.0))
+
+  def by_offset(self, width: int = 16) -> dict[str, float | None]:
+    """Means over offsets ``[k·width, (k+1)·width)`` (None where no position is set), keyed ``"0-15"``, …"""
+    out = {}
+    for lo in range(0, len(self.sum_N), width):
+      hi = min(lo + width, len(self.sum_N))
+      count = float(self.count_N[lo:hi].sum())
+      out[f"{lo}-{hi - 1}"] = float(self.sum_N[lo:hi].sum()) / count if count else None
+    return out
+
+
+def heldout_tv_report(drafter_params, target_params, data: DistillData,
+                      temperature: float | None = None) -> HeldoutTV:
+  """Total variation between the drafter's and the target's next-token laws (at the decoding temperature by
+  default) on the held-out prompts' generated positions (the target's fixed continuations), per continuation
+  offset, in batches of ``data.batch_size`` rows (the last one wrapped around with its repeated rows masked out)."""
   if len(data.heldout_idx) == 0:
     raise ValueError("no held-out prompts (heldout_fraction = 0)")
   temperature = data.sample_temperature if temperature is None else temperature
-  total, count = 0.0, 0.0
+  sum_N = np.zeros((data.max_new_tokens,), np.float64)
+  count_N = np.zeros((data.max_new_tokens,), np.float64)
   n = len(data.heldout_idx)
   for start in range(0, n, data.batch_size):
     flat = np.arange(start, start + data.batch_size)
     rows = data.heldout_idx[flat % n]
     mask_BxT = data.fixed_mask_NxT[rows] * (flat < n)[:, None]
     positions_BxN, mask_BxN = loss_window(mask_BxT, data.prompt_len_N[rows], data.max_new_tokens)
-    s, c = _tv_sum(target_params, drafter_params, jnp.asarray(data.fixed_tokens_NxT[rows]),
-                   jnp.asarray(positions_BxN), jnp.asarray(mask_BxN), target=data.target, drafter=data.drafter,
-                   temperature=float(temperature))
-    total, count = total + float(s), count + float(c)
-  return total / max(count, 1.0)
+    s_N, c_N = _tv_sums(target_params, drafter_params, jnp.asarray(data.fixed_tokens_NxT[rows]),
+                        jnp.asarray(positions_BxN), jnp.asarray(mask_BxN), target=data.target,
+                        drafter=data.drafter, temperature=float(temperature))
+    sum_N += np.asarray(jax.device_get(s_N), np.float64)
+    count_N += np.asarray(jax.device_get(c_N), np.float64)
+  return HeldoutTV(sum_N, count_N)
+
+
+def heldout_tv(drafter_params, target_params, data: DistillData, temperature: float | None = None) -> float:
+  """Mean total variation over the held-out prompts' generated positions (:func:`heldout_tv_report`)."""
+  return heldout_tv_report(drafter_params, target_params, data, temperature).mean

@@ -131,8 +131,15 @@ def mean_total_variation(target_logits_BxTxV: jax.Array, drafter_logits_BxTxV: j
                          top_p: float = 1.0) -> jax.Array:
   """Evaluation: mean over masked positions of ½ Σ |p − q| with both laws transformed as the sampler does
   (:func:`blockspec_jax.sampling.probs_from_logits`: T = 0 allowed (argmax one-hots), top-k / top-p too)."""
+  return masked_mean(total_variation(target_logits_BxTxV, drafter_logits_BxTxV, temperature=temperature,
+                                     top_k=top_k, top_p=top_p), mask_BxT)
+
+
+def total_variation(target_logits_BxTxV: jax.Array, drafter_logits_BxTxV: jax.Array, *, temperature: float = 1.0,
+                    top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+  """f32 [B, T]: ½ Σ |p − q| at every position, both laws transformed as the sampler does (what
+  :func:`mean_total_variation` averages; at T = 1, one minus token verification's acceptance rate there)."""
   _check_logits(target_logits_BxTxV, drafter_logits_BxTxV)
   p_BxTxV = sampling.probs_from_logits(target_logits_BxTxV, temperature=temperature, top_k=top_k, top_p=top_p)
   q_BxTxV = sampling.probs_from_logits(drafter_logits_BxTxV, temperature=temperature, top_k=top_k, top_p=top_p)
-  tv_BxT = 0.5 * jnp.sum(jnp.abs(p_BxTxV - q_BxTxV), axis=-1)
-  return masked_mean(tv_BxT, mask_BxT)
+  return 0.5 * jnp.sum(jnp.abs(p_BxTxV - q_BxTxV), axis=-1)
