@@ -400,9 +400,13 @@ def backend_compiles() -> int:
 
 
 @contextlib.contextmanager
-def compiling(label: str, stream=None):
+def compiling(label: str, stream=None, when: bool = True):
   """Announce a first (compiling) call: ``compiling <label> …`` with a spinner and the elapsed seconds on a terminal,
-  a start and an end line otherwise (logs)."""
+  a start and an end line otherwise (logs). ``when`` false: a silent no-op, so a loop writes
+  ``with compiling(label, when=i == 0):`` once for its first (compiling) and later calls alike."""
+  if not when:
+    yield
+    return
   stream = sys.stderr if stream is None else stream
   start = time.perf_counter()
   done = threading.Event()

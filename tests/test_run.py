@@ -168,6 +168,11 @@ def test_compiling_announces_the_first_call(capsys):
     pass
   lines = stream.getvalue().splitlines()
   assert lines[0] == "compiling block (T = 1) …" and lines[1].startswith("compiled block (T = 1) in ")
+  quiet = io.StringIO()
+  ran = []
+  with jobs.compiling("block (T = 1)", stream=quiet, when=False):
+    ran.append(1)
+  assert ran == [1] and quiet.getvalue() == ""  # a later (compiled) call runs its body silently
 
 
 _CACHE_SCRIPT = """

@@ -105,10 +105,7 @@ def collect_hidden(target_config: decoder_lib.DecoderConfig, target_params, toke
     sample = lambda: distill.sample_sequences(target_config, target_params, tokens_BxP[local_B],
                                               prompt_len_B[local_B], keys_B, max_new_tokens=max_new_tokens,
                                               temperature=temperature, stop_ids=tuple(stop_ids), pad_id=pad_id)
-    if i == 0:
-      with jobs.compiling("target sampling"):
-        seq_BxT, mask_BxT = sample()
-    else:
+    with jobs.compiling("target sampling", when=i == 0):
       seq_BxT, mask_BxT = sample()
     generated_B = mask_BxT.sum(axis=1).astype(np.int32)
     lens_B = prompt_len_B[local_B] + generated_B
@@ -118,10 +115,7 @@ def collect_hidden(target_config: decoder_lib.DecoderConfig, target_params, toke
     run = lambda: np.asarray(jax.device_get(_hidden_pass(target_params, jnp.asarray(seq_BxT),
                                                          jnp.asarray(np.clip(t_BxN, 0, width - 1), jnp.int32),
                                                          config=pass_config)))
-    if i == 0:
-      with jobs.compiling("target hidden-state pass"):
-        hidden_BxNxD = run()
-    else:
+    with jobs.compiling("target hidden-state pass", when=i == 0):
       hidden_BxNxD = run()
     fresh_B = flat_B < num
     tokens_NxT[local_B[fresh_B]] = seq_BxT[fresh_B]
@@ -359,10 +353,7 @@ def evaluate_heads(heads, lm_head_VxD, target_config: decoder_lib.DecoderConfig,
     run = lambda: jax.device_get(_eval_chunk(heads, lm_head_VxD, jnp.asarray(features_MxD[idx]), jnp.asarray(labels),
                                              contexts, ngram, target=target_config, num_heads=num_heads,
                                              top_k=int(top_k), lm_weight=float(lm_weight)))
-    if i == 0 and progress:
-      with jobs.compiling("held-out evaluation"):
-        sums = run()
-    else:
+    with jobs.compiling("held-out evaluation", when=i == 0 and progress):
       sums = run()
     for name, value in sums.items():
       totals[name] = totals.get(name, 0.0) + np.asarray(value, np.float64)

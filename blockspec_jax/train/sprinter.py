@@ -114,20 +114,14 @@ def collect_labels(target_config: decoder_lib.DecoderConfig, target_params, draf
     sample = lambda: distill.sample_sequences(drafter_config, drafter_params, tokens_BxP[local_B],
                                               prompt_len_B[local_B], keys_B, max_new_tokens=max_new_tokens,
                                               temperature=temperature, stop_ids=tuple(stop_ids), pad_id=pad_id)
-    if i == 0:
-      with jobs.compiling("drafter sampling"):
-        tokens_BxT, mask_BxT = sample()
-    else:
+    with jobs.compiling("drafter sampling", when=i == 0):
       tokens_BxT, mask_BxT = sample()
     positions_BxN, mask_BxN = distill.loss_window(mask_BxT, prompt_len_B[local_B], max_new_tokens)
     keep_BxN = (mask_BxN > 0) & (flat_B < num)[:, None]
     score = lambda: jax.device_get(_label_pass(target_params, drafter_params, jnp.asarray(tokens_BxT),
                                                jnp.asarray(positions_BxN), target=target_config,
                                                drafter=drafter_config, temperature=float(temperature)))
-    if i == 0:
-      with jobs.compiling("label pass (target and drafter)"):
-        hidden_BxNxD, q_tok_BxN, p_tok_BxN = score()
-    else:
+    with jobs.compiling("label pass (target and drafter)", when=i == 0):
       hidden_BxNxD, q_tok_BxN, p_tok_BxN = score()
     token_BxN = np.take_along_axis(tokens_BxT, np.minimum(positions_BxN + 1, tokens_BxT.shape[1] - 1), axis=1)
     chunks["features_NxD"].append(np.asarray(hidden_BxNxD, np.float32)[keep_BxN])

@@ -317,12 +317,10 @@ def fit(*, loss_fn: LossFn, optimizer: optax.GradientTransformation, trainable, 
       for step in range(start, end):
         batch = batch_fn(step, state.trainable)
         step_key = jax.random.fold_in(key, step)
-        if step == start:
-          with jobs.compiling(label):
-            state, metrics = step_fn(state, frozen, batch, step_key)
-            jax.block_until_ready(state)
-        else:
+        with jobs.compiling(label, when=step == start):
           state, metrics = step_fn(state, frozen, batch, step_key)
+          if step == start:
+            jax.block_until_ready(state)
         row = {"step": step + 1, **_to_python(metrics)}
         if not math.isfinite(row["loss"]):
           raise FloatingPointError(f"loss is {row['loss']} at step {step + 1}")
