@@ -81,3 +81,24 @@ def test_read_matching_reads_a_cache_made_alike_and_refuses_one_made_otherwise(t
   path.write_bytes(path.read_bytes()[:40])
   with pytest.raises(ValueError, match="not a readable labels file"):  # the loader's own error passes through
     artifacts.read_matching(path, {"seed": 0}, load, redo="delete it")
+
+
+def test_collect_missing_fills_only_the_uncached_splits_and_saves_each_at_once():
+  from blockspec_jax import jobs
+  from blockspec_jax.train import pools
+  calls, saved = [], []
+
+  def collect(split, rows):
+    calls.append((split, rows.dtype, rows.tolist()))
+    if split == "heldout" and len(rows) == 0:
+      raise ValueError("no held-out prompts")
+    return {"rows": rows}
+
+  data = pools.collect_missing({"train": {"rows": "cached"}, "heldout": None}, ([0, 2], [1]), collect,
+                               lambda split, d: saved.append(split))
+  assert calls == [("heldout", np.dtype(np.int64), [1])] and saved == ["heldout"]
+  assert data["train"] == {"rows": "cached"} and data["heldout"]["rows"].tolist() == [1]
+  calls.clear(), saved.clear()
+  with pytest.raises(jobs.UsageError, match="no held-out prompts"):  # the collector's error, as a usage error
+    pools.collect_missing({"train": None, "heldout": None}, ([0, 2], []), collect, lambda split, d: saved.append(split))
+  assert saved == ["train"]  # the first split was saved before the second failed

@@ -419,22 +419,18 @@ def sprinter_job(workdir, *, target=None, drafter=None, target_config=None, draf
                             heldout_prompts=heldout_prompts, train_prompts_per_task=train_prompts_per_task,
                             max_prompt_len=max_prompt_len, chat=chat, dtype=dtype, seed=seed)
     info = setup["info"]
-    for split, rows in zip(("train", "heldout"), setup["split"]):
-      if labels[split] is not None:
-        continue
-      rows = np.asarray(rows, np.int64)
+
+    def collect(split, rows):
       print(f"collecting {split} labels: {len(rows)} prompts, {max_new_tokens} drafter tokens each at "
             f"T = {temperature:g}", flush=True)
-      try:
-        data = sprinter_lib.collect_labels(
-            setup["target_config"], setup["target_params"], setup["drafter_config"], setup["drafter_params"],
-            setup["prompts_NxP"][rows], setup["prompt_len_N"][rows], max_new_tokens=max_new_tokens,
-            temperature=temperature, key=jax.random.fold_in(jax.random.key(seed), 1),
-            batch_size=collect_batch_size, progress=progress, rows=rows, stop_ids=tuple(setup["stop_ids"]))
-      except ValueError as e:
-        raise jobs.UsageError(str(e)) from None
-      sprinter_lib.save_labels(paths[split], data, {**meta, "split": split})
-      labels[split] = data
+      return sprinter_lib.collect_labels(
+          setup["target_config"], setup["target_params"], setup["drafter_config"], setup["drafter_params"],
+          setup["prompts_NxP"][rows], setup["prompt_len_N"][rows], max_new_tokens=max_new_tokens,
+          temperature=temperature, key=jax.random.fold_in(jax.random.key(seed), 1),
+          batch_size=collect_batch_size, progress=progress, rows=rows, stop_ids=tuple(setup["stop_ids"]))
+
+    pools.collect_missing(labels, setup["split"], collect,
+                          lambda split, data: sprinter_lib.save_labels(paths[split], data, {**meta, "split": split}))
     del setup
     collect_seconds = time.perf_counter() - t_collect
   train, held = labels["train"], labels["heldout"]

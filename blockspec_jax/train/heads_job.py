@@ -168,22 +168,17 @@ def heads_job(workdir, *, target_config=None, target=None, target_seed: int = 0,
                    max_prompt_len=max_prompt_len, chat=chat, seed=seed)
     info = setup["info"]
     config = setup["config"]
-    for split, rows in zip(("train", "heldout"), setup["split"]):
-      if data[split] is not None:
-        continue
-      rows = np.asarray(rows, np.int64)
+
+    def collect(split, rows):
       print(f"collecting {split} data: {len(rows)} prompts, {max_new_tokens} target tokens each at "
             f"T = {temperature:g}, and the target's hidden states", flush=True)
-      try:
-        data[split] = heads_lib.collect_hidden(
-            config, setup["params"], setup["prompts_NxP"][rows], setup["prompt_len_N"][rows],
-            max_new_tokens=max_new_tokens, temperature=temperature,
-            key=jax.random.fold_in(jax.random.key(seed), 1), batch_size=collect_batch_size, progress=progress,
-            rows=rows, stop_ids=tuple(setup["stop_ids"]))
-      except ValueError as e:
-        raise jobs.UsageError(str(e)) from None
-      heads_lib.save_hidden(paths[split], data[split], {**meta, "split": split, "vocab_size": config.vocab_size,
-                                                        "d_model": config.d_model})
+      return heads_lib.collect_hidden(
+          config, setup["params"], setup["prompts_NxP"][rows], setup["prompt_len_N"][rows],
+          max_new_tokens=max_new_tokens, temperature=temperature, key=jax.random.fold_in(jax.random.key(seed), 1),
+          batch_size=collect_batch_size, progress=progress, rows=rows, stop_ids=tuple(setup["stop_ids"]))
+
+    pools.collect_missing(data, setup["split"], collect, lambda split, hidden: heads_lib.save_hidden(
+        paths[split], hidden, {**meta, "split": split, "vocab_size": config.vocab_size, "d_model": config.d_model}))
     lm_head_VxD = np.asarray(jax.device_get(heads_drafter.lm_head_weight(config, setup["params"])), np.float32)
     heads_lib.save_lm_head(workdir, lm_head_VxD)
     del setup

@@ -138,6 +138,21 @@ def read_cached(path: pathlib.Path, meta: dict, load: Callable, *, redo: str, co
     raise jobs.UsageError(str(e)) from None
 
 
+def collect_missing(data: dict, split_rows, collect: Callable, save: Callable) -> dict:
+  """Fill the splits of ``data`` (``{"train": …, "heldout": …}``, None where nothing was cached) in that order:
+  ``data[split] = collect(split, rows)`` (``rows`` int64; a ValueError becomes a UsageError), then
+  ``save(split, data[split])`` at once, so a run stopped during the second split keeps the first. Returns ``data``."""
+  for split, rows in zip(("train", "heldout"), split_rows):
+    if data[split] is not None:
+      continue
+    try:
+      data[split] = collect(split, np.asarray(rows, np.int64))
+    except ValueError as e:
+      raise jobs.UsageError(str(e)) from None
+    save(split, data[split])
+  return data
+
+
 def samples_path(workdir) -> pathlib.Path:
   """Where a run keeps the target's sampled continuations (``distill.make_distill_data``): a resume reads them."""
   workdir = pathlib.Path(workdir)
