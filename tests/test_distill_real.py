@@ -162,6 +162,7 @@ def test_paired_drafters_resume_and_take_appended_drafters(fast_pair, tmp_path, 
   assert results[0] == first[0] and len(results) == 2 and results[1]["offsets"] == first[0]["offsets"]
   report = out.with_suffix(".md").read_text()
   assert "by category" in report and "by tokens past the prompt" in report and "| +0–1 | +2–3 |" in report
+  assert "| at the prompt | 2 |" in report and "| past the prompt | 2 |" in report  # Δ paired within each part
   for extra, message in ((["--seed", "1", "--drafters", f"{workdir}@init,{workdir}"], "other settings (--seed)"),
                          (["--drafters", f"{workdir},{workdir}@init"], "give them first")):
     with pytest.raises(SystemExit) as e:
@@ -204,6 +205,24 @@ def test_paired_drafters_summary_arithmetic():
     paired_drafters.offset_bins([0], 0)
   with pytest.raises(ValueError, match="share the contexts"):
     paired_drafters.summarize_drafters({"a": ref, "b": ref[:, :2]}, ["code"] * 3, ("token", "block"))
+  # Within groups: the difference is paired inside each group (here the tuned drafter gains only past the prompt).
+  tuned = ref.copy()
+  tuned[:, 1:] += 0.5
+  assert paired_drafters.prompt_split([0, 16, 32]) == ["at the prompt", "past the prompt", "past the prompt"]
+  within = paired_drafters.summarize_within({"base": ref, "tuned": tuned}, paired_drafters.prompt_split([0, 16, 32]),
+                                            ("token", "block"), gammas={2})
+  assert [(r["group"], r["drafter"], r["rule"]) for r in within][:2] == [("at the prompt", "base", "token"),
+                                                                         ("at the prompt", "base", "block")]
+  got = {(r["group"], r["drafter"], r["rule"]): r for r in within}
+  assert got[("at the prompt", "tuned", "block")]["diff"] == 0.0 and got[("at the prompt", "tuned", "block")][
+      "contexts"] == 1
+  past = got[("past the prompt", "tuned", "block")]
+  assert past["contexts"] == 2 and past["diff"] == pytest.approx(0.5) and past["diff_se"] == pytest.approx(0.0)
+  assert past["accepted_gain"] == pytest.approx(0.5 / ((0.5 + 1.7) / 2))
+  text = paired_drafters.format_within(within, 1.0)
+  assert "| past the prompt | 2 | tuned | block | 2 |" in text and "paired within the group" in text
+  with pytest.raises(ValueError, match="2 group labels for tables of \\[3\\] contexts"):
+    paired_drafters.summarize_within({"base": ref}, ["a", "b"], ("token", "block"))
 
 
 def test_verifier_settings_are_checked_and_reach_the_rule():

@@ -10,7 +10,9 @@ drafter (the reference, e.g. the base model): the per-context difference of BE, 
 contexts (paired by context, so the spread of contexts cancels), the relative gain in BE and the relative gain in
 accepted tokens E[τ] (= BE − 1: the draft tokens kept per target call, without the one the target adds itself).
 The groups may be any per-context labels: the prompts' categories, or the contexts' offsets past the prompt in bins
-(``"+16–31"``, :func:`offset_bins`, sorted by number).
+(``"+16–31"``, :func:`offset_bins`, sorted by number). :func:`summarize_within` pairs the difference within each
+group instead (e.g. contexts at the prompt against those past it, :func:`prompt_split`), so each group gets its own
+Δ ± se.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import numpy as np
 
 from blockspec_jax.eval.paired import mean_stderr
 
-__all__ = ["summarize_drafters", "format_drafters", "offset_bins"]
+__all__ = ["summarize_drafters", "format_drafters", "offset_bins", "prompt_split", "summarize_within",
+           "format_within"]
 
 
 def offset_bins(offsets, width: int) -> list[str]:
@@ -33,6 +36,12 @@ def offset_bins(offsets, width: int) -> list[str]:
     lo = (int(j) // width) * width
     labels.append(f"+{lo}" if width == 1 else f"+{lo}–{lo + width - 1}")
   return labels
+
+
+def prompt_split(offsets) -> list[str]:
+  """``"at the prompt"`` for a context that ends at the prompt (offset 0), ``"past the prompt"`` otherwise: where a
+  drafter trained on how answers begin and one trained on how they go on part ways."""
+  return ["at the prompt" if int(j) == 0 else "past the prompt" for j in offsets]
 
 
 def _group_key(label: str):
@@ -79,6 +88,38 @@ def summarize_drafters(tables: dict, tasks: list[str], rules: tuple[str, ...], g
                         accepted_gain=(be - 1.0) / (ref_be - 1.0) - 1.0 if ref_be > 1.0 else float("nan"),
                         contexts=int(contexts)))
   return out
+
+
+def summarize_within(tables: dict, groups: list[str], rules: tuple[str, ...], gammas=None) -> list[dict]:
+  """:func:`summarize_drafters` on each group's contexts alone (groups in :func:`_group_key` order): ``be``,
+  ``diff`` ± ``diff_se``, ``gain`` and ``accepted_gain`` are over, and paired within, that group's contexts. Rows are
+  those of :func:`summarize_drafters` with ``group`` added and ``by_task`` left out."""
+  groups_B = np.asarray(groups)
+  shapes = {np.shape(v)[1] for v in tables.values()}
+  if shapes != {len(groups_B)}:
+    raise ValueError(f"{len(groups_B)} group labels for tables of {sorted(shapes)} contexts")
+  out = []
+  for group in sorted(set(groups), key=_group_key):
+    here = groups_B == group
+    sub = {k: np.asarray(v)[:, here] for k, v in tables.items()}
+    for row in summarize_drafters(sub, [group] * int(here.sum()), rules, gammas):
+      row.pop("by_task")
+      out.append({"group": group, **row})
+  return out
+
+
+def format_within(rows: list[dict], temperature: float) -> str:
+  """A Markdown table of :func:`summarize_within` rows at one temperature."""
+  ref = rows[0]["drafter"] if rows else ""
+  lines = [f"T = {temperature:g}: block efficiency within each group of contexts, Δ vs {ref} paired within the "
+           "group; ± one standard error over the group's contexts", "",
+           f"| contexts | n | drafter | rule | γ | BE ± se | Δ vs {ref} ± se | gain | accepted gain |",
+           "|" + "---|" * 9]
+  for r in rows:
+    lines.append(f"| {r['group']} | {r['contexts']} | {r['drafter']} | {r['rule']} | {r['gamma']} | "
+                 f"{r['be']:.3f} ± {r['be_se']:.3f} | {r['diff']:+.3f} ± {r['diff_se']:.3f} | "
+                 f"{100 * r['gain']:+.1f}% | {100 * r['accepted_gain']:+.1f}% |")
+  return "\n".join(lines)
 
 
 def format_drafters(rows: list[dict], temperature: float, groups: str = "category") -> str:
