@@ -425,6 +425,8 @@ def test_heldout_tv_by_offset_is_the_direct_per_position_computation():
   assert report.by_offset(4) == pytest.approx({"0-3": sum_N[:4].sum() / count_N[:4].sum(),
                                                "4-5": sum_N[4:].sum() / count_N[4:].sum()}, rel=1e-5)
   assert distill.HeldoutTV(np.zeros(3), np.array([1.0, 0.0, 0.0])).by_offset(2) == {"0-1": 0.0, "2-2": None}
+  with pytest.raises(ValueError, match="width must be an integer >= 1"):
+    report.by_offset(0)
 
 
 RESUME_OPTIMIZER = trainer.make_optimizer("adamw", 1e-2, "cosine", 1, 6, 0.01, 1.0)  # one object: one compile

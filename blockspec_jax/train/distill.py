@@ -365,6 +365,8 @@ class HeldoutTV:
 
   def by_offset(self, width: int = 16) -> dict[str, float | None]:
     """Means over offsets ``[k·width, (k+1)·width)`` (None where no position is set), keyed ``"0-15"``, …"""
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+      raise ValueError(f"width must be an integer >= 1, got {width!r}")
     out = {}
     for lo in range(0, len(self.sum_N), width):
       hi = min(lo + width, len(self.sum_N))
