@@ -331,9 +331,9 @@ def _drafters_main(args, target, prompt_rows, prompt_ids, start) -> int:
       groups = pd.offset_bins(first["offsets"], max(args.sample_tokens // args.positions, 1))
       rows = pd.summarize_drafters(sub, groups, rules, gammas={4, args.gamma})
       report.append(pd.format_drafters(rows, temperature, groups="tokens past the prompt"))
-      if len(set(pd.prompt_split(first["offsets"]))) == 2:  # Δ paired within: at the prompt, past it
-        report.append(pd.format_within(pd.summarize_within(sub, pd.prompt_split(first["offsets"]), rules,
-                                                           gammas={4, args.gamma}), temperature))
+      split = pd.prompt_split(first["offsets"])
+      if len(set(split)) == 2:  # Δ paired within: at the prompt, past it
+        report.append(pd.format_within(pd.summarize_within(sub, split, rules, gammas={4, args.gamma}), temperature))
   text = "\n\n".join(report)
   print(text)
   md = path.with_suffix(".md")

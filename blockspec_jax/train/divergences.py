@@ -30,8 +30,8 @@ import jax.numpy as jnp
 
 from blockspec_jax import sampling
 
-__all__ = ["DIVERGENCES", "token_divergence", "per_token_divergence", "mean_total_variation", "masked_mean",
-           "check_temperature", "check_divergence"]
+__all__ = ["DIVERGENCES", "token_divergence", "per_token_divergence", "mean_total_variation", "total_variation",
+           "masked_mean", "check_temperature", "check_divergence"]
 
 
 def _kl(logp_BxTxV: jax.Array, logq_BxTxV: jax.Array) -> jax.Array:

@@ -20,7 +20,7 @@ from blockspec_jax import artifacts, jobs
 from blockspec_jax.eval import prompts as prompts_lib
 
 __all__ = ["check_int", "check_collection", "check_number", "prompt_rows", "encode_pool", "model_name", "read_cached",
-           "DEFAULT_HELDOUT", "DEFAULT_MAX_PROMPT_LEN", "samples_path", "samples_meta"]
+           "collect_missing", "DEFAULT_HELDOUT", "DEFAULT_MAX_PROMPT_LEN", "samples_path", "samples_meta"]
 
 #: The real-model training jobs' held-out prompts: the shipped six-category file (code, chat, math, summarization,
 #: translation, qa); their training pool comes from the same packages, disjoint from it, ``per_task`` per category.
