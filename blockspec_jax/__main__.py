@@ -18,6 +18,7 @@ import sys
 import gin
 import jax
 
+from blockspec_jax.checks import check_int
 from blockspec_jax import jobs
 from blockspec_jax.eval import theory_report as report_lib
 
@@ -26,8 +27,7 @@ from blockspec_jax.eval import theory_report as report_lib
 def theory_report(gammas=(2, 4), num_samples: int = 100_000, seed: int = 0, tree_samples: int = 0) -> str:
   """The chain table; with ``tree_samples > 0`` also the tree table (trees per rule, shape and pair)."""
   jobs.check_settings(gammas=gammas)
-  if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 2:
-    raise jobs.UsageError(f"num_samples must be an integer >= 2, got {num_samples!r}")
+  check_int(num_samples, "num_samples", 2, error=jobs.UsageError)
   if isinstance(tree_samples, bool) or not isinstance(tree_samples, int) or tree_samples < 0 or tree_samples == 1:
     raise jobs.UsageError(f"tree_samples must be 0 (no tree table) or an integer >= 2, got {tree_samples!r}")
   pairs = report_lib.default_pairs(tuple(gammas), seed)

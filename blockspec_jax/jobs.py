@@ -30,6 +30,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from blockspec_jax.checks import check_int
 from blockspec_jax.paths import default_cache_dir
 
 __all__ = ["METHODS", "AUTOREGRESSIVE", "known_methods", "parse_method", "build_drafter", "UsageError", "load_model",
@@ -228,9 +229,7 @@ def check_gamma(gamma, name: str = "gamma") -> int:
 
 
 def _check_positive_int(value, name: str) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-    raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
-  return int(value)
+  return check_int(value, name, error=UsageError)
 
 
 def check_settings(*, gamma=None, gammas: Iterable | None = None, methods: Iterable[str] = (),

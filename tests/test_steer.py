@@ -362,7 +362,10 @@ def test_paired_acceptance_replays_a_steered_drafter_history():
   with pytest.raises(jobs.UsageError, match="replay must be an integer >= 0"):
     paired._paired_drafter("steered:results/train/none?replay=-2", None, argparse.Namespace(replay_stride=8))
   assert paired._shown("steer_qwen", 8) == "steer_qwen (replay 8)" and paired._shown("base", None) == "base"
-  assert paired._shown("steer_qwen?replay=0", 0) == "steer_qwen?replay=0 (prefilled as prompt)"
+  assert paired._shown("steer_qwen", 0) == "steer_qwen (prefilled as prompt)"
+  # a label whose settings name the stride already says it: not twice
+  assert paired._shown("steer_qwen?replay=0", 0) == "steer_qwen?replay=0"
+  assert paired._shown("steer_qwen?rank=4&replay=8", 8) == "steer_qwen?rank=4&replay=8"
 
 
 def test_map_shapes_subsets_and_low_rank():

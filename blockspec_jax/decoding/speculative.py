@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from blockspec_jax.checks import check_int
 from blockspec_jax import sampling
 from blockspec_jax.decoding import contracts
 from blockspec_jax.decoding.contracts import Commit, Draft, Drafter, TargetScorer
@@ -348,8 +349,7 @@ def speculative_prefill(target_params, drafter_params, tokens_BxP, prompt_len_B,
   drafter_state = constrain_caches(drafter.init_state(drafter_params, tokens_BxP, prompt_len_B, cache_len),
                                    cache_sharding)
   if history_B is not None and contracts.replays_history(drafter):
-    if isinstance(replay_stride, bool) or not isinstance(replay_stride, int) or replay_stride < 1:
-      raise ValueError(f"replay_stride must be an integer >= 1 (tokens committed per round), got {replay_stride!r}")
+    replay_stride = check_int(replay_stride, "replay_stride", hint=" (tokens committed per round)")
     history_B = jnp.clip(jnp.asarray(history_B, jnp.int32), 0, prompt_len_B - 1)
     drafter_state = drafter.replay(drafter_params, drafter_state, tokens_BxS, scored.taps_BxTxLxD,
                                    prompt_len_B - history_B, prompt_len_B, replay_stride)

@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from blockspec_jax.checks import check_int
 from blockspec_jax import sampling
 from blockspec_jax.decoding.contracts import SAMPLING_CHAIN, Commit, chain_draft
 from blockspec_jax.drafters import lattice
@@ -74,8 +75,7 @@ def init_heads(d_model: int, num_heads: int, key: jax.Array):
   """Heads at the start of training: ``W1`` ~ N(0, 1/D) (LeCun normal, (out, in)), ``b1 = 0``, ``W2 = 0`` (so every
   head equals the target's next-token head). f32."""
   for name, value in (("d_model", d_model), ("num_heads", num_heads)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    check_int(value, name)
   w1 = jax.random.normal(key, (num_heads, d_model, d_model), jnp.float32) / math.sqrt(d_model)
   return {"w1_HxDxD": w1, "b1_HxD": jnp.zeros((num_heads, d_model), jnp.float32),
           "w2_HxDxD": jnp.zeros((num_heads, d_model, d_model), jnp.float32)}

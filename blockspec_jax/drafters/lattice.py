@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from blockspec_jax.checks import check_int
 from blockspec_jax import artifacts, sampling
 
 __all__ = ["NGramTable", "NGramLM", "NGRAM_JSON", "NGRAM_NPZ", "hash_rows", "build_ngram", "ngram_logprob",
@@ -141,9 +142,7 @@ class NGramLM:
 
 
 def _check_vocab(vocab_size) -> int:
-  if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1:
-    raise ValueError(f"vocab_size must be an integer >= 1, got {vocab_size!r}")
-  return int(vocab_size)
+  return check_int(vocab_size, "vocab_size")
 
 
 def _discount(counts: np.ndarray) -> float:
@@ -166,9 +165,7 @@ def build_ngram(sequences, vocab_size: int, order: int = 3) -> NGramLM:
   ``[0, V)``; empty ones are skipped). Host-side numpy; returns jax arrays. ValueError for bad ids, a bad order or no
   tokens at all."""
   vocab = _check_vocab(vocab_size)
-  if isinstance(order, bool) or not isinstance(order, (int, np.integer)) or order < 1:
-    raise ValueError(f"n-gram order must be an integer >= 1, got {order!r}")
-  n = int(order)
+  n = check_int(order, "n-gram order")
   windows = []
   for i, seq in enumerate(sequences):
     seq = np.asarray(seq)
@@ -415,8 +412,7 @@ def pbest_search(cand_BxGxK: jax.Array, head_logp_BxGxK: jax.Array, lm: LatticeL
   LM that keeps the chosen path. Deterministic; exhaustive (the exact best path) when ``width ≥ k^(γ−1)``. Ties go
   to the earlier path in (beam, candidate) order."""
   _check_lattice(cand_BxGxK, head_logp_BxGxK)
-  if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-    raise ValueError(f"p-best width must be an integer >= 1, got {width!r}")
+  width = check_int(width, "p-best width")
   batch, gamma, k = cand_BxGxK.shape
   lam = jnp.float32(lm_weight)
   index_G = jnp.arange(gamma, dtype=jnp.int32)

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from blockspec_jax.checks import check_int
 from blockspec_jax.decoding.contracts import Commit
 from blockspec_jax.drafters.base import ModelDrafter, feed
 from blockspec_jax.models import decoder as decoder_lib
@@ -61,8 +62,7 @@ LAYER_NORM_EPS = 1e-5
 def default_target_layers(num_target_layers: int) -> tuple[int, ...]:
   """The target layers SD² reads: low / middle / high = ``(2, L // 2, L − 3)``, each clamped to ``[0, L − 1]`` and
   sorted (``(2, 14, 25)`` for a 28-layer target; a 4-layer one gives ``(1, 2, 2)``)."""
-  if isinstance(num_target_layers, bool) or not isinstance(num_target_layers, int) or num_target_layers < 1:
-    raise ValueError(f"num_target_layers must be an integer >= 1, got {num_target_layers!r}")
+  num_target_layers = check_int(num_target_layers, "num_target_layers")
   top = num_target_layers - 1
   return tuple(sorted(min(max(i, 0), top) for i in (2, num_target_layers // 2, num_target_layers - 3)))
 
@@ -91,8 +91,7 @@ def init_steer(target_d_model: int, num_taps: int, drafter_config: decoder_lib.D
   ``key(seed)``; LoRA's split: zero output, live gradients). ``dtype``: the parameters' dtype (float32 for training).
   """
   for name, value in (("target_d_model", target_d_model), ("num_taps", num_taps)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    check_int(value, name)
   layers = tuple(range(drafter_config.num_layers)) if steered_layers is None else check_layers(
       steered_layers, drafter_config.num_layers, "steered_layers")
   width = len(layers) * drafter_config.ffn_dim
@@ -103,8 +102,7 @@ def init_steer(target_d_model: int, num_taps: int, drafter_config: decoder_lib.D
   if rank is None:
     steer["guide"] = {"weight": jnp.zeros((width, target_d_model), dtype)}
   else:
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-      raise ValueError(f"rank must be an integer >= 1 (or None for the full map), got {rank!r}")
+    rank = check_int(rank, "rank", hint=" (or None for the full map)")
     down_RxD = jax.random.normal(jax.random.key(seed), (rank, target_d_model), jnp.float32) / math.sqrt(target_d_model)
     steer["guide"] = {"down": down_RxD.astype(dtype), "up": jnp.zeros((width, rank), dtype)}
   return steer

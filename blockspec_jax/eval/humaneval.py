@@ -30,6 +30,7 @@ import sys
 import tempfile
 import textwrap
 
+from blockspec_jax.checks import check_int
 from blockspec_jax.eval import prompts as prompts_lib
 
 MEMORY_LIMIT_BYTES = 2 * 1024 ** 3  # RLIMIT_AS of the sandboxed interpreter
@@ -233,8 +234,7 @@ def score_completions(rows: list[dict], completions: list[str], timeout_s: float
   """
   if len(rows) != len(completions):
     raise ValueError(f"rows and completions differ in length: {len(rows)} rows, {len(completions)} completions")
-  if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-    raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+  workers = check_int(workers, "workers")
   code = [(row["id"], completion) for row, completion in zip(rows, completions)
           if str(row["id"]).startswith("HumanEval/")]
   if not code:

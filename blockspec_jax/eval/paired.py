@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 import sys
 import time
 from typing import Sequence
@@ -50,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from blockspec_jax.checks import check_int
 from blockspec_jax import sampling
 from blockspec_jax.decoding import contracts, speculative as spec
 from blockspec_jax.decoding.contracts import Drafter
@@ -97,8 +99,7 @@ _table = jax.jit(expected_accepted_table,
 def length_buckets(lengths: Sequence[int], buckets: int) -> list[np.ndarray]:
   """Indices of ``lengths`` sorted by length and cut into ``buckets`` runs of near-equal count (fewer when there are
   fewer items): each run is padded to its own longest, not to the longest of all."""
-  if isinstance(buckets, bool) or not isinstance(buckets, (int, np.integer)) or buckets < 1:
-    raise ValueError(f"buckets must be an integer >= 1, got {buckets!r}")
+  buckets = check_int(buckets, "buckets")
   order = np.argsort(np.asarray(lengths), kind="stable")
   return [run for run in np.array_split(order, min(int(buckets), len(order))) if len(run)]
 
@@ -123,8 +124,7 @@ def paired_acceptance(target_params, drafter_params, contexts: Sequence[Sequence
     raise ValueError(f"gamma and draws must be >= 1, got gamma = {gamma}, draws = {draws}")
   if not contexts or min(len(c) for c in contexts) < 1:
     raise ValueError("every context needs at least one token")
-  if isinstance(replay_stride, bool) or not isinstance(replay_stride, (int, np.integer)) or replay_stride < 0:
-    raise ValueError(f"replay_stride must be an integer >= 0 (0: contexts prefilled as prompts), got {replay_stride!r}")
+  replay_stride = check_int(replay_stride, "replay_stride", 0, hint=" (0: contexts prefilled as prompts)")
   if offsets is not None:
     offsets = np.asarray(offsets, np.int32)
     if offsets.shape != (len(contexts),) or (offsets < 0).any() or \
@@ -253,9 +253,8 @@ def _paired_drafter(name, target, args):
     return ModelDrafter(drafter.config), drafter.params["params"], None
   kind, settings = spec_
   stride = settings.pop("replay", args.replay_stride)
-  if isinstance(stride, bool) or not isinstance(stride, int) or stride < 0:
-    raise jobs.UsageError(f"{name!r}: replay must be an integer >= 0 (0: contexts prefilled as prompts), "
-                          f"got {stride!r}")
+  stride = check_int(stride, f"{name!r}: replay", 0, hint=" (0: contexts prefilled as prompts)",
+                     error=jobs.UsageError)
   base = jobs.load_model(args.drafter, args.dtype, progress=False, scan_layers=True)
   jobs.check_pair(target, base)
   drafter = jobs.build_drafter(kind, target, base, {kind: settings}, args.gamma)
@@ -343,8 +342,9 @@ def _drafters_main(args, target, prompt_rows, prompt_ids, start) -> int:
 
 
 def _shown(label: str, stride) -> str:
-  """A drafter's label in the report, with how its contexts' history was replayed (drafters that replay it)."""
-  if stride is None:
+  """A drafter's label in the report, with how its contexts' history was replayed (drafters that replay it; a label
+  whose settings name the stride, ``steered:DIR?replay=8``, already says it)."""
+  if stride is None or re.search(r"[?&]replay=", label):
     return label
   return f"{label} (replay {stride})" if stride else f"{label} (prefilled as prompt)"
 

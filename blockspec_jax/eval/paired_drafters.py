@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from blockspec_jax.checks import check_int
 from blockspec_jax.eval.paired import mean_stderr
 
 __all__ = ["summarize_drafters", "format_drafters", "offset_bins", "prompt_split", "summarize_within",
@@ -29,8 +30,7 @@ def offset_bins(offsets, width: int) -> list[str]:
   """Each context's offset past the prompt as its bin of ``width`` tokens, ``"+16–31"`` (``"+0"`` for width 1 at 0):
   a target sample that ends early (a short answer) puts its contexts at smaller offsets than the nominal
   ``0, n/k, …``, so the report groups by where the contexts actually are."""
-  if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-    raise ValueError(f"width must be an integer >= 1, got {width!r}")
+  width = check_int(width, "width")
   labels = []
   for j in offsets:
     lo = (int(j) // width) * width

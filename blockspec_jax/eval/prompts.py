@@ -55,6 +55,7 @@ import tempfile
 import types
 import zipfile
 
+from blockspec_jax.checks import check_int
 from blockspec_jax.models.registry import pip_download
 
 DEFAULT_PROMPTS = pathlib.Path(__file__).with_name("data") / "prompts.jsonl"
@@ -408,8 +409,7 @@ def build_training_pool(heldout_rows: list[dict], per_task: int = 48, seed: int 
 
   ``tasks``: which tasks (default: those of :data:`TASKS` that ``heldout_rows`` has, or code, chat and math when it has
   none of them), so the default file's held-out rows still give the same code / chat / math pool as before."""
-  if isinstance(per_task, bool) or not isinstance(per_task, int) or per_task < 1:
-    raise ValueError(f"per_task must be an integer >= 1, got {per_task!r}")
+  per_task = check_int(per_task, "per_task")
   if tasks is None:
     tasks = [t for t in TASKS if any(r.get("task") == t for r in heldout_rows)] or DEFAULT_TASKS
   tasks = _check_tasks(tasks)

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from blockspec_jax.checks import check_int
 from blockspec_jax import artifacts, sampling
 from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.models import decoder as decoder_lib
@@ -231,8 +232,7 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
     raise ValueError(f"on_policy_fraction must be in [0, 1], got {on_policy_fraction}")
   sample_batch_size = batch_size if sample_batch_size is None else sample_batch_size
   for name, value in (("batch_size", batch_size), ("sample_batch_size", sample_batch_size)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    check_int(value, name)
   prompts_NxP, prompt_len_N = np.asarray(prompts_NxP, np.int32), np.asarray(prompt_len_N, np.int32)
   spec.check_prompt_values(prompts_NxP, prompt_len_N, target.vocab_size)
   sampling.Sampler(sample_temperature)  # validates it (T = 0: greedy continuations are allowed)
@@ -365,8 +365,7 @@ class HeldoutTV:
 
   def by_offset(self, width: int = 16) -> dict[str, float | None]:
     """Means over offsets ``[k·width, (k+1)·width)`` (None where no position is set), keyed ``"0-15"``, …"""
-    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-      raise ValueError(f"width must be an integer >= 1, got {width!r}")
+    width = check_int(width, "width")
     out = {}
     for lo in range(0, len(self.sum_N), width):
       hi = min(lo + width, len(self.sum_N))

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from blockspec_jax.checks import check_int
+
 __all__ = ["partition", "merge", "leaf_paths", "all_trainable", "layers_trainable", "names_trainable", "Lora",
            "LORA_TARGETS", "init_lora", "apply_lora", "count_params"]
 
@@ -159,8 +161,7 @@ def init_lora(params: Mapping, rank: int, key: jax.Array, targets: Iterable[str]
   to ``rank``: scale 1). Raises ValueError for a rank < 1 or when no module matches ``targets``.
   """
   _check_tree(params, "params")
-  if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-    raise ValueError(f"LoRA rank must be an integer >= 1, got {rank!r}")
+  rank = check_int(rank, "LoRA rank")
   targets = frozenset(targets)
   modules = _lora_modules(params, targets)
   if not modules:

@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from blockspec_jax import artifacts, jobs
+from blockspec_jax import artifacts, checks, jobs
 from blockspec_jax.eval import prompts as prompts_lib
 
 __all__ = ["check_int", "check_collection", "check_number", "prompt_rows", "encode_pool", "model_name", "read_cached",
@@ -34,12 +34,11 @@ def check_int(value, name: str, low: int = 1, *, job: str | None = None) -> int:
   """``value`` as an int when it is an integer >= ``low``. With ``job``: a job setting (``<job>.<name>`` in the
   UsageError), which must be a Python int (it is recorded as JSON); without: a library argument (ValueError), a NumPy
   integer allowed."""
-  kinds = int if job is not None else (int, np.integer)
-  if isinstance(value, bool) or not isinstance(value, kinds) or value < low:
-    if job is not None:
-      raise jobs.UsageError(f"{job}.{name} must be an integer >= {low}, got {value!r}")
-    raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-  return int(value)
+  if job is None:
+    return checks.check_int(value, name, low)
+  if not isinstance(value, int):  # NumPy integers are not JSON
+    raise jobs.UsageError(f"{job}.{name} must be an integer >= {low}, got {value!r}")
+  return checks.check_int(value, f"{job}.{name}", low, error=jobs.UsageError)
 
 
 def check_collection(tokens_BxP, prompt_len_B, rows, *, max_new_tokens: int, batch_size: int, configs: tuple):

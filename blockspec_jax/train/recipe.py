@@ -32,6 +32,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from blockspec_jax.checks import check_int
 from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.train import params as params_lib
 
@@ -67,8 +68,7 @@ class DrafterRecipe:
         object.__setattr__(self, name, value)
     object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
     object.__setattr__(self, "train_modules", tuple(self.train_modules))
-    if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
-      raise ValueError(f"DrafterRecipe.lora_rank must be an integer >= 0, got {self.lora_rank!r}")
+    object.__setattr__(self, "lora_rank", check_int(self.lora_rank, "DrafterRecipe.lora_rank", 0))
     if self.lora_rank and (self.train_layers is not None or self.train_modules):
       raise ValueError("DrafterRecipe: LoRA (lora_rank > 0) trains adapters only; train_layers / train_modules are "
                        "for full training of a subset, leave them unset with LoRA")

@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from blockspec_jax.checks import check_int
 from blockspec_jax import artifacts, sampling
 from blockspec_jax.drafters.steer import check_layers, steer_dims, steering_vectors, to_layers
 from blockspec_jax.models import decoder as decoder_lib
@@ -75,8 +76,7 @@ def check_steer_setup(target: decoder_lib.DecoderConfig, drafter: decoder_lib.De
   target_layers = check_layers(target_layers, target.num_layers, "target_layers", allow_repeats=True)
   steered_layers = tuple(range(drafter.num_layers)) if steered_layers is None else check_layers(
       steered_layers, drafter.num_layers, "steered_layers")
-  if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
-    raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
+  check_int(gamma, "gamma")
   return target_layers, steered_layers
 
 
@@ -217,8 +217,7 @@ def make_steer_data(target: decoder_lib.DecoderConfig, target_params, drafter: d
   one amortises the target's weights over more rows), then served ``batch_size`` rows per step; ``samples_path`` /
   ``samples_meta``: the samples kept for a resume (:func:`distill.make_distill_data`)."""
   sample_batch_size = batch_size if sample_batch_size is None else sample_batch_size
-  if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-    raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+  batch_size = check_int(batch_size, "batch_size")
   data = distill.make_distill_data(target, target_params, drafter, prompts_NxP, prompt_len_N,
                                    batch_size=sample_batch_size, max_new_tokens=max_new_tokens,
                                    sample_temperature=sample_temperature, source="fixed",

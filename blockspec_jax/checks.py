@@ -1,0 +1,21 @@
+"""Argument checks shared by the library, the jobs and the command lines: one wording for one mistake.
+
+Nothing here imports JAX or any other blockspec_jax module, so every module can use it without import cycles.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+__all__ = ["check_int"]
+
+
+def check_int(value, name: str, low: int = 1, *, hint: str = "", error: type[Exception] = ValueError) -> int:
+  """``value`` as a Python ``int`` when it is an integer ``>= low``; otherwise ``error`` (ValueError by default; the
+  jobs pass their UsageError) saying ``"<name> must be an integer >= <low><hint>, got <value!r>"``.
+
+  Integers are Python and NumPy integers; ``True`` / ``False``, floats (``2.0`` too) and strings are refused.
+  ``hint`` adds what the number means (``" (tokens committed per round)"``)."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+    raise error(f"{name} must be an integer >= {low}{hint}, got {value!r}")
+  return int(value)
