@@ -521,6 +521,17 @@ def _run_main(argv):
     gin.clear_config()
 
 
+def test_eval_curves_merge_points_measured_outside_the_loop():
+  rows = [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.4, "eval_heldout_tv": 0.30},
+          {"step": 4, "loss": 0.3, "eval_heldout_tv": 0.25, "eval_other": 1.0}]
+  curves = trainer.eval_curves(rows, {"eval_heldout_tv": [(0, 0.40), (4, 0.99)], "eval_new": [(3, 2.0)]})
+  # step 0 added before the rows' points; at step 4 the rows' value is kept; a metric only in points is drawn too
+  assert curves == {"eval_heldout_tv": [(0, 0.40), (2, 0.30), (4, 0.25)], "eval_new": [(3, 2.0)],
+                    "eval_other": [(4, 1.0)]}
+  assert trainer.eval_curves(rows) == {"eval_heldout_tv": [(2, 0.30), (4, 0.25)], "eval_other": [(4, 1.0)]}
+  assert trainer.eval_curves([{"step": 1, "loss": 0.5}]) == {}
+
+
 def test_smoke_job_end_to_end(tmp_path, capsys):
   workdir = tmp_path / "smoke"
   rc = _run_main(["--gin_file", os.path.join(REPO, "gin/train/distill_smoke.gin"), "--workdir", str(workdir),

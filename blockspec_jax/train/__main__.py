@@ -262,6 +262,8 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
     tv_after = last_eval["report"]  # measured on the final parameters by the last step's evaluation
   else:
     tv_after = report(result.state.trainable)
+  trainer.plot_losses(rows, pathlib.Path(workdir) / "loss.png",  # the held-out curve from step 0 to the last
+                      points={"eval_heldout_tv": [(0, tv_before.mean), (int(result.state.step), tv_after.mean)]})
   summary = {
       "heldout_tv_before": tv_before.mean, "heldout_tv_after": tv_after.mean,
       # by offset into the continuation (16 tokens a bin): where the drafter moved toward the target

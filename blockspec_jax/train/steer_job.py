@@ -206,6 +206,8 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
             "heldout_tv_before": report["before"]["tv"], "heldout_tv_after": report["after"]["tv"],
             "heldout_tv_plain": report["plain"]["tv"], **settings}
   steer_lib.save_steer(workdir, result.state.trainable, record)
+  trainer.plot_losses(rows, workdir / "loss.png",  # the held-out curve from the untrained map to the trained one
+                      points={"eval_heldout_tv": [(0, report["before"]["tv"]), (steps, report["after"]["tv"])]})
   summary = {
       "heldout_tv_before": report["before"]["tv"], "heldout_tv_after": report["after"]["tv"],
       "heldout_tv_plain": report["plain"]["tv"], "heldout_tv_before_by_offset": report["before"]["by_offset"],

@@ -36,7 +36,7 @@ import math
 import pathlib
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,8 +45,10 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from blockspec_jax.checks import check_int
+
 __all__ = ["TrainState", "OPTIMIZERS", "SCHEDULES", "make_schedule", "make_optimizer", "init_state", "train_step",
-           "make_train_step", "FitResult", "fit", "batch_indices", "fit_examples", "read_metrics", "plot_losses",
+           "make_train_step", "FitResult", "fit", "batch_indices", "fit_examples", "read_metrics", "eval_curves", "plot_losses",
            "restore_latest"]
 
 LossFn = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, dict]]
@@ -104,8 +106,7 @@ def make_optimizer(name: str = "adamw", learning_rate: float = 1e-3, schedule: s
     raise ValueError(f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZERS)}")
   if weight_decay < 0:
     raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-  if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-    raise ValueError(f"accumulate must be an integer >= 1 (steps per update), got {accumulate!r}")
+  accumulate = check_int(accumulate, "accumulate", hint=" (steps per update)")
   if accumulate > 1:
     inner = make_optimizer(name, learning_rate, schedule, warmup_steps, -(-total_steps // accumulate),
                            weight_decay, clip_norm, b1, b2, eps)
@@ -213,8 +214,24 @@ def read_metrics(path) -> list[dict]:
   return rows
 
 
-def plot_losses(rows: list[dict], path) -> bool:
-  """The loss (and any ``eval_*`` metric) against the step as a PNG; False (nothing written) without matplotlib."""
+def eval_curves(rows: list[dict], points: Mapping[str, Sequence[tuple[int, float]]] | None = None
+                ) -> dict[str, list[tuple[int, float]]]:
+  """``{name: [(step, value), …] by step}`` for every ``eval_*`` metric of ``rows`` and of ``points`` (more points
+  measured outside the loop); where both have a step, the rows' value is kept."""
+  points = points or {}
+  curves = {}
+  for name in sorted({k for r in rows for k in r if k.startswith("eval_")} | set(points)):
+    by_step = {int(step): float(value) for step, value in points.get(name, ())}
+    by_step.update((int(r["step"]), float(r[name])) for r in rows if name in r)
+    curves[name] = sorted(by_step.items())
+  return curves
+
+
+def plot_losses(rows: list[dict], path, points: Mapping[str, Sequence[tuple[int, float]]] | None = None) -> bool:
+  """The loss (and any ``eval_*`` metric) against the step as a PNG; False (nothing written) without matplotlib.
+
+  ``points``: more ``(step, value)`` points of ``eval_*`` curves, measured outside the training loop (a job's
+  held-out metric before the first step and after the last); a step the rows already have keeps the rows' value."""
   try:
     import matplotlib
     matplotlib.use("Agg")
@@ -229,8 +246,7 @@ def plot_losses(rows: list[dict], path) -> bool:
     window = 8
     means = np.convolve(losses, np.ones(window) / window, mode="valid")
     ax.plot(steps[window - 1:], means, label=f"train loss, mean of {window} steps")
-  for name in sorted({k for r in rows for k in r if k.startswith("eval_")}):
-    pts = [(r["step"], r[name]) for r in rows if name in r]
+  for name, pts in eval_curves(rows, points).items():
     ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o", label=name)
   ax.set_xlabel("step")
   ax.set_ylabel("loss")
@@ -286,8 +302,7 @@ def fit(*, loss_fn: LossFn, optimizer: optax.GradientTransformation, trainable, 
   """
   from blockspec_jax import jobs  # the "compiling …" announcement
 
-  if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
-    raise ValueError(f"num_steps must be an integer >= 1, got {num_steps!r}")
+  num_steps = check_int(num_steps, "num_steps")
   if checkpoint_every < 1 or max_to_keep < 1:
     raise ValueError(f"checkpoint_every and max_to_keep must be >= 1, got {checkpoint_every}, {max_to_keep}")
   workdir = pathlib.Path(workdir)
