@@ -519,6 +519,30 @@ def record_for(target, drafter, layers, steered=None):
           "ffn_dim": drafter.ffn_dim}
 
 
+def test_a_map_refuses_a_drafter_it_was_not_trained_on(tmp_path):
+  """The record's drafter against the loaded model's identity: a registry name, a training run's directory (any
+  step, relative or absolute), a local checkpoint; unknown sides (random tiny models, no spec) are not judged."""
+  from blockspec_jax.drafters.steer import check_trained_on, model_identity
+  from blockspec_jax.models import hub
+  run = tmp_path / "distill_run"
+  run.mkdir()
+  trained = hub.LocalSource(name=f"{run.resolve()}@120", kind="trained", path=run.resolve())
+  registry = types.SimpleNamespace(name="qwen2.5-coder-0.5b")
+  assert model_identity("qwen2.5-coder-0.5b") == model_identity(registry) == "qwen2.5-coder-0.5b"
+  assert model_identity(str(run)) == model_identity(f"{run}@64") == model_identity(trained) == str(run.resolve())
+  assert model_identity("random tiny decoder (seed 1, V = 64, D = 32, 2 layers)") is None
+  assert model_identity("results/moved/elsewhere") is None and model_identity(None) is None
+  loaded = lambda spec: types.SimpleNamespace(spec=spec)
+  check_trained_on({"drafter": "qwen2.5-coder-0.5b"}, loaded(registry), "m")
+  check_trained_on({"drafter": f"{run}@120"}, loaded(trained), "m")
+  check_trained_on({"drafter": "random tiny decoder (seed 1)"}, loaded(registry), "m")  # unknown: not judged
+  check_trained_on({"drafter": "qwen2.5-coder-0.5b"}, types.SimpleNamespace(), "m")  # no spec: not judged
+  with pytest.raises(ValueError, match=r"trained on the drafter 'qwen2.5-coder-0.5b'; this drafter is '/"):
+    check_trained_on({"drafter": "qwen2.5-coder-0.5b"}, loaded(trained), "m")
+  with pytest.raises(ValueError, match="this drafter is 'qwen2.5-coder-0.5b'"):
+    check_trained_on({"drafter": str(run)}, loaded(registry), "m")
+
+
 def test_save_load_round_trip_and_errors(tmp_path):
   """Bit-exact round trip (full and low rank) with the record; load_params gives {"model", "steer"} and the drafter
   takes its layers from the record; a corrupted npz, a tampered record, other models or other layers are clear

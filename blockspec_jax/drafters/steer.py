@@ -53,7 +53,7 @@ from blockspec_jax.drafters.base import ModelDrafter, feed
 from blockspec_jax.models import decoder as decoder_lib
 
 __all__ = ["SteerState", "SteeredDrafter", "default_target_layers", "init_steer", "steer_dims", "steering_vectors",
-           "to_layers", "steering_deltas", "check_layers", "LAYER_NORM_EPS"]
+           "to_layers", "steering_deltas", "check_layers", "model_identity", "check_trained_on", "LAYER_NORM_EPS"]
 
 #: LayerNorm epsilon of the map (torch's ``nn.LayerNorm`` default, as in the authors' code).
 LAYER_NORM_EPS = 1e-5
@@ -293,10 +293,45 @@ class SteeredDrafter(ModelDrafter):
                        "gin/train/steer_qwen.gin` and bind drafter_settings = {'steered': {'steer': '<its work "
                        "directory>'}}")
     from blockspec_jax.train import steer as steer_train  # host-side loading only
-    steer, _ = steer_train.load_steer(self.steer, target_config=target_model.config,
-                                      drafter_config=drafter_model.config, target_layers=self.target_layers or None,
-                                      steered_layers=self.layers)
+    steer, info = steer_train.load_steer(self.steer, target_config=target_model.config,
+                                         drafter_config=drafter_model.config, target_layers=self.target_layers or None,
+                                         steered_layers=self.layers)
+    check_trained_on(info, drafter_model, self.steer)
     return {"model": drafter_model.params["params"], "steer": steer}
+
+
+def model_identity(source) -> Optional[str]:
+  """What a drafter IS, comparable between a map's record and a loaded model: the resolved work directory of a
+  drafter training run (``<dir>``, ``<dir>@<step>``; a ``hub.LocalSource`` of kind ``"trained"``), the resolved path
+  of a local checkpoint, or a registry name; None when unknown (no spec, a random tiny model's label).
+
+  ``source``: a ``hub.LoadedModel``'s ``spec`` (``ModelSpec`` / ``LocalSource``) or the drafter string a training
+  job recorded."""
+  import pathlib
+  if isinstance(source, str):
+    base, sep, _ = source.rpartition("@")
+    for text in ((base, source) if sep else (source,)):
+      path = pathlib.Path(text).expanduser()
+      if path.exists():
+        return str(path.resolve())
+    return None if source.startswith("random tiny") or "/" in source else source
+  if source is None or not isinstance(getattr(source, "name", None), str):
+    return None
+  path = getattr(source, "path", None)
+  if path is not None:  # a local checkpoint or a training run (its name carries the step: ignored)
+    return str(pathlib.Path(path).expanduser().resolve())
+  return source.name
+
+
+def check_trained_on(info: dict, drafter_model, workdir) -> None:
+  """ValueError when the map in ``workdir`` (its record ``info``) was trained on another drafter than
+  ``drafter_model``: its biases were fit to that drafter's MLPs, and the same shapes (a LoRA-distilled drafter has
+  its base's) would decode silently with a map it was not trained with. Skipped where either side is unknown."""
+  recorded = model_identity(info.get("drafter")) if isinstance(info.get("drafter"), str) else None
+  here = model_identity(getattr(drafter_model, "spec", None))
+  if recorded is not None and here is not None and recorded != here:
+    raise ValueError(f"the SD² map in {workdir} was trained on the drafter {info['drafter']!r}; this drafter is "
+                     f"{here!r} (give the map its own drafter: --drafter / the method's drafter model)")
 
 
 def _recorded_layers(workdir):
