@@ -18,8 +18,8 @@ import sys
 import gin
 import jax
 
-from blockspec_jax.checks import check_int
 from blockspec_jax import jobs
+from blockspec_jax.checks import check_int
 from blockspec_jax.eval import theory_report as report_lib
 
 

@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from blockspec_jax.checks import check_int
 from blockspec_jax import sampling
+from blockspec_jax.checks import check_int
 from blockspec_jax.decoding import contracts
 from blockspec_jax.decoding.contracts import Commit, Draft, Drafter, TargetScorer
 from blockspec_jax.models import decoder as decoder_lib

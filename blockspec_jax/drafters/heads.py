@@ -55,8 +55,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from blockspec_jax.checks import check_int
 from blockspec_jax import sampling
+from blockspec_jax.checks import check_int
 from blockspec_jax.decoding.contracts import SAMPLING_CHAIN, Commit, chain_draft
 from blockspec_jax.drafters import lattice
 from blockspec_jax.drafters.base import ModelDrafter

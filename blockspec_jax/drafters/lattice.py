@@ -51,8 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from blockspec_jax.checks import check_int
 from blockspec_jax import artifacts, sampling
+from blockspec_jax.checks import check_int
 
 __all__ = ["NGramTable", "NGramLM", "NGRAM_JSON", "NGRAM_NPZ", "hash_rows", "build_ngram", "ngram_logprob",
            "context_window", "save_ngram", "load_ngram", "LatticeLM", "lattice_candidates", "ngram_lattice_lm",

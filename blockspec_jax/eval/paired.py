@@ -51,8 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blockspec_jax.checks import check_int
 from blockspec_jax import sampling
+from blockspec_jax.checks import check_int
 from blockspec_jax.decoding import contracts, speculative as spec
 from blockspec_jax.decoding.contracts import Drafter
 from blockspec_jax.drafters import ModelDrafter

@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blockspec_jax.checks import check_int
 from blockspec_jax import artifacts, sampling
+from blockspec_jax.checks import check_int
 from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.train import divergences, params as params_lib

@@ -48,8 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blockspec_jax.checks import check_int
 from blockspec_jax import artifacts, sampling
+from blockspec_jax.checks import check_int
 from blockspec_jax.drafters.steer import check_layers, steer_dims, steering_vectors, to_layers
 from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.train import distill, divergences
