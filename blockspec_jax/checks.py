@@ -10,12 +10,15 @@ import numbers
 __all__ = ["check_int"]
 
 
-def check_int(value, name: str, low: int = 1, *, hint: str = "", error: type[Exception] = ValueError) -> int:
+def check_int(value, name: str, low: int = 1, *, hint: str = "", error: type[Exception] = ValueError,
+              numpy: bool = True) -> int:
   """``value`` as a Python ``int`` when it is an integer ``>= low``; otherwise ``error`` (ValueError by default; the
   jobs pass their UsageError) saying ``"<name> must be an integer >= <low><hint>, got <value!r>"``.
 
-  Integers are Python and NumPy integers; ``True`` / ``False``, floats (``2.0`` too) and strings are refused.
-  ``hint`` adds what the number means (``" (tokens committed per round)"``)."""
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+  Integers are Python and NumPy integers (``numpy=False``: Python ints only, e.g. a setting recorded as JSON);
+  ``True`` / ``False``, floats (``2.0`` too) and strings are refused. ``hint`` adds what the number means
+  (``" (tokens committed per round)"``)."""
+  kinds = numbers.Integral if numpy else int
+  if isinstance(value, bool) or not isinstance(value, kinds) or value < low:
     raise error(f"{name} must be an integer >= {low}{hint}, got {value!r}")
   return int(value)

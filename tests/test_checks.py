@@ -22,6 +22,12 @@ def test_refuses_everything_else_by_name(value):
     checks.check_int(value, "n")
 
 
+def test_python_ints_only_when_numpy_is_off():
+  assert checks.check_int(3, "n", numpy=False) == 3
+  with pytest.raises(ValueError, match=r"^n must be an integer >= 1, got "):
+    checks.check_int(np.int64(3), "n", numpy=False)
+
+
 def test_hint_low_and_error_class():
   with pytest.raises(jobs.UsageError, match=r"^stride must be an integer >= 0 \(0: none\), got -1$"):
     checks.check_int(-1, "stride", 0, hint=" (0: none)", error=jobs.UsageError)

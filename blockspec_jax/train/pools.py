@@ -36,9 +36,7 @@ def check_int(value, name: str, low: int = 1, *, job: str | None = None) -> int:
   integer allowed."""
   if job is None:
     return checks.check_int(value, name, low)
-  if not isinstance(value, int):  # NumPy integers are not JSON
-    raise jobs.UsageError(f"{job}.{name} must be an integer >= {low}, got {value!r}")
-  return checks.check_int(value, f"{job}.{name}", low, error=jobs.UsageError)
+  return checks.check_int(value, f"{job}.{name}", low, error=jobs.UsageError, numpy=False)  # NumPy ints: not JSON
 
 
 def check_collection(tokens_BxP, prompt_len_B, rows, *, max_new_tokens: int, batch_size: int, configs: tuple):
