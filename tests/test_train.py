@@ -730,3 +730,16 @@ def test_a_killed_run_keeps_its_metrics_and_checkpoint_and_resumes_to_the_same_r
   assert a["resumed_from"] == saved and b["resumed_from"] is None and a["steps"] == b["steps"] == 120
   assert a["heldout_tv_after"] == b["heldout_tv_after"] and a["final_loss"] == b["final_loss"]
   assert [r["step"] for r in trainer.read_metrics(killed / "metrics.jsonl")] == list(range(1, 121))
+
+
+def test_by_part_gives_each_part_its_own_optimizer():
+  """trainer.by_part: each top-level part updated by its own optimizer (SD²'s joint run: the map and the drafter
+  at their own learning rates); a tree with other parts is a clear error."""
+  opt = trainer.by_part({"steer": optax.sgd(1.0), "drafter": optax.sgd(0.25)})
+  params = {"steer": {"w": jnp.ones((2,))}, "drafter": {"lora": {"a": jnp.ones((3,))}}}
+  grads = jax.tree.map(lambda x: 2.0 * x, params)
+  updates, _ = opt.update(grads, opt.init(params), params)
+  np.testing.assert_array_equal(np.asarray(updates["steer"]["w"]), [-2.0, -2.0])
+  np.testing.assert_array_equal(np.asarray(updates["drafter"]["lora"]["a"]), [-0.5, -0.5, -0.5])
+  with pytest.raises(ValueError, match=r"parts \['steer'\] are not the optimizers' \['drafter', 'steer'\]"):
+    opt.init({"steer": params["steer"]})

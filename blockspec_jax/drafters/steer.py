@@ -326,12 +326,20 @@ def model_identity(source) -> Optional[str]:
 def check_trained_on(info: dict, drafter_model, workdir) -> None:
   """ValueError when the map in ``workdir`` (its record ``info``) was trained on another drafter than
   ``drafter_model``: its biases were fit to that drafter's MLPs, and the same shapes (a LoRA-distilled drafter has
-  its base's) would decode silently with a map it was not trained with. Skipped where either side is unknown."""
+  its base's) would decode silently with a map it was not trained with. Skipped where either side is unknown. A map
+  trained jointly with its drafter (its record names ``drafter_step``) also refuses another step of that run."""
   recorded = model_identity(info.get("drafter")) if isinstance(info.get("drafter"), str) else None
   here = model_identity(getattr(drafter_model, "spec", None))
   if recorded is not None and here is not None and recorded != here:
     raise ValueError(f"the SD² map in {workdir} was trained on the drafter {info['drafter']!r}; this drafter is "
                      f"{here!r} (give the map its own drafter: --drafter / the method's drafter model)")
+  step = info.get("drafter_step")  # a map tuned jointly with its drafter belongs to that checkpoint only
+  name = getattr(getattr(drafter_model, "spec", None), "name", None)
+  if recorded is not None and recorded == here and step is not None and isinstance(name, str):
+    loaded_step = name.rpartition("@")[2]
+    if loaded_step != str(step):
+      raise ValueError(f"the SD² map in {workdir} was trained jointly with its drafter's step {step}; this drafter "
+                       f"is {name!r} (load the run's newest checkpoint: --drafter {recorded})")
 
 
 def _recorded_layers(workdir):

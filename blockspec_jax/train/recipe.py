@@ -13,7 +13,9 @@ Two drafters of our jobs, as recipes::
     DrafterRecipe("smollm2-135m", layers=(0, 1, 29), train_modules=("final_norm",))
         # a 3-layer drafter sharing SmolLM2-135M's (frozen, tied) embeddings, its layers initialised from the base
 
-A training run writes the recipe to ``<workdir>/drafter.json`` beside its orbax ``checkpoints/``;
+A training run writes the recipe to ``<workdir>/drafter.json`` beside its orbax ``checkpoints/``; a run that trains
+the drafter beside other parameters (SD²'s joint training: ``{"steer": map, "drafter": adapters}``) also records
+there which subtree of its checkpoints is the drafter's (``checkpoint_subtree``), and every reader takes that part;
 :func:`load_trained` rebuilds the drafter from both (``step="init"``: the untrained drafter, i.e. the recipe applied
 to the base model alone) and returns a :class:`~blockspec_jax.models.hub.LoadedModel` whose parameters have the
 adapters merged into the weights, so a trained drafter decodes at exactly the base model's cost. The job helper
@@ -37,9 +39,11 @@ from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.train import params as params_lib
 
 __all__ = ["DrafterRecipe", "RECIPE_FILE", "is_trained_dir", "select_layers", "DrafterParts", "save_recipe",
-           "read_recipe", "save_init_from", "read_init_from", "restore_trainable", "load_trained"]
+           "read_recipe", "checkpoint_subtree", "save_init_from", "read_init_from", "restore_trainable",
+           "load_trained"]
 
 RECIPE_FILE = "drafter.json"
+_SUBTREE = "checkpoint_subtree"  # drafter.json: where the drafter's part sits in a joint run's trainable tree
 INIT_FILE = "init_from.json"  # a run that started from another run's checkpoint: {"workdir": ..., "step": ...}
 _INIT = "init"
 
@@ -149,9 +153,16 @@ def is_trained_dir(path: str | os.PathLike) -> bool:
     return False
 
 
-def save_recipe(workdir: str | os.PathLike, recipe: DrafterRecipe) -> pathlib.Path:
+def save_recipe(workdir: str | os.PathLike, recipe: DrafterRecipe, subtree: str | None = None) -> pathlib.Path:
+  """Writes ``<workdir>/drafter.json``; ``subtree``: the key of the drafter's part in the run's trainable tree, for a
+  run that trains more than the drafter (None: the whole trainable tree is the drafter's)."""
+  record = recipe.to_json()
+  if subtree is not None:
+    if not isinstance(subtree, str) or not subtree:
+      raise ValueError(f"subtree must be a non-empty key of the trainable tree, got {subtree!r}")
+    record[_SUBTREE] = subtree
   path = pathlib.Path(workdir) / RECIPE_FILE
-  path.write_text(json.dumps(recipe.to_json(), indent=2) + "\n")
+  path.write_text(json.dumps(record, indent=2) + "\n")
   return path
 
 
@@ -174,19 +185,36 @@ def read_init_from(workdir: str | os.PathLike) -> tuple[str, int] | None:
     raise ValueError(f"{path} is not a valid record of the run's starting point: {e}") from None
 
 
-def read_recipe(workdir: str | os.PathLike) -> DrafterRecipe:
+def _read_record(workdir: str | os.PathLike) -> tuple[DrafterRecipe, str | None]:
   path = pathlib.Path(workdir).expanduser() / RECIPE_FILE
   if not path.is_file():
     raise FileNotFoundError(f"{path} not found: {workdir} is not the work directory of a drafter training run")
   try:
-    return DrafterRecipe.from_json(json.loads(path.read_text()))
+    fields = json.loads(path.read_text())
+    subtree = fields.pop(_SUBTREE, None) if isinstance(fields, dict) else None
+    if subtree is not None and (not isinstance(subtree, str) or not subtree):
+      raise ValueError(f"{_SUBTREE} must be a non-empty string, got {subtree!r}")
+    return DrafterRecipe.from_json(fields), subtree
   except (json.JSONDecodeError, TypeError, ValueError) as e:
     raise ValueError(f"{path} is not a valid drafter recipe: {e}") from None
 
 
+def read_recipe(workdir: str | os.PathLike) -> DrafterRecipe:
+  return _read_record(workdir)[0]
+
+
+def checkpoint_subtree(workdir: str | os.PathLike) -> str | None:
+  """The key of the drafter's part in the run's checkpoints (:func:`save_recipe`), None when the whole trainable
+  tree is the drafter's or the directory has no recipe."""
+  if not is_trained_dir(workdir):
+    return None
+  return _read_record(workdir)[1]
+
+
 def restore_trainable(workdir: str | os.PathLike, template, step: int | None = None):
   """The trainable tree of the checkpoint at ``step`` (the newest when None) in ``<workdir>/checkpoints``, restored
-  into ``template``'s structure (the optimizer state is not needed and not read). Returns ``(trainable, step)``."""
+  into ``template``'s structure (the optimizer state is not needed and not read). Returns ``(trainable, step)``.
+  A run whose ``drafter.json`` names a ``checkpoint_subtree`` gives that part of its trainable tree."""
   import orbax.checkpoint as ocp
   directory = (pathlib.Path(workdir).expanduser() / "checkpoints").absolute()
   if not directory.is_dir():
@@ -203,7 +231,12 @@ def restore_trainable(workdir: str | os.PathLike, template, step: int | None = N
     raw = manager.restore(step, args=ocp.args.StandardRestore())
   finally:
     manager.close()
-  flat_saved = dict(_flatten(raw["trainable"]))
+  saved, subtree = raw["trainable"], checkpoint_subtree(workdir)
+  if subtree is not None:
+    if not isinstance(saved, dict) or subtree not in saved:
+      raise ValueError(f"checkpoint of step {step} in {directory} has no {subtree!r} part (its drafter.json names it)")
+    saved = saved[subtree]
+  flat_saved = dict(_flatten(saved))
   leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
   if len(flat_saved) != len(leaves):
     raise ValueError(f"checkpoint of step {step} in {directory} holds {len(flat_saved)} trainable arrays, the "

@@ -1,5 +1,6 @@
-"""Training SD²'s steering map (:mod:`blockspec_jax.drafters.steer`): the drafter and the target frozen, only the map
-trained, with a token-level divergence to the target (DistillSpec's, :mod:`blockspec_jax.train.divergences`).
+"""Training SD²'s steering map (:mod:`blockspec_jax.drafters.steer`): the target frozen, the map trained with a
+token-level divergence to the target (DistillSpec's, :mod:`blockspec_jax.train.divergences`); the drafter frozen, or
+fine-tuned jointly with the map (``SteerLoss.assemble_drafter``, the authors' default).
 
     data = make_steer_data(target, target_params, drafter, prompts_NxP, prompt_len_N, batch_size=2,
                            max_new_tokens=64, sample_batch_size=12)          # target continuations, held-out split
@@ -42,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pathlib
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -162,6 +163,12 @@ class SteerLoss:
     before the block, as a decode drafts them (every earlier position of a draft runs under the vector its
     successors read), so one pass trains every offset ``1..γ`` in the context decoding gives it.
 
+  ``assemble_drafter`` (None: only the map trains, ``trainable`` IS the map): joint training, the authors' default
+  (their drafter is fine-tuned beside the map): ``trainable = {"steer": map, "drafter": the drafter's trainable
+  part}`` and the drafter's parameters are ``assemble_drafter(trainable["drafter"], frozen["drafter"])`` (a
+  :class:`~blockspec_jax.train.recipe.DrafterParts`' ``assemble``: LoRA adapters on the frozen base, or a trained
+  subset merged into it); one loss, gradients to both parts.
+
   aux: ``tv`` (mean total variation at the loss temperature, no gradient) and ``offset`` (regular) or ``phase``.
   """
   target: decoder_lib.DecoderConfig
@@ -173,6 +180,7 @@ class SteerLoss:
   temperature: float = 1.0
   beta: float = 0.5
   scheme: str = "regular"
+  assemble_drafter: Optional[Callable] = None
 
   def __post_init__(self):
     if self.scheme not in SCHEMES:
@@ -184,7 +192,14 @@ class SteerLoss:
     divergences.check_divergence(self.divergence, self.beta)
     divergences.check_temperature(self.temperature)
 
-  def __call__(self, steer, frozen, batch, key):
+  def parts(self, trainable, frozen) -> tuple:
+    """``(map, drafter parameters)`` of a trainable tree (see ``assemble_drafter``)."""
+    if self.assemble_drafter is None:
+      return trainable, frozen["drafter"]
+    return trainable["steer"], self.assemble_drafter(trainable["drafter"], frozen["drafter"])
+
+  def __call__(self, trainable, frozen, batch, key):
+    steer, drafter_params = self.parts(trainable, frozen)
     tokens_BxT, positions_BxN, mask_BxN = batch["tokens_BxT"], batch["positions_BxN"], batch["mask_BxN"]
     prompt_len_B = batch["prompt_len_B"]
     target_logits_BxNxV, taps_BxTxKxD = target_window(self.target, frozen["target"], tokens_BxT, positions_BxN,
@@ -196,7 +211,7 @@ class SteerLoss:
     else:
       draw = jax.random.randint(key, (), 0, self.gamma)
       src_BxT, active_BxT = window_sources(prompt_len_B, tokens_BxT.shape[1], window, gamma=self.gamma, phase=draw)
-    drafter_logits_BxNxV = steered_window_logits(self.drafter, frozen["drafter"], steer, tokens_BxT, positions_BxN,
+    drafter_logits_BxNxV = steered_window_logits(self.drafter, drafter_params, steer, tokens_BxT, positions_BxN,
                                                  prompt_len_B, taps_BxTxKxD, src_BxT, active_BxT, self.steered_layers)
     loss = divergences.token_divergence(self.divergence, target_logits_BxNxV, drafter_logits_BxNxV, mask_BxN,
                                         temperature=self.temperature, beta=self.beta)

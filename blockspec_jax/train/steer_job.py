@@ -1,5 +1,6 @@
-"""The SD² training job (``steer_job``, gin): a frozen target and a frozen drafter, the steering map trained
-(:mod:`blockspec_jax.train.steer`, :mod:`blockspec_jax.drafters.steer`).
+"""The SD² training job (``steer_job``, gin): a frozen target, the steering map trained
+(:mod:`blockspec_jax.train.steer`, :mod:`blockspec_jax.drafters.steer`), and the drafter frozen or, with
+``finetune_drafter``, fine-tuned jointly with the map (the authors' default; LoRA or a trained subset).
 
     python -m blockspec_jax.train --gin_file gin/train/steer_qwen.gin      (once registered in train/__main__.py)
 
@@ -15,6 +16,12 @@ with ``drafter_settings = {"steered": {"steer": "<workdir>"}}``) and ``metrics.j
 ``heldout_tv_after`` (the steered drafter with the initial / trained map), ``heldout_tv_plain`` (the drafter without
 steering; equal to ``before`` for the zero initial map), each also ``*_by_offset``, plus the loss, steps, seconds,
 peak memory and the settings. Real models also get ``prompts_heldout.jsonl`` / ``prompts_train.jsonl``.
+
+A joint run (``finetune_drafter``) checkpoints ``{"steer": map, "drafter": the drafter's trainable part}`` and
+also writes ``drafter.json`` (the drafter's recipe, naming its ``"drafter"`` part of the checkpoints), so its work
+directory is both the drafter and the map: ``--drafter <workdir>`` with ``steered:<workdir>`` (the map's record
+names the run as its drafter, so the map refuses the untuned base). ``metrics.json`` adds
+``heldout_tv_drafter_only`` (the tuned drafter without the map).
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ from blockspec_jax import jobs, sampling
 from blockspec_jax.drafters.steer import default_target_layers, init_steer
 from blockspec_jax.eval import prompts as prompts_lib
 from blockspec_jax.models import decoder as decoder_lib
-from blockspec_jax.train import distill, divergences, params as params_lib, pools, steer as steer_lib, trainer
+from blockspec_jax.train import distill, divergences, params as params_lib, pools, recipe as recipe_lib, \
+    steer as steer_lib, trainer
 
 __all__ = ["steer_job"]
 
@@ -79,6 +87,24 @@ def _models(workdir, real, *, target, drafter, target_config, drafter_config, ta
               info={"train_prompts_by_task": by_task, "train_prompts_dropped_long": dropped})
 
 
+def _joint_parts(workdir: pathlib.Path, setup: dict, fields: dict, real: bool) -> dict:
+  """The drafter's recipe for joint training (``fields`` + ``base`` = the job's drafter), its derived config and
+  parameters, its trainable / frozen parts, and its identity (the run's resolved directory for real models). Writes
+  the run's ``drafter.json``, naming the ``"drafter"`` part of the checkpoints."""
+  if real and jobs.trained_run_spec(setup["drafter_name"]) is not None:
+    raise jobs.UsageError(f"{JOB}.finetune_drafter tunes a base model; {JOB}.drafter = {setup['drafter_name']!r} "
+                          "is a training run (train a map for it frozen, or give its base)")
+  try:
+    recipe = recipe_lib.DrafterRecipe(base=setup["drafter_name"], **fields)
+    config, params = recipe.derive(setup["drafter_config"], setup["drafter_params"])
+    parts = recipe.split(config, params)
+  except (TypeError, ValueError) as e:
+    raise jobs.UsageError(f"{JOB}.finetune_drafter: {e}") from None
+  recipe_lib.save_recipe(workdir, recipe, subtree="drafter")
+  name = str(workdir.resolve()) if real else f"{setup['drafter_name']} tuned in {workdir.resolve()}"
+  return dict(recipe=recipe, config=config, params=params, parts=parts, name=name)
+
+
 @gin.configurable(JOB)
 def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, drafter=None, target_seed: int = 0,
               drafter_seed: int = 1, num_prompts: int = 128, prompt_len: int = 8, heldout_fraction: float = 0.125,
@@ -90,7 +116,7 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
               sample_temperature: float = 1.0,
               beta: float = 0.5, optimizer=None, num_steps: int = 100, checkpoint_every: int = 50,
               max_to_keep: int = 2, eval_every: int = 0, seed: int = 0, progress: bool = True,
-              stop_after=None) -> dict:
+              stop_after=None, finetune_drafter=None, drafter_optimizer=None) -> dict:
   """SD²'s steering map; returns the ``metrics.json`` summary (see the module docstring for the outputs).
 
   Models, as in ``distill_job``: random tiny ones (``target_config`` / ``drafter_config``; random parameters of
@@ -107,6 +133,11 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
   arguments (``total_steps`` = ``num_steps``; default adamw 1e-3, cosine). ``eval_every``: the steered held-out TV
   every this many steps too (``eval_heldout_tv``; 0: only at the end). ``stop_after``: stop after that many steps as
   if killed (resume tests): only the checkpoints and ``metrics.jsonl`` are written.
+
+  ``finetune_drafter``: None (the drafter frozen), or a dict of
+  :class:`~blockspec_jax.train.recipe.DrafterRecipe` fields but ``base`` (``{"lora_rank": 16, "lora_alpha": 32}``):
+  that part of the drafter trains with the map under the one loss; ``drafter_optimizer``: its own
+  ``make_optimizer`` arguments (default: ``optimizer``'s), the map keeping ``optimizer``.
   """
   t0 = time.perf_counter()
   for name, value, low in (("num_prompts", num_prompts, 2), ("prompt_len", prompt_len, 1),
@@ -122,6 +153,21 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
     pools.check_int(sample_batch_size, "sample_batch_size", job=JOB)
   if stop_after is not None:
     pools.check_int(stop_after, "stop_after", job=JOB)
+  if finetune_drafter is not None and not isinstance(finetune_drafter, dict):
+    raise jobs.UsageError(f"{JOB}.finetune_drafter must be None or a dict of drafter recipe fields (e.g. "
+                          f"{{'lora_rank': 16}}), got {finetune_drafter!r}")
+  if finetune_drafter is not None and "base" in finetune_drafter:
+    raise jobs.UsageError(f"{JOB}.finetune_drafter must not set base: the base is {JOB}.drafter")
+  if drafter_optimizer is not None and finetune_drafter is None:
+    raise jobs.UsageError(f"{JOB}.drafter_optimizer is set but the drafter is frozen (set {JOB}.finetune_drafter)")
+  if drafter_optimizer is not None and not isinstance(drafter_optimizer, dict):
+    raise jobs.UsageError(f"{JOB}.drafter_optimizer must be a dict of make_optimizer arguments, got "
+                          f"{drafter_optimizer!r}")
+  if finetune_drafter is not None:
+    try:  # the recipe's fields checked before any model loads
+      recipe_lib.DrafterRecipe(base=str(drafter or "drafter"), **finetune_drafter)
+    except (TypeError, ValueError) as e:
+      raise jobs.UsageError(f"{JOB}.finetune_drafter: {e}") from None
   if rank is not None:
     pools.check_int(rank, "rank", job=JOB)
   models_given = (target is not None, drafter is not None)
@@ -140,9 +186,14 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
     divergences.check_divergence(divergence, beta)
     divergences.check_temperature(temperature)
     sampling.Sampler(sample_temperature)
-    if "total_steps" in optimizer:
-      raise ValueError(f"{JOB}.optimizer must not set total_steps (it is num_steps = {num_steps})")
+    for name, value in (("optimizer", optimizer), ("drafter_optimizer", drafter_optimizer or {})):
+      if "total_steps" in value:
+        raise ValueError(f"{JOB}.{name} must not set total_steps (it is num_steps = {num_steps})")
     opt = trainer.make_optimizer(**optimizer, total_steps=num_steps)
+    if finetune_drafter is not None:
+      drafter_optimizer = dict(drafter_optimizer or optimizer)
+      opt = trainer.by_part({"steer": opt, "drafter": trainer.make_optimizer(**drafter_optimizer,
+                                                                               total_steps=num_steps)})
   except (TypeError, ValueError) as e:
     raise jobs.UsageError(str(e)) from None
   workdir = pathlib.Path(workdir)
@@ -151,14 +202,20 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
                   drafter_config=drafter_config, target_seed=target_seed, drafter_seed=drafter_seed, dtype=dtype,
                   num_prompts=num_prompts, prompt_len=prompt_len, heldout_prompts=heldout_prompts,
                   train_prompts_per_task=train_prompts_per_task, max_prompt_len=max_prompt_len, chat=chat, seed=seed)
-  target_cfg, drafter_cfg = setup["target_config"], setup["drafter_config"]
+  target_cfg = setup["target_config"]
+  joint = None
+  if finetune_drafter is not None:
+    joint = _joint_parts(workdir, setup, finetune_drafter, real)
+    setup["drafter_config"], setup["drafter_params"] = joint["config"], joint["params"]
+  drafter_cfg = setup["drafter_config"]
   try:
     if target_layers is None:
       target_layers = default_target_layers(target_cfg.num_layers)
     target_layers, steered_layers = steer_lib.check_steer_setup(target_cfg, drafter_cfg, target_layers,
                                                                 steered_layers, gamma)
     loss_fn = steer_lib.SteerLoss(target_cfg, drafter_cfg, target_layers, steered_layers, gamma, divergence,
-                                  temperature, beta, scheme)
+                                  temperature, beta, scheme,
+                                  assemble_drafter=None if joint is None else joint["parts"].assemble)
     data = steer_lib.make_steer_data(target_cfg, setup["target_params"], drafter_cfg, setup["prompts_NxP"],
                                      setup["prompt_len_N"], batch_size=batch_size, max_new_tokens=max_new_tokens,
                                      sample_batch_size=sample_batch_size, sample_temperature=sample_temperature,
@@ -175,18 +232,24 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
                   divergence=divergence, temperature=temperature, sample_temperature=sample_temperature,
                   batch_size=batch_size, max_new_tokens=max_new_tokens, num_steps=num_steps, optimizer=optimizer,
                   seed=seed)
+  if joint is not None:
+    settings.update(finetune_drafter=joint["recipe"].to_json(), drafter_optimizer=drafter_optimizer)
+  trainable0 = steer0 if joint is None else {"steer": steer0, "drafter": joint["parts"].trainable}
+  frozen = {"target": target_params, "drafter": drafter_params if joint is None else joint["parts"].frozen}
+  tuned_count = "" if joint is None else \
+      f", trained with the drafter's {params_lib.count_params(joint['parts'].trainable):,}"
   print(f"SD² map: target layers {list(target_layers)} -> {len(steered_layers)} drafter layers, "
-        f"{'full rank' if rank is None else f'rank {rank}'}, {params_lib.count_params(steer0):,} parameters; "
-        f"{len(data.train_idx)} training / {len(data.heldout_idx)} held-out prompts", flush=True)
+        f"{'full rank' if rank is None else f'rank {rank}'}, {params_lib.count_params(steer0):,} parameters"
+        f"{tuned_count}; {len(data.train_idx)} training / {len(data.heldout_idx)} held-out prompts", flush=True)
   eval_kwargs = dict(target_layers=target_layers, steered_layers=steered_layers, gamma=gamma)
 
-  def eval_fn(step, steer):
+  def eval_fn(step, trainable):
     del step
-    return {"heldout_tv": steer_lib.heldout_tv(data, target_params, drafter_params, {"steered": steer},
+    steer, tuned_params = loss_fn.parts(trainable, frozen)
+    return {"heldout_tv": steer_lib.heldout_tv(data, target_params, tuned_params, {"steered": steer},
                                                **eval_kwargs)["steered"]["tv"]}
 
-  result = trainer.fit(loss_fn=loss_fn, optimizer=opt, trainable=steer0,
-                       frozen={"target": target_params, "drafter": drafter_params},
+  result = trainer.fit(loss_fn=loss_fn, optimizer=opt, trainable=trainable0, frozen=frozen,
                        batch_fn=steer_lib.make_batch_fn(data), num_steps=num_steps, key=jax.random.key(seed),
                        workdir=workdir, checkpoint_every=checkpoint_every, max_to_keep=max_to_keep,
                        eval_fn=eval_fn if eval_every else None, eval_every=eval_every, progress=progress,
@@ -195,17 +258,30 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
   steps = int(result.state.step)
   if steps < num_steps:  # stopped early (stop_after): as if killed, nothing but the checkpoints
     return {"stopped_after": steps, "resumed_from": result.resumed_from, **settings}
-  report = steer_lib.heldout_tv(data, target_params, drafter_params,
-                                {"before": steer0, "after": result.state.trainable, "plain": None},
-                                progress=progress, **eval_kwargs)
+  trained, tuned_params = loss_fn.parts(result.state.trainable, frozen)
+  if joint is None:
+    report = steer_lib.heldout_tv(data, target_params, drafter_params,
+                                  {"before": steer0, "after": trained, "plain": None}, progress=progress,
+                                  **eval_kwargs)
+  else:  # the untuned drafter with and without the initial map, the tuned one with and without the trained map
+    report = {**steer_lib.heldout_tv(data, target_params, drafter_params, {"before": steer0, "plain": None},
+                                     progress=progress, **eval_kwargs),
+              **steer_lib.heldout_tv(data, target_params, tuned_params, {"after": trained, "drafter_only": None},
+                                     progress=progress, **eval_kwargs)}
   print(f"held-out TV: plain drafter {report['plain']['tv']:.4f}, steered before {report['before']['tv']:.4f}, "
         f"after {report['after']['tv']:.4f} (by offset 1..{gamma}: "
         f"{', '.join(f'{v:.4f}' for v in report['after']['by_offset'] if v is not None)})", flush=True)
+  if joint is not None:
+    print(f"held-out TV of the jointly tuned drafter without the map: {report['drafter_only']['tv']:.4f}",
+          flush=True)
   record = {"target": setup["target_name"], "drafter": setup["drafter_name"],
             "drafter_layers": drafter_cfg.num_layers, "ffn_dim": drafter_cfg.ffn_dim, "steps": steps,
             "heldout_tv_before": report["before"]["tv"], "heldout_tv_after": report["after"]["tv"],
             "heldout_tv_plain": report["plain"]["tv"], **settings}
-  steer_lib.save_steer(workdir, result.state.trainable, record)
+  if joint is not None:  # the map belongs to the drafter tuned with it: this run, at this step
+    record.update(drafter=joint["name"], drafter_base=setup["drafter_name"], drafter_step=steps,
+                  heldout_tv_drafter_only=report["drafter_only"]["tv"])
+  steer_lib.save_steer(workdir, trained, record)
   trainer.plot_losses(rows, workdir / "loss.png",  # the held-out curve from the untrained map to the trained one
                       points={"eval_heldout_tv": [(0, report["before"]["tv"]), (steps, report["after"]["tv"])]})
   summary = {
@@ -223,5 +299,9 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
       "drafter": setup["drafter_name"], "peak_rss_gb": jobs.peak_rss_gb(), "device": jax.devices()[0].platform,
       **settings, **setup["info"],
   }
+  if joint is not None:
+    summary.update(heldout_tv_drafter_only=report["drafter_only"]["tv"],
+                   heldout_tv_drafter_only_by_offset=report["drafter_only"]["by_offset"],
+                   drafter_trainable_params=params_lib.count_params(joint["parts"].trainable))
   (workdir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
   return summary

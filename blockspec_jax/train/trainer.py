@@ -47,7 +47,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from blockspec_jax.checks import check_int
 
-__all__ = ["TrainState", "OPTIMIZERS", "SCHEDULES", "make_schedule", "make_optimizer", "init_state", "train_step",
+__all__ = ["TrainState", "OPTIMIZERS", "SCHEDULES", "make_schedule", "make_optimizer", "by_part", "init_state",
+           "train_step",
            "make_train_step", "FitResult", "fit", "batch_indices", "fit_examples", "read_metrics", "eval_curves",
            "plot_losses", "restore_latest"]
 
@@ -123,6 +124,21 @@ def make_optimizer(name: str = "adamw", learning_rate: float = 1e-3, schedule: s
       raise ValueError(f"clip_norm must be > 0 (or None / 0 for no clipping), got {clip_norm}")
     return optax.chain(optax.clip_by_global_norm(clip_norm), opt)
   return opt
+
+
+def by_part(optimizers: dict[str, optax.GradientTransformation]) -> optax.GradientTransformation:
+  """One optimizer per top-level part of a dict trainable tree (``{"steer": adamw 3e-4, "drafter": adamw 1e-4}``):
+  each part is updated, clipped and scheduled by its own (``optax.multi_transform``); ValueError at ``init`` when
+  the tree's parts are not exactly the optimizers' names."""
+  optimizers = dict(optimizers)
+
+  def labels(tree):
+    if not isinstance(tree, dict) or set(tree) != set(optimizers):
+      parts = sorted(tree) if isinstance(tree, dict) else type(tree).__name__
+      raise ValueError(f"by_part: the trainable tree's parts {parts} are not the optimizers' {sorted(optimizers)}")
+    return {name: jax.tree.map(lambda _, name=name: name, part) for name, part in tree.items()}
+
+  return optax.multi_transform(optimizers, labels)
 
 
 def init_state(trainable, optimizer: optax.GradientTransformation) -> TrainState:
