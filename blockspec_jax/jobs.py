@@ -195,12 +195,18 @@ def load_model(name, dtype: str = "float32", cache_dir=None, progress: bool = Tr
 
 
 def drafter_labels(names) -> list[str]:
-  """Short, distinct labels for drafters given by name or path (a path's last component, ``@step`` kept)."""
+  """Short, distinct labels for drafters given by name or path (a path's last component, ``@step`` kept; a trained
+  drafter's kind kept: ``steered:results/train/run?replay=8`` → ``steered:run?replay=8``, told apart from the run's
+  own drafter ``results/train/run`` → ``run``)."""
   labels = []
   for name in names:
-    base, sep, tail = str(name).rpartition("@")
-    stem = pathlib.Path(base if sep else str(name)).name or str(name)
-    label = stem + (f"@{tail}" if sep else "")
+    kind, text = "", str(name)
+    if ":" in text and trained_drafter_spec(text) is not None:
+      kind, _, text = text.partition(":")
+      kind += ":"
+    base, sep, tail = text.rpartition("@")
+    stem = pathlib.Path(base if sep else text).name or text
+    label = kind + stem + (f"@{tail}" if sep else "")
     while label in labels:
       label += "'"
     labels.append(label)

@@ -237,3 +237,6 @@ def test_drafter_labels_are_short_and_distinct():
   assert jobs.drafter_labels(["qwen2.5-coder-0.5b", "results/train/distill_qwen_tvd",
                              "results/train/distill_qwen_tvd@init", "other/distill_qwen_tvd"]) == [
       "qwen2.5-coder-0.5b", "distill_qwen_tvd", "distill_qwen_tvd@init", "distill_qwen_tvd'"]
+  assert jobs.drafter_labels(["results/train/steer_joint", "steered:results/train/steer_joint?replay=8",
+                              "heads:runs/heads_qwen?rescore=ngram"]) == [
+      "steer_joint", "steered:steer_joint?replay=8", "heads:heads_qwen?rescore=ngram"]

@@ -101,6 +101,9 @@ def _joint_parts(workdir: pathlib.Path, setup: dict, fields: dict, real: bool) -
   except (TypeError, ValueError) as e:
     raise jobs.UsageError(f"{JOB}.finetune_drafter: {e}") from None
   recipe_lib.save_recipe(workdir, recipe, subtree="drafter")
+  kept = "" if recipe.layers is None else f" (keeping layers {list(recipe.layers)})"
+  print(f"the drafter tuned with the map: {recipe.base}{kept}, "
+        f"{f'LoRA rank {recipe.lora_rank}' if recipe.lora_rank else 'a trainable subset'}", flush=True)
   name = str(workdir.resolve()) if real else f"{setup['drafter_name']} tuned in {workdir.resolve()}"
   return dict(recipe=recipe, config=config, params=params, parts=parts, name=name)
 
