@@ -201,7 +201,7 @@ def drafter_labels(names) -> list[str]:
   labels = []
   for name in names:
     kind, text = "", str(name)
-    if ":" in text and trained_drafter_spec(text) is not None:
+    if trained_drafter_spec(text) is not None:
       kind, _, text = text.partition(":")
       kind += ":"
     base, sep, tail = text.rpartition("@")

@@ -711,7 +711,14 @@ def test_smoke_job_trains_the_drafter_jointly_and_resumes(tmp_path):
   assert info["heldout_tv_drafter_only"] == summary["heldout_tv_drafter_only"]
 
 
-def test_joint_training_settings_are_checked():
+def test_joint_training_settings_are_checked(tmp_path):
+  run = tmp_path / "distilled"  # a drafter training run: joint training tunes a base model, not a run
+  run.mkdir()
+  recipe_lib.save_recipe(run, recipe_lib.DrafterRecipe("smollm2-135m", lora_rank=2))
+  with pytest.raises(jobs.UsageError, match="finetune_drafter tunes a base model; steer_job.drafter = .* is a training"):
+    steer_job(tmp_path / "never_written", target="smollm2-135m", drafter=str(run), finetune_drafter={"lora_rank": 2},
+              progress=False)
+  assert not (tmp_path / "never_written").exists()
   gin.clear_config()
   try:
     gin.parse_config_file(os.path.join(REPO, "gin/train/steer_smoke.gin"))

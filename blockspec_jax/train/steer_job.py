@@ -26,6 +26,7 @@ names the run as its drafter, so the map refuses the untuned base). ``metrics.js
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import time
@@ -87,15 +88,12 @@ def _models(workdir, real, *, target, drafter, target_config, drafter_config, ta
               info={"train_prompts_by_task": by_task, "train_prompts_dropped_long": dropped})
 
 
-def _joint_parts(workdir: pathlib.Path, setup: dict, fields: dict, real: bool) -> dict:
-  """The drafter's recipe for joint training (``fields`` + ``base`` = the job's drafter), its derived config and
+def _joint_parts(workdir: pathlib.Path, setup: dict, recipe: recipe_lib.DrafterRecipe, real: bool) -> dict:
+  """The drafter's recipe for joint training (``recipe`` with ``base`` = the job's drafter), its derived config and
   parameters, its trainable / frozen parts, and its identity (the run's resolved directory for real models). Writes
   the run's ``drafter.json``, naming the ``"drafter"`` part of the checkpoints."""
-  if real and jobs.trained_run_spec(setup["drafter_name"]) is not None:
-    raise jobs.UsageError(f"{JOB}.finetune_drafter tunes a base model; {JOB}.drafter = {setup['drafter_name']!r} "
-                          "is a training run (train a map for it frozen, or give its base)")
+  recipe = dataclasses.replace(recipe, base=setup["drafter_name"])
   try:
-    recipe = recipe_lib.DrafterRecipe(base=setup["drafter_name"], **fields)
     config, params = recipe.derive(setup["drafter_config"], setup["drafter_params"])
     parts = recipe.split(config, params)
   except (TypeError, ValueError) as e:
@@ -166,9 +164,10 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
   if drafter_optimizer is not None and not isinstance(drafter_optimizer, dict):
     raise jobs.UsageError(f"{JOB}.drafter_optimizer must be a dict of make_optimizer arguments, got "
                           f"{drafter_optimizer!r}")
+  recipe = None
   if finetune_drafter is not None:
-    try:  # the recipe's fields checked before any model loads
-      recipe_lib.DrafterRecipe(base=str(drafter or "drafter"), **finetune_drafter)
+    try:  # the recipe's fields checked before any model loads (its base is set once the drafter is named)
+      recipe = recipe_lib.DrafterRecipe(base=str(drafter or "drafter"), **finetune_drafter)
     except (TypeError, ValueError) as e:
       raise jobs.UsageError(f"{JOB}.finetune_drafter: {e}") from None
   if rank is not None:
@@ -184,6 +183,9 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
       if not isinstance(value, str):
         raise jobs.UsageError(f"{JOB}.{name} must be a model name or path, got {value!r}")
     jobs.check_settings(dtype=dtype, models=(target, drafter))
+    if recipe is not None and jobs.trained_run_spec(drafter) is not None:
+      raise jobs.UsageError(f"{JOB}.finetune_drafter tunes a base model; {JOB}.drafter = {drafter!r} is a training "
+                            "run (train a map for it frozen, or give its base)")
   optimizer = dict(optimizer or {"name": "adamw", "learning_rate": 1e-3})
   try:
     divergences.check_divergence(divergence, beta)
@@ -208,7 +210,7 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
   target_cfg = setup["target_config"]
   joint = None
   if finetune_drafter is not None:
-    joint = _joint_parts(workdir, setup, finetune_drafter, real)
+    joint = _joint_parts(workdir, setup, recipe, real)
     setup["drafter_config"], setup["drafter_params"] = joint["config"], joint["params"]
   drafter_cfg = setup["drafter_config"]
   try:

@@ -48,9 +48,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from blockspec_jax.checks import check_int
 
 __all__ = ["TrainState", "OPTIMIZERS", "SCHEDULES", "make_schedule", "make_optimizer", "by_part", "init_state",
-           "train_step",
-           "make_train_step", "FitResult", "fit", "batch_indices", "fit_examples", "read_metrics", "eval_curves",
-           "plot_losses", "restore_latest"]
+           "train_step", "make_train_step", "FitResult", "fit", "batch_indices", "fit_examples", "read_metrics",
+           "eval_curves", "plot_losses", "restore_latest"]
 
 LossFn = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, dict]]
 OPTIMIZERS = ("adamw", "adam", "sgd")
