@@ -115,6 +115,22 @@ def test_new_tasks_rebuild_from_the_pinned_packages_and_their_training_pool_is_d
   assert all(len(r["text"]) < 2000 for r in big)
 
 
+def test_a_wider_training_pool_starts_with_the_narrower_one(download_dir):
+  """Raising per_task keeps the smaller pool's rows first in every category (so a wider run can reuse the narrower
+  run's target samples), and 400 GSM-symbolic instances are drawn although some templates' generators give up on
+  some random draws (they are drawn again)."""
+  held = six_rows()
+  narrow = _or_skip(prompts_lib.build_training_pool, held, per_task=48, seed=0, download_dir=download_dir)
+  wide = _or_skip(prompts_lib.build_training_pool, held, per_task=96, seed=0, download_dir=download_dir)
+  for task in prompts_lib.TASKS:
+    rows = [r for r in wide if r["task"] == task]
+    assert rows[:48] == [r for r in narrow if r["task"] == task] and len(rows) > 48, task
+  math = _or_skip(prompts_lib.build_training_pool, held, per_task=400, seed=0, download_dir=download_dir,
+                  tasks=("math",))
+  assert len(math) == 400 and len({r["text"] for r in math}) == 400
+  prompts_lib.check_disjoint(math, held)
+
+
 def test_module_command_rebuilds_the_six_task_file(tmp_path):
   out = tmp_path / "six.jsonl"
   _or_skip(prompts_lib.main, ["--six", "--out", str(out)])

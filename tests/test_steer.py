@@ -635,17 +635,27 @@ def test_smoke_job_runs_and_resumes(tmp_path):
 
 def test_smoke_job_trains_with_the_blocks_scheme(tmp_path):
   """steer_job(scheme="blocks") on the smoke job: recorded in metrics.json and the map's record, the steered held-out
-  TV drops below the plain drafter's; an unknown scheme is a usage error naming the setting's values."""
+  TV drops below the plain drafter's; an unknown scheme is a usage error naming the setting's values. A second run
+  with reuse_samples = the first's work directory takes every continuation from it (the same prompts: nothing is
+  sampled); one whose sampling settings differ is a usage error."""
   gin.clear_config()
   try:
     gin.parse_config_file(os.path.join(REPO, "gin/train/steer_smoke.gin"))
     summary = steer_job(tmp_path, num_steps=40, checkpoint_every=20, progress=False, scheme="blocks")
     with pytest.raises(jobs.UsageError, match="scheme must be one of"):
       steer_job(tmp_path / "bad", num_steps=2, progress=False, scheme="tiles")
+    reused = steer_job(tmp_path / "reused", num_steps=12, progress=False, reuse_samples=str(tmp_path))
+    with pytest.raises(jobs.UsageError, match=r"reuse_samples: .*other settings \(max_new_tokens differ\)"):
+      steer_job(tmp_path / "other", num_steps=12, progress=False, reuse_samples=str(tmp_path),
+                max_new_tokens=gin.query_parameter("steer_job.max_new_tokens") + 1)
   finally:
     gin.clear_config()
   assert summary["scheme"] == "blocks" and steer_lib.load_steer(tmp_path)[1]["scheme"] == "blocks"
   assert summary["heldout_tv_after"] < summary["heldout_tv_plain"] - 0.01
+  assert reused["heldout_tv_plain"] == summary["heldout_tv_plain"]  # the same held-out continuations
+  with np.load(tmp_path / "samples.npz") as a, np.load(tmp_path / "reused" / "samples.npz") as b:
+    np.testing.assert_array_equal(a["tokens_NxT"], b["tokens_NxT"])
+    np.testing.assert_array_equal(a["mask_NxT"], b["mask_NxT"])
 
 
 # --- joint training: the drafter tuned with the map (the authors' default) -----------------------------------------

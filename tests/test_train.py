@@ -379,6 +379,54 @@ def test_target_samples_are_kept_for_a_resume(tmp_path, monkeypatch):
     make()
 
 
+def test_a_wider_pool_reuses_the_continuations_of_the_prompts_it_shares(tmp_path, monkeypatch):
+  """make_distill_data(reuse_samples=<another run's file>): rows whose prompt that file sampled take its continuation
+  (wherever the row now sits, ragged prompts included); new prompts, and a second copy of a reused prompt, are
+  sampled with keys of their own stream; the grown file is read back on a resume; a file of other sampling settings
+  or none at all is refused."""
+  target = init_params(TARGET, 0)
+  prompts, lens = distill.random_prompts(12, 5, TARGET.vocab_size, 0)
+  lens = lens - np.arange(12) % 3
+  base = dict(batch_size=4, max_new_tokens=5, source="fixed", seed=0, samples_meta={"target_name": "tiny"})
+  (tmp_path / "a").mkdir()
+  (tmp_path / "b").mkdir()
+  first = distill.make_distill_data(TARGET, target, DRAFTER, prompts, lens, heldout_fraction=0.25,
+                                    samples_path=tmp_path / "a" / "samples.npz", **base)
+  new_prompts, new_lens = distill.random_prompts(6, 5, TARGET.vocab_size, 7)
+  order = np.asarray([11, 3, 0, 7])  # kept prompts moved, new ones between them, prompt 3 twice
+  prompts2 = np.concatenate([prompts[order], new_prompts, prompts[[3]]])
+  lens2 = np.concatenate([lens[order], new_lens, lens[[3]]])
+  split = (np.arange(8), np.arange(8, 11))
+  make = functools.partial(distill.make_distill_data, TARGET, target, DRAFTER, prompts2, lens2, split=split,
+                           samples_path=tmp_path / "b" / "samples.npz", reuse_samples=tmp_path / "a", **base)
+  sampled = set()  # the prompts the target was asked to continue
+  real_sample = distill.sample_sequences
+  monkeypatch.setattr(distill, "sample_sequences", lambda *a, **k: sampled.update(
+      np.asarray(row, np.int32).tobytes() for row in np.asarray(a[2])) or real_sample(*a, **k))
+  grown = make()
+  asked = lambda i: prompts2[i].astype(np.int32).tobytes() in sampled
+  assert all(asked(i) for i in range(4, 11)) and not any(asked(i) for i in (0, 2, 3))  # new ones and the 2nd copy
+  for i, j in enumerate(order):  # the kept rows are those of the first file, bit for bit
+    np.testing.assert_array_equal(grown.fixed_tokens_NxT[i, :10], first.fixed_tokens_NxT[j, :10])
+    np.testing.assert_array_equal(grown.fixed_mask_NxT[i, :10], first.fixed_mask_NxT[j, :10])
+    assert grown.fixed_mask_NxT[i].sum() == first.fixed_mask_NxT[j].sum() > 0
+  assert (grown.fixed_mask_NxT[4:].sum(axis=1) > 0).all()
+  p3 = int(lens[3])
+  assert not np.array_equal(grown.fixed_tokens_NxT[10, p3:p3 + 5], grown.fixed_tokens_NxT[1, p3:p3 + 5])
+  # the new rows' keys are not the first run's: prompt 0 sampled fresh (no reuse) differs from its reused draw
+  fresh = distill.make_distill_data(TARGET, target, DRAFTER, prompts2, lens2, split=split, **base)
+  assert not np.array_equal(fresh.fixed_tokens_NxT[4:10], grown.fixed_tokens_NxT[4:10])
+  monkeypatch.setattr(distill, "sample_sequences", lambda *a, **k: pytest.fail("sampled again"))
+  again = make()  # a resume reads the grown file
+  np.testing.assert_array_equal(again.fixed_tokens_NxT, grown.fixed_tokens_NxT)
+  with pytest.raises(ValueError, match=r"reuse_samples: .* other settings \(max_new_tokens differ\)"):
+    distill.make_distill_data(TARGET, target, DRAFTER, prompts2, lens2, split=split,
+                              reuse_samples=tmp_path / "a", **{**base, "max_new_tokens": 6})
+  with pytest.raises(ValueError, match="reuse_samples: no target samples file"):
+    distill.make_distill_data(TARGET, target, DRAFTER, prompts2, lens2, split=split,
+                              reuse_samples=tmp_path / "none", **base)
+
+
 def test_the_sampling_batch_width_does_not_change_the_samples():
   """Row i is sampled with its own key: 1, 2 or 5 rows at a time (the last batch wrapping around) give the same
   continuations, and the training batch size is not the sampling one."""

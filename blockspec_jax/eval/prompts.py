@@ -202,6 +202,11 @@ def _gsm_generators(wheel: pathlib.Path, member: str):
   return gen
 
 
+#: Draws of one GSM-symbolic template tried before a pool gives up on it (its generators raise ValueError when a
+#: random draw has no valid instance; the next draw of the same generator usually has one).
+_MATH_TRIES = 20
+
+
 def _math_rows(wheel: pathlib.Path, member: str, source: str, licence: str, n: int, seed: int,
                exclude_templates=frozenset()) -> list[dict]:
   gen = _gsm_generators(wheel, member)
@@ -211,7 +216,14 @@ def _math_rows(wheel: pathlib.Path, member: str, source: str, licence: str, n: i
   rows = []
   for i in range(n):
     t = templates[i % len(templates)]
-    item = getattr(gen, f"generate_{t}")(rng)
+    for attempt in range(_MATH_TRIES):  # a template's generator gives up on some draws ("Could not find valid …")
+      try:
+        item = getattr(gen, f"generate_{t}")(rng)
+        break
+      except ValueError as e:
+        failure = e
+    else:
+      raise ValueError(f"GSM-symbolic template {t} failed {_MATH_TRIES} draws in a row: {failure}")
     rows.append(dict(id=f"gsm_symbolic/{t}/seed{seed}/{i}" if exclude_templates else f"gsm_symbolic/{t}/seed{seed}",
                      task="math", source=source, licence=licence,
                      text=item["question"] + " Think step by step and end with the final answer."))

@@ -149,7 +149,7 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
                 sample_temperature: float = 1.0, beta: float = 0.5, trainable_layers=None, num_steps: int = 100,
                 checkpoint_every: int = 50, max_to_keep: int = 2, seed: int = 0, progress: bool = True,
                 data_parallel: bool = False, eval_every: int = 0, init_from: str | None = None,
-                sample_batch_size: int | None = None) -> dict:
+                sample_batch_size: int | None = None, reuse_samples: str | None = None) -> dict:
   """DistillSpec; returns the ``metrics.json`` summary. Two kinds of job:
 
   * random tiny models (smoke): ``target_config`` / ``drafter_config`` (``@tiny_decoder()``), random parameters
@@ -166,7 +166,9 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
   ``temperature`` is the divergence's, ``sample_temperature`` the decoding temperature (continuations and the
   held-out TV). ``sample_batch_size``: rows per batch when the target samples the fixed continuations (default
   ``batch_size``; the samples' law does not depend on it, only the cost: the Qwen 1.5B target on 2 CPU cores samples
-  a row in 4.3 s at 16 rows a batch, 7.4 s at 2). ``eval_every``: the held-out TV every this many steps too
+  a row in 4.3 s at 16 rows a batch, 7.4 s at 2). ``reuse_samples``: another run's work directory (or its
+  ``samples.npz``) made with the same target and sampling settings: its continuations of the prompts both runs have
+  are taken rather than sampled again (``distill.make_distill_data``). ``eval_every``: the held-out TV every this many steps too
   (``eval_heldout_tv`` in ``metrics.jsonl`` and ``loss.png``; 0: only before and after). ``data_parallel``: split every batch over all devices (a ``(data, 1)`` mesh; ``batch_size`` must be a
   multiple of the device count), same updates as one device. ``init_from``: the work directory of an earlier real
   distillation run with the same drafter recipe (``<dir>@<step>`` for a kept step other than its newest): training
@@ -238,7 +240,7 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
                                      split=setup.split, progress=progress and real,
                                      samples_path=pools.samples_path(workdir),
                                      samples_meta=pools.samples_meta(target if real else None, target_seed),
-                                     sample_batch_size=sample_batch_size)
+                                     sample_batch_size=sample_batch_size, reuse_samples=reuse_samples)
   except ValueError as e:
     raise jobs.UsageError(str(e)) from None
   report = lambda trainable: distill.heldout_tv_report(parts.assemble(trainable, parts.frozen), setup.target_params,

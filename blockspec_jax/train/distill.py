@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import pathlib
 from typing import Any, Callable
 
 import jax
@@ -209,7 +210,7 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
                       heldout_fraction: float = 0.125, seed: int = 0, stop_ids: tuple[int, ...] = (),
                       split: tuple[np.ndarray, np.ndarray] | None = None, progress: bool = False,
                       samples_path=None, samples_meta: dict | None = None,
-                      sample_batch_size: int | None = None) -> DistillData:
+                      sample_batch_size: int | None = None, reuse_samples=None) -> DistillData:
   """Split the prompts and sample the target's continuations (in batches of ``sample_batch_size`` rows, default
   ``batch_size``, one compiled program), row ``i`` with key ``fold_in(key(seed), i)``: the law of a row does not
   depend on the rows sampled beside it, so a wider sampling batch changes the cost (each decode step reads the
@@ -224,6 +225,14 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
   training pool concatenated; default :func:`split_prompts` with ``heldout_fraction``. The target samples the
   held-out prompts (the held-out TV is measured on them) and, unless ``source = "on_policy"`` (which never reads
   them), the training prompts; rows not sampled keep an empty mask.
+
+  ``reuse_samples``: another run's samples file (e.g. the run whose prompt pool this one widens): a row whose prompt
+  (its tokens, exactly) has a continuation there takes it instead of a new sample. That file must have been made
+  with the same target and sampling settings (``max_new_tokens``, ``sample_temperature``, ``stop_ids`` and
+  ``samples_meta``; ValueError naming those that differ); the other rows are sampled with keys of their own stream
+  (``fold_in(fold_in(key(seed), 1), s)``, ``s`` from the file's SHA-256), so no new row shares a key with a reused
+  one. Each row is still one independent draw from the target given its prompt: the data has the law of a fresh
+  sample, and the same two files give it bit for bit again.
   """
   check_pair(target, drafter)
   if source not in SOURCES:
@@ -254,12 +263,22 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
   meta = {"prompts_sha256": _sha256(prompts_NxP, prompt_len_N), "rows_sha256": _sha256(np.asarray(need, np.int64)),
           "max_new_tokens": int(max_new_tokens), "sample_temperature": float(sample_temperature), "seed": int(seed),
           "stop_ids": [int(i) for i in stop_ids], "target": repr(target), **(samples_meta or {})}
+  reused = None
+  if reuse_samples is not None:
+    reused = _reusable_samples(reuse_samples, meta)
+    meta["reused_samples_sha256"] = reused["sha256"]
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 1), int(reused["sha256"][:8], 16))
   cached = None if samples_path is None else _read_samples(samples_path, meta)
   fixed_tokens_NxT, fixed_mask_NxT = cached or (np.zeros((num, width), np.int32), np.zeros((num, width), np.float32))
   if cached is not None and progress:
     print(f"target continuations of {len(need)} prompts read from {samples_path} (made with these settings)",
           flush=True)
-  sample_batch_size = max(1, min(sample_batch_size, len(need)))
+  if cached is None and reused is not None:
+    taken = _take_reused(reused, prompts_NxP, prompt_len_N, need, fixed_tokens_NxT, fixed_mask_NxT)
+    if progress:
+      print(f"target continuations of {len(taken)} of {len(need)} prompts taken from {reuse_samples}", flush=True)
+    need = np.setdiff1d(need, taken)
+  sample_batch_size = max(1, min(sample_batch_size, max(len(need), 1)))
   starts = range(0, len(need) if cached is None else 0, sample_batch_size)
   if progress and len(starts):
     from tqdm import tqdm
@@ -284,6 +303,55 @@ def _sha256(*arrays) -> str:
     digest.update(f"{a.dtype.str}{a.shape}".encode())
     digest.update(a.tobytes())
   return digest.hexdigest()
+
+
+#: Settings of a samples file that a run reusing its continuations need not share: its prompts, rows and seed.
+_OWN_SETTINGS = ("prompts_sha256", "rows_sha256", "seed", "reused_samples_sha256")
+
+
+def _reusable_samples(path, meta: dict) -> dict:
+  """A samples file (or the work directory holding ``samples.npz``) to take continuations from: its arrays, its
+  SHA-256 and, per sampled row, its prompt (the tokens before the row's first masked position). ValueError when it
+  is absent, damaged, or made with other target / sampling settings than ``meta``'s."""
+  path = pathlib.Path(path)
+  if path.is_dir():
+    path = path / "samples.npz"
+  redo = "pass a samples file made by a training job (its work directory's samples.npz)"
+  try:
+    arrays, saved = artifacts.load_tagged(path, ("tokens_NxT", "mask_NxT"), what="target samples", redo=redo)
+  except FileNotFoundError:
+    raise ValueError(f"reuse_samples: no target samples file {path}") from None
+  changed = sorted(k for k in meta if k not in _OWN_SETTINGS and meta[k] != saved.get(k))
+  if changed:
+    raise ValueError(f"reuse_samples: {path} was sampled with other settings ({', '.join(changed)} differ), so its "
+                     "continuations do not have this run's law")
+  tokens_NxT, mask_NxT = np.asarray(arrays["tokens_NxT"], np.int32), np.asarray(arrays["mask_NxT"], np.float32)
+  by_prompt = {}
+  for j in range(tokens_NxT.shape[0]):
+    ones = np.flatnonzero(mask_NxT[j])
+    if ones.size:  # an unsampled row (or an empty continuation) gives nothing to reuse
+      by_prompt.setdefault(tokens_NxT[j, :ones[0] + 1].tobytes(), []).append(j)
+  return {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "tokens_NxT": tokens_NxT, "mask_NxT": mask_NxT,
+          "by_prompt": by_prompt}
+
+
+def _take_reused(reused: dict, prompts_NxP, prompt_len_N, rows, tokens_NxT, mask_NxT) -> np.ndarray:
+  """Copy into ``tokens_NxT`` / ``mask_NxT`` (in place) the reused continuation of each of ``rows`` whose prompt has
+  one; returns those rows. A continuation serves one row: two rows with the same prompt take two of them, or the
+  second is sampled (rows stay independent draws)."""
+  unused = {prompt: list(js) for prompt, js in reused["by_prompt"].items()}
+  taken = []
+  for i in rows:
+    p = int(prompt_len_N[i])
+    js = unused.get(np.ascontiguousarray(prompts_NxP[i, :p], np.int32).tobytes())
+    if not js:
+      continue
+    j = js.pop(0)
+    n = int(reused["mask_NxT"][j].sum())
+    tokens_NxT[i, :p + n] = reused["tokens_NxT"][j, :p + n]
+    mask_NxT[i, p - 1:p - 1 + n] = 1.0
+    taken.append(i)
+  return np.asarray(taken, np.int64)
 
 
 def _read_samples(path, meta: dict):

@@ -117,7 +117,7 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
               sample_temperature: float = 1.0,
               beta: float = 0.5, optimizer=None, num_steps: int = 100, checkpoint_every: int = 50,
               max_to_keep: int = 2, eval_every: int = 0, seed: int = 0, progress: bool = True,
-              stop_after=None, finetune_drafter=None, drafter_optimizer=None) -> dict:
+              stop_after=None, finetune_drafter=None, drafter_optimizer=None, reuse_samples=None) -> dict:
   """SD²'s steering map; returns the ``metrics.json`` summary (see the module docstring for the outputs).
 
   Models, as in ``distill_job``: random tiny ones (``target_config`` / ``drafter_config``; random parameters of
@@ -127,7 +127,9 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
   from them, chat-templated when ``chat``, those longer than ``max_prompt_len`` tokens left out).
 
   Data: the target's continuations (``max_new_tokens`` at ``sample_temperature``, ``sample_batch_size`` prompts at
-  a time, default ``batch_size``). Map: ``target_layers`` (default ``default_target_layers``), ``steered_layers``
+  a time, default ``batch_size``); ``reuse_samples``: another run's work directory (or its ``samples.npz``) made
+  with the same target and sampling settings, whose continuations of the prompts both runs have are taken rather
+  than sampled again (a wider pool pays only for its new prompts). Map: ``target_layers`` (default ``default_target_layers``), ``steered_layers``
   (default all drafter layers), ``rank`` (None: the paper's full ``W_guide``). Loss: ``divergence`` at
   ``temperature`` (``beta`` for JSD), offsets ``1..gamma`` under ``scheme`` (``"regular"``: one offset per step, the
   authors'; ``"blocks"``: blocks of ``gamma`` sharing one vector, as decoding drafts; ``steer.SteerLoss``). ``optimizer``: a dict of ``trainer.make_optimizer``
@@ -227,7 +229,8 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
                                      heldout_fraction=heldout_fraction, seed=seed, stop_ids=setup["stop_ids"],
                                      split=setup["split"], progress=progress,
                                      samples_path=pools.samples_path(workdir),
-                                     samples_meta=pools.samples_meta(target if real else None, target_seed))
+                                     samples_meta=pools.samples_meta(target if real else None, target_seed),
+                                     reuse_samples=reuse_samples)
   except ValueError as e:
     raise jobs.UsageError(str(e)) from None
   steer0 = init_steer(target_cfg.d_model, len(target_layers), drafter_cfg, steered_layers, rank=rank, seed=seed)
