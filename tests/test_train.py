@@ -379,6 +379,41 @@ def test_target_samples_are_kept_for_a_resume(tmp_path, monkeypatch):
     make()
 
 
+def test_a_run_stopped_while_sampling_keeps_its_finished_rows(tmp_path, monkeypatch):
+  """Sampling keeps its finished rows after every batch (samples.partial.npz): a run killed in its third batch
+  samples only the rows not yet done when run again, and ends with the arrays of an uninterrupted run (each row has
+  its own key); the partial file is gone once samples.npz is written."""
+  target = init_params(TARGET, 0)
+  prompts, lens = distill.random_prompts(12, 4, TARGET.vocab_size, 0)
+  make = functools.partial(distill.make_distill_data, TARGET, target, DRAFTER, prompts, lens, batch_size=4,
+                           max_new_tokens=5, source="fixed", heldout_fraction=0.25, seed=0, sample_batch_size=2,
+                           samples_meta={"target_name": "tiny"})
+  whole = make(samples_path=tmp_path / "whole.npz")
+  real_sample, calls = distill.sample_sequences, []
+
+  def killed_in_third_batch(*a, **k):
+    calls.append(len(a[2]))
+    if len(calls) == 3:
+      raise KeyboardInterrupt
+    return real_sample(*a, **k)
+
+  monkeypatch.setattr(distill, "sample_sequences", killed_in_third_batch)
+  path = tmp_path / "samples.npz"
+  with pytest.raises(KeyboardInterrupt):
+    make(samples_path=path)
+  partial = tmp_path / "samples.partial.npz"
+  assert partial.exists() and not path.exists()
+  with np.load(partial) as z:
+    assert z["done_N"].sum() == 4
+  calls.clear()
+  monkeypatch.setattr(distill, "sample_sequences", lambda *a, **k: calls.append(len(a[2])) or real_sample(*a, **k))
+  resumed = make(samples_path=path)
+  assert len(calls) == 4  # the 8 rows left, 2 at a time
+  np.testing.assert_array_equal(resumed.fixed_tokens_NxT, whole.fixed_tokens_NxT)
+  np.testing.assert_array_equal(resumed.fixed_mask_NxT, whole.fixed_mask_NxT)
+  assert path.exists() and not partial.exists()
+
+
 def test_a_wider_pool_reuses_the_continuations_of_the_prompts_it_shares(tmp_path, monkeypatch):
   """make_distill_data(reuse_samples=<another run's file>): rows whose prompt that file sampled take its continuation
   (wherever the row now sits, ragged prompts included); new prompts, and a second copy of a reused prompt, are

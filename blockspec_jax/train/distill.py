@@ -218,8 +218,10 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
 
   ``samples_path`` (an ``.npz``, e.g. in a run's work directory): the continuations are read from it when it holds
   those of the same prompts, rows and sampling settings (and ``samples_meta``: what names the target, e.g. its model
-  name), else sampled and written there atomically, so a resumed run does not sample them again. A file made with
-  other settings is a ValueError naming them.
+  name), else sampled and written there atomically, so a resumed run does not sample them again. While sampling,
+  the finished rows are kept after every batch in ``samples.partial.npz`` beside it: a run stopped then samples only
+  the rest (each row has its own key, so the arrays are those of an uninterrupted run). A file made with other
+  settings is a ValueError naming them.
 
   ``split``: explicit ``(train_idx, heldout_idx)`` (disjoint indices into the prompts), e.g. a held-out file and a
   training pool concatenated; default :func:`split_prompts` with ``heldout_fraction``. The target samples the
@@ -273,11 +275,20 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
   if cached is not None and progress:
     print(f"target continuations of {len(need)} prompts read from {samples_path} (made with these settings)",
           flush=True)
-  if cached is None and reused is not None:
+  partial_path = None if samples_path is None else _partial_path(samples_path)
+  done_N = np.zeros((num,), bool)
+  partial = None if cached is not None or partial_path is None else _read_samples(partial_path, meta, partial=True)
+  if partial is not None:  # a run stopped while sampling: its finished rows are kept
+    fixed_tokens_NxT, fixed_mask_NxT, done_N = partial
+    if progress:
+      print(f"target continuations of {int(done_N[need].sum())} of {len(need)} prompts read from {partial_path} "
+            "(a stopped run's)", flush=True)
+  elif cached is None and reused is not None:
     taken = _take_reused(reused, prompts_NxP, prompt_len_N, need, fixed_tokens_NxT, fixed_mask_NxT)
+    done_N[taken] = True
     if progress:
       print(f"target continuations of {len(taken)} of {len(need)} prompts taken from {reuse_samples}", flush=True)
-    need = np.setdiff1d(need, taken)
+  need = need[~done_N[need]]
   sample_batch_size = max(1, min(sample_batch_size, max(len(need), 1)))
   starts = range(0, len(need) if cached is None else 0, sample_batch_size)
   if progress and len(starts):
@@ -289,8 +300,13 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
                                             _row_keys(key, rows), max_new_tokens=max_new_tokens,
                                             temperature=sample_temperature, stop_ids=stop_ids)
     fixed_tokens_NxT[rows], fixed_mask_NxT[rows] = tokens_BxT, mask_BxT
+    done_N[rows] = True
+    if partial_path is not None:  # each row has its own key: a resume samples the rest to the same arrays
+      artifacts.save_tagged(partial_path, {"tokens_NxT": fixed_tokens_NxT, "mask_NxT": fixed_mask_NxT,
+                                           "done_N": done_N}, meta)
   if samples_path is not None and cached is None:
     artifacts.save_tagged(samples_path, {"tokens_NxT": fixed_tokens_NxT, "mask_NxT": fixed_mask_NxT}, meta)
+    partial_path.unlink(missing_ok=True)
   return DistillData(target, drafter, prompts_NxP, prompt_len_N, train_idx, heldout_idx, fixed_tokens_NxT,
                      fixed_mask_NxT, batch_size, max_new_tokens, float(sample_temperature), source,
                      float(on_policy_fraction), seed, tuple(stop_ids))
@@ -354,16 +370,25 @@ def _take_reused(reused: dict, prompts_NxP, prompt_len_N, rows, tokens_NxT, mask
   return np.asarray(taken, np.int64)
 
 
-def _read_samples(path, meta: dict):
-  """``(tokens_NxT, mask_NxT)`` from a samples file (:func:`make_distill_data`) made with ``meta``; None when
-  absent; ValueError for one made with other settings or damaged."""
+def _partial_path(samples_path) -> pathlib.Path:
+  """Where sampling keeps its finished rows until every row is done (``samples.partial.npz`` beside the file)."""
+  samples_path = pathlib.Path(samples_path)
+  return samples_path.with_name(samples_path.name.removesuffix(".npz") + ".partial.npz")
+
+
+def _read_samples(path, meta: dict, partial: bool = False):
+  """``(tokens_NxT, mask_NxT)`` from a samples file (:func:`make_distill_data`) made with ``meta`` (``partial``:
+  ``(tokens_NxT, mask_NxT, done_N)`` from the file of a run stopped while sampling); None when absent; ValueError
+  for one made with other settings or damaged."""
   redo = "delete it to sample them again"
-  arrays = artifacts.read_matching(
-      path, meta, lambda p: artifacts.load_tagged(p, ("tokens_NxT", "mask_NxT"), what="target samples", redo=redo),
-      redo=redo)
+  names = ("tokens_NxT", "mask_NxT", "done_N") if partial else ("tokens_NxT", "mask_NxT")
+  what = "partial target samples" if partial else "target samples"
+  arrays = artifacts.read_matching(path, meta, lambda p: artifacts.load_tagged(p, names, what=what, redo=redo),
+                                   redo=redo)
   if arrays is None:
     return None
-  return np.asarray(arrays["tokens_NxT"], np.int32), np.asarray(arrays["mask_NxT"], np.float32)
+  out = np.array(arrays["tokens_NxT"], np.int32), np.array(arrays["mask_NxT"], np.float32)
+  return (*out, np.array(arrays["done_N"], bool)) if partial else out
 
 
 def _train_rows(data: DistillData, step: int) -> np.ndarray:
