@@ -163,17 +163,18 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
     left out of training (a held-out one is an error). The workdir gets ``drafter.json``, so
     ``blockspec_jax.jobs.load_model(workdir)`` loads the trained drafter.
 
-  ``temperature`` is the divergence's, ``sample_temperature`` the decoding temperature (continuations and the
-  held-out TV). ``sample_batch_size``: rows per batch when the target samples the fixed continuations (default
-  ``batch_size``; the samples' law does not depend on it, only the cost: the Qwen 1.5B target on 2 CPU cores samples
-  a row in 4.3 s at 16 rows a batch, 7.4 s at 2). ``reuse_samples``: another run's work directory (or its
-  ``samples.npz``) made with the same target and sampling settings: its continuations of the prompts both runs have
-  are taken rather than sampled again (``distill.make_distill_data``). ``eval_every``: the held-out TV every this many steps too
-  (``eval_heldout_tv`` in ``metrics.jsonl`` and ``loss.png``; 0: only before and after). ``data_parallel``: split every batch over all devices (a ``(data, 1)`` mesh; ``batch_size`` must be a
-  multiple of the device count), same updates as one device. ``init_from``: the work directory of an earlier real
-  distillation run with the same drafter recipe (``<dir>@<step>`` for a kept step other than its newest): training
-  starts from its trained parameters with a fresh optimizer (a new schedule, another divergence or batch), and the
-  held-out TV "before" is theirs. A resume of this run's own checkpoints takes precedence over it.
+  ``temperature`` is the divergence's, ``sample_temperature`` the decoding temperature (continuations and the held-out
+  TV). ``sample_batch_size``: rows per batch when the target samples the fixed continuations (default ``batch_size``;
+  the samples' law does not depend on it, only the cost: the Qwen 1.5B target on 2 CPU cores samples a row in 4.3 s at
+  16 rows a batch, 7.4 s at 2). ``reuse_samples``: another run's work directory (or its ``samples.npz``) made with the
+  same target and sampling settings: its continuations of the prompts both runs have are taken rather than sampled
+  again (``distill.make_distill_data``). ``eval_every``: the held-out TV every this many steps too
+  (``eval_heldout_tv`` in ``metrics.jsonl`` and ``loss.png``; 0: only before and after). ``data_parallel``: split
+  every batch over all devices (a ``(data, 1)`` mesh; ``batch_size`` must be a multiple of the device count), same
+  updates as one device. ``init_from``: the work directory of an earlier real distillation run with the same drafter
+  recipe (``<dir>@<step>`` for a kept step other than its newest): training starts from its trained parameters with a
+  fresh optimizer (a new schedule, another divergence or batch), and the held-out TV "before" is theirs. A resume of
+  this run's own checkpoints takes precedence over it.
   """
   t0 = time.perf_counter()
   sample_batch_size = batch_size if sample_batch_size is None else sample_batch_size

@@ -277,6 +277,8 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
           flush=True)
   partial_path = None if samples_path is None else _partial_path(samples_path)
   done_N = np.zeros((num,), bool)
+  if cached is not None and partial_path is not None:
+    partial_path.unlink(missing_ok=True)  # left by a run stopped between writing samples.npz and removing it
   partial = None if cached is not None or partial_path is None else _read_samples(partial_path, meta, partial=True)
   if partial is not None:  # a run stopped while sampling: its finished rows are kept
     fixed_tokens_NxT, fixed_mask_NxT, done_N = partial

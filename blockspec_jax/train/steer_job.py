@@ -126,16 +126,17 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
   = ``heldout_prompts``, training prompts = ``train_prompts_per_task`` per category from the same packages, disjoint
   from them, chat-templated when ``chat``, those longer than ``max_prompt_len`` tokens left out).
 
-  Data: the target's continuations (``max_new_tokens`` at ``sample_temperature``, ``sample_batch_size`` prompts at
-  a time, default ``batch_size``); ``reuse_samples``: another run's work directory (or its ``samples.npz``) made
-  with the same target and sampling settings, whose continuations of the prompts both runs have are taken rather
-  than sampled again (a wider pool pays only for its new prompts). Map: ``target_layers`` (default ``default_target_layers``), ``steered_layers``
-  (default all drafter layers), ``rank`` (None: the paper's full ``W_guide``). Loss: ``divergence`` at
-  ``temperature`` (``beta`` for JSD), offsets ``1..gamma`` under ``scheme`` (``"regular"``: one offset per step, the
-  authors'; ``"blocks"``: blocks of ``gamma`` sharing one vector, as decoding drafts; ``steer.SteerLoss``). ``optimizer``: a dict of ``trainer.make_optimizer``
-  arguments (``total_steps`` = ``num_steps``; default adamw 1e-3, cosine). ``eval_every``: the steered held-out TV
-  every this many steps too (``eval_heldout_tv``; 0: only at the end). ``stop_after``: stop after that many steps as
-  if killed (resume tests): only the checkpoints and ``metrics.jsonl`` are written.
+  Data: the target's continuations (``max_new_tokens`` at ``sample_temperature``, ``sample_batch_size`` prompts at a
+  time, default ``batch_size``); ``reuse_samples``: another run's work directory (or its ``samples.npz``) made with
+  the same target and sampling settings, whose continuations of the prompts both runs have are taken rather than
+  sampled again (a wider pool pays only for its new prompts). Map: ``target_layers`` (default
+  ``default_target_layers``), ``steered_layers`` (default all drafter layers), ``rank`` (None: the paper's full
+  ``W_guide``). Loss: ``divergence`` at ``temperature`` (``beta`` for JSD), offsets ``1..gamma`` under ``scheme``
+  (``"regular"``: one offset per step, the authors'; ``"blocks"``: blocks of ``gamma`` sharing one vector, as decoding
+  drafts; ``steer.SteerLoss``). ``optimizer``: a dict of ``trainer.make_optimizer`` arguments (``total_steps`` =
+  ``num_steps``; default adamw 1e-3, cosine). ``eval_every``: the steered held-out TV every this many steps too
+  (``eval_heldout_tv``; 0: only at the end). ``stop_after``: stop after that many steps as if killed (resume tests):
+  only the checkpoints and ``metrics.jsonl`` are written.
 
   ``finetune_drafter``: None (the drafter frozen), or a dict of
   :class:`~blockspec_jax.train.recipe.DrafterRecipe` fields but ``base`` (``{"lora_rank": 16, "lora_alpha": 32}``):
