@@ -339,7 +339,8 @@ def _reusable_samples(path, meta: dict) -> dict:
     arrays, saved = artifacts.load_tagged(path, ("tokens_NxT", "mask_NxT"), what="target samples", redo=redo)
   except FileNotFoundError:
     raise ValueError(f"reuse_samples: no target samples file {path}") from None
-  changed = sorted(k for k in meta if k not in _OWN_SETTINGS and meta[k] != saved.get(k))
+  changed = artifacts.changed_settings({k: v for k, v in meta.items() if k not in _OWN_SETTINGS}, saved,
+                                      compare_saved_keys=False)
   if changed:
     raise ValueError(f"reuse_samples: {path} was sampled with other settings ({', '.join(changed)} differ), so its "
                      "continuations do not have this run's law")
