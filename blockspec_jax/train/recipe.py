@@ -212,25 +212,22 @@ def checkpoint_subtree(workdir: str | os.PathLike) -> str | None:
 
 
 def restore_trainable(workdir: str | os.PathLike, template, step: int | None = None):
-  """The trainable tree of the checkpoint at ``step`` (the newest when None) in ``<workdir>/checkpoints``, restored
-  into ``template``'s structure (the optimizer state is not needed and not read). Returns ``(trainable, step)``.
-  A run whose ``drafter.json`` names a ``checkpoint_subtree`` gives that part of its trainable tree."""
-  import orbax.checkpoint as ocp
+  """The trainable tree of the checkpoint at ``step`` (the newest intact one when None) in ``<workdir>/checkpoints``,
+  restored into ``template``'s structure (the optimizer state is not needed and not read). Returns ``(trainable,
+  step)``. A run whose ``drafter.json`` names a ``checkpoint_subtree`` gives that part of its trainable tree.
+
+  Each step's files are checked against the SHA-256 record written when it was saved
+  (:mod:`blockspec_jax.train.checkpoints`): with ``step=None`` a damaged newest step is passed over for the previous
+  intact one (a line on stderr says so); a given ``step`` that is damaged, or no intact step at all, is a
+  ``checkpoints.DamagedCheckpointError`` (a ValueError) naming it."""
+  from blockspec_jax.train import checkpoints as checkpoints_lib
   directory = (pathlib.Path(workdir).expanduser() / "checkpoints").absolute()
   if not directory.is_dir():
     raise FileNotFoundError(f"no checkpoints in {directory} (the run has not saved one yet)")
-  manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False))
-  try:
-    steps = manager.all_steps()
-    if not steps:
-      raise FileNotFoundError(f"no checkpoints in {directory} (the run has not saved one yet)")
-    if step is None:
-      step = max(steps)
-    elif step not in steps:
-      raise ValueError(f"no checkpoint of step {step} in {directory}; kept steps: {sorted(steps)}")
-    raw = manager.restore(step, args=ocp.args.StandardRestore())
-  finally:
-    manager.close()
+  found = checkpoints_lib.restore(directory, step=step, verb="loading")
+  if found is None:
+    raise FileNotFoundError(f"no checkpoints in {directory} (the run has not saved one yet)")
+  raw, step = found.value, found.step
   saved, subtree = raw["trainable"], checkpoint_subtree(workdir)
   if subtree is not None:
     if not isinstance(saved, dict) or subtree not in saved:

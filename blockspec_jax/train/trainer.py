@@ -23,8 +23,10 @@ gradient and the update equal one device's up to the order of floating-point red
 
 Outputs of :func:`fit` in ``workdir``: ``metrics.jsonl`` (one JSON object per step, flushed at every write, so a
 killed run keeps its curve; lines past the restored step are dropped on resume), ``checkpoints/`` (orbax
-``CheckpointManager``: every ``checkpoint_every`` steps, ``max_to_keep`` kept, and a final one), and ``loss.png``
-(when matplotlib is installed).
+``CheckpointManager``: every ``checkpoint_every`` steps, ``max_to_keep`` kept, and a final one), beside it
+``checkpoints_sha256/`` (each kept step's file sizes and SHA-256, checked on resume: a damaged step is passed over
+for the previous intact one, see :mod:`blockspec_jax.train.checkpoints`), and ``loss.png`` (when matplotlib is
+installed).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from blockspec_jax.checks import check_int
+from blockspec_jax.train import checkpoints as checkpoints_lib
 
 __all__ = ["TrainState", "OPTIMIZERS", "SCHEDULES", "make_schedule", "make_optimizer", "by_part", "init_state",
            "train_step", "make_train_step", "FitResult", "fit", "batch_indices", "fit_examples", "read_metrics",
@@ -273,28 +276,13 @@ def plot_losses(rows: list[dict], path, points: Mapping[str, Sequence[tuple[int,
   return True
 
 
-def _checkpoint_manager(directory: pathlib.Path, max_to_keep: int, every: int):
-  import orbax.checkpoint as ocp
-  options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, save_interval_steps=every, create=True,
-                                         enable_async_checkpointing=False)
-  return ocp.CheckpointManager(directory.absolute(), options=options)
-
-
 def restore_latest(directory, template: TrainState) -> TrainState | None:
-  """The newest checkpoint in ``directory`` restored into ``template``'s structure, or None when there is none."""
-  import orbax.checkpoint as ocp
-  directory = pathlib.Path(directory)
-  if not directory.exists():
-    return None
-  manager = ocp.CheckpointManager(directory.absolute(), options=ocp.CheckpointManagerOptions(create=False))
-  try:
-    latest = manager.latest_step()
-    if latest is None:
-      return None
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
-    return manager.restore(latest, args=ocp.args.StandardRestore(abstract))
-  finally:
-    manager.close()
+  """The newest intact checkpoint in ``directory`` restored into ``template``'s structure, or None when there is none.
+
+  Intact: see :mod:`blockspec_jax.train.checkpoints` (a damaged newer step is passed over with a line on stderr;
+  none intact is a :class:`~blockspec_jax.train.checkpoints.DamagedCheckpointError`)."""
+  found = checkpoints_lib.restore(directory, template)
+  return None if found is None else found.value
 
 
 def fit(*, loss_fn: LossFn, optimizer: optax.GradientTransformation, trainable, frozen,
@@ -324,11 +312,12 @@ def fit(*, loss_fn: LossFn, optimizer: optax.GradientTransformation, trainable, 
   workdir.mkdir(parents=True, exist_ok=True)
   metrics_path = workdir / "metrics.jsonl"
   state = init_state(trainable, optimizer)
-  restored = restore_latest(workdir / "checkpoints", state)
+  # The newest intact step; damaged newer ones are passed over (a line each) and deleted below.
+  restored = checkpoints_lib.restore(workdir / "checkpoints", state, discarding=True)
   resumed_from = None
   seconds_before = 0.0  # training seconds of earlier calls (a resumed run's total goes on from there)
   if restored is not None:
-    state, resumed_from = restored, int(restored.step)
+    state, resumed_from = restored.value, restored.step
     kept = [r for r in read_metrics(metrics_path) if r.get("step", 0) <= resumed_from]
     metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
     if kept:
@@ -338,7 +327,9 @@ def fit(*, loss_fn: LossFn, optimizer: optax.GradientTransformation, trainable, 
   start = int(state.step)
   end = num_steps if stop_after is None else min(num_steps, stop_after)
   step_fn = make_train_step(loss_fn, optimizer, mesh)
-  manager = _checkpoint_manager(workdir / "checkpoints", max_to_keep, checkpoint_every)
+  manager = checkpoints_lib.make_manager(workdir / "checkpoints", max_to_keep, checkpoint_every)
+  if resumed_from is not None:
+    checkpoints_lib.delete_after(manager, resumed_from)  # the damaged steps past it: saved again below
   history: list[dict] = []
   t0 = time.perf_counter()
   bar = None
@@ -363,7 +354,7 @@ def fit(*, loss_fn: LossFn, optimizer: optax.GradientTransformation, trainable, 
         log.write(json.dumps(row) + "\n")
         log.flush()
         history.append(row)
-        manager.save(done, args=_standard_save(state), force=(done == end))
+        checkpoints_lib.save(manager, done, state, force=(done == end))
         if progress and bar is None:  # opened after the compiling step, so the two do not share a line
           from tqdm import tqdm
           bar = tqdm(total=num_steps, initial=step, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
@@ -371,7 +362,7 @@ def fit(*, loss_fn: LossFn, optimizer: optax.GradientTransformation, trainable, 
           bar.update(1)
           bar.set_postfix(loss=f"{row['loss']:.4g}")
     if start == end and manager.latest_step() != end:
-      manager.save(end, args=_standard_save(state), force=True)
+      checkpoints_lib.save(manager, end, state, force=True)
     manager.wait_until_finished()
   finally:
     manager.close()
@@ -414,8 +405,3 @@ def fit_examples(examples: dict, *, batch_size: int, seed: int, num_steps: int, 
     return {name: jnp.asarray(array[idx]) for name, array in examples.items()}
 
   return fit(optimizer=optimizer, batch_fn=batch_fn, num_steps=num_steps, key=jax.random.key(seed), **fit_kwargs)
-
-
-def _standard_save(state: TrainState):
-  import orbax.checkpoint as ocp
-  return ocp.args.StandardSave(state)
