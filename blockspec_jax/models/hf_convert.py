@@ -44,12 +44,18 @@ parameter without a tensor, fails the conversion with a ValueError naming them.
 Safetensors are read by a small reader of the documented format (8-byte little-endian header length, JSON header,
 raw little-endian data), memory-mapped, one tensor at a time, so peak memory is the output plus one tensor: the
 ``safetensors`` package's numpy API cannot return bfloat16 (the dtype of most released checkpoints), and the package
-is not a dependency of this library.
+is not a dependency of this library. Hostile or broken files: every header entry is checked before it is used (see
+``read_safetensors_header``; sizes in exact integers, so ``[2**32, 2**32]`` cannot wrap around), and config.json's
+sizes are checked against the tensors before anything is sized by them (every layer 0 .. ``num_hidden_layers`` - 1
+must have tensors, every tensor's shape must be the one the config implies); each problem is one ValueError naming
+the file (and the tensor).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import pathlib
 import re
@@ -60,12 +66,13 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from blockspec_jax.models.decoder import DecoderConfig
-from blockspec_jax.models.gguf_convert import insert_param, param_shapes
+from blockspec_jax.models.gguf_convert import (check_layer_indices, describe_sizes, insert_param, layers_past,
+                                               param_shapes)
 from blockspec_jax.models.tokenizer import TokenizerWrapper
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "SUPPORTED_ARCHITECTURES", "REQUIRED_FILES", "check_checkpoint_dir",
            "read_config", "config_from_hf", "safetensors_files", "read_safetensors_header", "iter_tensors",
-           "convert", "tokenizer_from_hf"]
+           "read_checkpoint_config", "convert", "tokenizer_from_hf"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "gemma3_text", "gemma3")
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
@@ -77,6 +84,8 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _ST_DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(jnp.bfloat16),
               "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
               "U8": np.dtype("u1"), "BOOL": np.dtype("?")}
+# Dtypes of the format that the reader refuses by name (NotImplementedError); any other unknown name is an error.
+_ST_UNSUPPORTED = ("F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4", "U16", "U32", "U64", "C64")
 _MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit
 # Defaults of the transformers config classes for keys a config.json may leave out.
 _TIE_DEFAULT = {"llama": False, "qwen2": False, "gemma3": True}
@@ -139,11 +148,13 @@ def _family(config: dict, where: str = "config.json") -> tuple[str, dict]:
   multimodal gemma3, else the config itself. Raises NotImplementedError naming an unsupported type."""
   model_type = config.get("model_type")
   if model_type not in SUPPORTED_MODEL_TYPES:
-    raise NotImplementedError(f"{where}: model_type {model_type!r} is not supported; supported model types: "
+    raise NotImplementedError(f"{where}: model_type {_short(model_type)} is not supported; supported model types: "
                               f"{', '.join(SUPPORTED_MODEL_TYPES)}")
   architectures = config.get("architectures") or []
   if isinstance(architectures, str):
     architectures = [architectures]
+  if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+    raise ValueError(f"{where}: architectures must be a list of class names, got {_short(architectures)}")
   for arch in architectures:
     if SUPPORTED_ARCHITECTURES.get(arch) != model_type:
       supported = [a for a, t in SUPPORTED_ARCHITECTURES.items() if t == model_type]
@@ -170,16 +181,34 @@ def _get(cfg: dict, key: str, default: Any = None, where: str = "config.json") -
   return value
 
 
+def _int(cfg: dict, key: str, default: int | None = None, where: str = "config.json") -> int:
+  """A positive integer of the config (a size or a count)."""
+  value = _get(cfg, key, default, where)
+  if not _is_int(value) or value < 1:
+    raise ValueError(f"{where}: {key} must be a positive integer, got {_short(value)}")
+  return value
+
+
+def _positive(value: Any, key: str, where: str) -> float:
+  """A positive finite number of the config (a rotary base, an epsilon, a scale)."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+    raise ValueError(f"{where}: {key} must be a positive number, got {_short(value)}")
+  return float(value)
+
+
 def _rope(cfg: dict, family: str, kind: str | None, theta_key: str, theta_default: float, where: str) -> float:
   """Rotary base for layers of ``kind`` ("full_attention" / "sliding_attention"; None: the one global set), from
   ``rope_parameters`` (transformers >= 5) or ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling``
   (older); NotImplementedError for scaled or partial rotary."""
   params = cfg.get("rope_parameters") or {}
+  scaling = cfg.get("rope_scaling") if kind in (None, "full_attention") else None
+  for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+    if value is not None and not isinstance(value, dict):
+      raise ValueError(f"{where}: {key} must be an object, got {_short(value)}")
   if kind is not None and isinstance(params.get(kind), dict):
     params = params[kind]
   elif any(isinstance(v, dict) for v in params.values()):
     params = {}
-  scaling = cfg.get("rope_scaling") if kind in (None, "full_attention") else None
   rope_type = params.get("rope_type", params.get("type", "default"))
   if scaling:
     rope_type = scaling.get("rope_type", scaling.get("type", rope_type))
@@ -191,7 +220,7 @@ def _rope(cfg: dict, family: str, kind: str | None, theta_key: str, theta_defaul
   if partial not in (None, 1, 1.0):
     raise NotImplementedError(f"{where}: partial_rotary_factor {partial} is not supported by Decoder")
   theta = params.get("rope_theta", cfg.get(theta_key))
-  return float(theta_default if theta is None else theta)
+  return _positive(theta_default if theta is None else theta, theta_key, where)
 
 
 def config_from_hf(config: dict, *, tensor_names: Any = None, dtype: str = "float32",
@@ -200,24 +229,31 @@ def config_from_hf(config: dict, *, tensor_names: Any = None, dtype: str = "floa
 
   Args:
     config: the parsed config.json.
-    tensor_names: names of the checkpoint's tensors; without ``lm_head.weight`` the embeddings are tied. Without
-      it, ``tie_word_embeddings`` (default per family) decides.
+    tensor_names: names of the checkpoint's text-model tensors (gemma3 multimodal prefixes removed, as ``convert``
+      passes them); without ``lm_head.weight`` the embeddings are tied, and every layer 0 .. ``num_hidden_layers`` - 1
+      must have ``model.layers.N`` tensors (checked before anything is sized by the count). Without it,
+      ``tie_word_embeddings`` (default per family) decides.
     dtype: compute dtype of the config, "float32" or "bfloat16".
     where: what to call the config in errors.
   Raises:
     NotImplementedError: unsupported model_type / architectures, or an option the Decoder cannot express (rope
       scaling, partial rotary, attention or MLP biases on llama, sliding windows on qwen2, soft-capping...).
-    ValueError: missing or inconsistent fields, unknown dtype.
+    ValueError: missing or inconsistent fields (sizes that are not positive integers, a layer count the tensors do
+      not back), unknown dtype.
   """
   if dtype not in _DTYPES:
     raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {dtype!r}")
   family, cfg = _family(config, where)
-  d_model = int(_get(cfg, "hidden_size", where=where))
-  num_heads = int(_get(cfg, "num_attention_heads", where=where))
-  num_kv_heads = int(_get(cfg, "num_key_value_heads", num_heads, where))
-  num_layers = int(_get(cfg, "num_hidden_layers", where=where))
+  text = "text_config." if cfg is not config else ""
+  num_layers = _int(cfg, "num_hidden_layers", where=where)
+  if tensor_names is not None:
+    layers = {int(m.group(1)) for m in map(_LAYER_RE.fullmatch, tensor_names) if m}
+    check_layer_indices(layers, num_layers, f"{where}: {text}num_hidden_layers", "model.layers.N")
+  d_model = _int(cfg, "hidden_size", where=where)
+  num_heads = _int(cfg, "num_attention_heads", where=where)
+  num_kv_heads = _int(cfg, "num_key_value_heads", num_heads, where)
   head_default = 256 if family == "gemma3" else (d_model // num_heads if d_model % num_heads == 0 else None)
-  head_dim = int(_get(cfg, "head_dim", head_default, where))
+  head_dim = _int(cfg, "head_dim", head_default, where)
   act_key = "hidden_activation" if family == "gemma3" and cfg.get("hidden_activation") else "hidden_act"
   act = cfg.get(act_key) or ("gelu_pytorch_tanh" if family == "gemma3" else "silu")
   wanted_act = "gelu_pytorch_tanh" if family == "gemma3" else "silu"
@@ -238,35 +274,44 @@ def config_from_hf(config: dict, *, tensor_names: Any = None, dtype: str = "floa
     theta_local = _rope(cfg, family, "sliding_attention", "rope_local_base_freq", GEMMA3_ROPE_THETA_LOCAL, where)
     layer_types = cfg.get("layer_types")
     if layer_types is None:
-      pattern = int(cfg.get("sliding_window_pattern") or GEMMA3_SLIDING_WINDOW_PATTERN)
+      pattern = _int(cfg, "sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN, where)
       layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+    if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+      raise ValueError(f"{where}: layer_types must be a list of strings, got {_short(layer_types)}")
+    if len(layer_types) != num_layers:
+      raise ValueError(f"{where}: layer_types has {len(layer_types)} entries for {num_layers} layers")
     kinds = {"full_attention": "full", "sliding_attention": "sliding"}
     bad = sorted({t for t in layer_types if t not in kinds})
     if bad:
       raise NotImplementedError(f"{where}: layer_types {bad} are not supported; supported: {tuple(kinds)}")
     gemma = dict(qk_norm=True, post_norms=True, norm_plus_one=True, embed_scale=True, mlp_activation="gelu_tanh",
-                 query_scale=float(_get(cfg, "query_pre_attn_scalar", 256, where)) ** -0.5,
-                 sliding_window=int(_get(cfg, "sliding_window", 4096, where)),
+                 query_scale=_positive(_get(cfg, "query_pre_attn_scalar", 256, where), "query_pre_attn_scalar",
+                                       where) ** -0.5,
+                 sliding_window=_int(cfg, "sliding_window", 4096, where),
                  layer_types=tuple(kinds[t] for t in layer_types), rope_theta_local=theta_local)
   else:
     theta = _rope(cfg, family, None, "rope_theta", _THETA_DEFAULT[family], where)
-  return DecoderConfig(
-      vocab_size=int(_get(cfg, "vocab_size", where=where)),
+  fields = dict(
+      vocab_size=_int(cfg, "vocab_size", where=where),
       d_model=d_model,
       num_layers=num_layers,
       num_heads=num_heads,
       num_kv_heads=num_kv_heads,
       head_dim=head_dim,
-      ffn_dim=int(_get(cfg, "intermediate_size", where=where)),
+      ffn_dim=_int(cfg, "intermediate_size", where=where),
       rope_theta=theta,
-      rms_eps=float(_get(cfg, "rms_norm_eps", 1e-6, where)),
+      rms_eps=_positive(_get(cfg, "rms_norm_eps", 1e-6, where), "rms_norm_eps", where),
       rope_style="half",
       qkv_bias=family == "qwen2",
       tie_embeddings=tie,
       dtype=_DTYPES[dtype],
-      max_len=int(_get(cfg, "max_position_embeddings", 8192, where)),
+      max_len=_int(cfg, "max_position_embeddings", 8192, where),
       **gemma,
   )
+  try:
+    return DecoderConfig(**fields)
+  except ValueError as e:  # e.g. num_attention_heads not a multiple of num_key_value_heads
+    raise ValueError(f"{where}: {e}") from e
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -282,7 +327,11 @@ def safetensors_files(directory: os.PathLike | str) -> list[pathlib.Path]:
     weight_map = _read_json(index_path).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
       raise ValueError(f"{index_path} has no weight_map")
-    files = [directory / name for name in dict.fromkeys(weight_map.values())]
+    names = list(dict.fromkeys(weight_map.values()))
+    bad = [n for n in names if not isinstance(n, str) or pathlib.PurePath(n).name != n or n in ("", ".", "..")]
+    if bad:
+      raise ValueError(f"{index_path}: weight_map must name shard files of the directory itself, got {_short(bad[0])}")
+    files = [directory / name for name in names]
     missing = [p.name for p in files if not p.is_file()]
     if missing:
       raise FileNotFoundError(f"{directory}: shards named by {_INDEX_FILE} are missing: {missing}")
@@ -293,9 +342,48 @@ def safetensors_files(directory: os.PathLike | str) -> list[pathlib.Path]:
   return files
 
 
+def _header_object(pairs: list[tuple[str, Any]]) -> dict:
+  """``json.loads`` object hook: a dict, refusing a key given twice (the header would be ambiguous)."""
+  seen: set[str] = set()
+  for key, _ in pairs:
+    if key in seen:
+      raise ValueError(f"key {key!r} appears twice")
+    seen.add(key)
+  return dict(pairs)
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _short(value: Any) -> str:
+  text = repr(value)
+  return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _nbytes(shape: list[int], itemsize: int, limit: int) -> int:
+  """Bytes of a tensor of ``shape``, exact in Python ints (``[2**32, 2**32]`` does not wrap around as in int64);
+  once past ``limit`` the product stops growing (any value above ``limit`` will do for the caller)."""
+  if 0 in shape:
+    return 0
+  nbytes = itemsize
+  for d in shape:
+    nbytes *= d
+    if nbytes > limit:
+      break
+  return nbytes
+
+
 def read_safetensors_header(path: os.PathLike | str) -> tuple[int, dict[str, dict]]:
   """``(data offset, {name: {"dtype", "shape", "data_offsets"}})`` of a safetensors file (``__metadata__``
-  dropped); ValueError for a file that is not safetensors or whose entries do not fit it."""
+  dropped).
+
+  Every entry is checked before it is used: the header a JSON object (of at most the file's size and the format's
+  100 MB) of objects, ``__metadata__`` an object of strings, ``dtype`` a known name, ``shape`` a list of
+  non-negative ints, ``data_offsets`` two ints with 0 <= begin <= end <= the data size and end - begin = elements ×
+  item size (exact integer arithmetic), no two tensors overlapping. Raises ValueError naming the file (and the
+  tensor) for anything else; NotImplementedError for a safetensors dtype the reader does not handle (e.g. FP8).
+  """
   path = pathlib.Path(path)
   size = path.stat().st_size
   with open(path, "rb") as f:
@@ -304,31 +392,62 @@ def read_safetensors_header(path: os.PathLike | str) -> tuple[int, dict[str, dic
       raise ValueError(f"{path} is not a safetensors file (shorter than 8 bytes)")
     n = int.from_bytes(head, "little")
     if n > min(_MAX_HEADER_BYTES, size - 8):
-      raise ValueError(f"{path} is not a safetensors file (header length {n} does not fit the file)")
+      raise ValueError(f"{path} is not a safetensors file (header length {n} does not fit the file: "
+                       f"{size - 8} bytes follow the length, and the format allows at most {_MAX_HEADER_BYTES})")
     try:
-      header = json.loads(f.read(n))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      header = json.loads(f.read(n), object_pairs_hook=_header_object)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
       raise ValueError(f"{path} is not a safetensors file (unreadable header: {e})") from e
   if not isinstance(header, dict):
-    raise ValueError(f"{path} is not a safetensors file (header is not a JSON object)")
-  header.pop("__metadata__", None)
+    raise ValueError(f"{path} is not a safetensors file (its header is a JSON {type(header).__name__}, not an "
+                     "object)")
+  metadata = header.pop("__metadata__", {})
+  if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+    raise ValueError(f"{path}: the safetensors header's __metadata__ must be an object of strings, got "
+                     f"{_short(metadata)}")
   start = 8 + n
+  data_size = size - start
+  spans = []
   for name, info in header.items():
-    dtype = info.get("dtype")
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(info, dict):
+      raise ValueError(f"{where}: its header entry must be an object with dtype, shape and data_offsets, got "
+                       f"{_short(info)}")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str):
+      raise ValueError(f"{where}: dtype must be a string, got {_short(dtype)}")
     if dtype not in _ST_DTYPES:
-      raise NotImplementedError(f"{path}: tensor {name} has dtype {dtype!r}; supported: {tuple(_ST_DTYPES)}")
-    begin, end = info["data_offsets"]
-    count = int(np.prod(info["shape"], dtype=np.int64))
-    if end - begin != count * _ST_DTYPES[dtype].itemsize or not 0 <= begin <= end <= size - start:
-      raise ValueError(f"{path}: tensor {name} ({dtype} {info['shape']}) has data offsets {info['data_offsets']} "
-                       f"that do not fit its shape or the file")
+      if dtype in _ST_UNSUPPORTED:
+        raise NotImplementedError(f"{where} has dtype {dtype!r}; supported: {tuple(_ST_DTYPES)}")
+      raise ValueError(f"{where}: dtype {_short(dtype)} is not a safetensors dtype; supported: {tuple(_ST_DTYPES)}")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+      raise ValueError(f"{where}: shape must be a list of non-negative integers, got {_short(shape)}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+      raise ValueError(f"{where}: data_offsets must be a list of two integers, got {_short(offsets)}")
+    begin, end = offsets
+    if not 0 <= begin <= end <= data_size:
+      raise ValueError(f"{where}: data_offsets {offsets} do not lie within the file's {data_size} data bytes (the "
+                       "file is truncated or damaged)")
+    nbytes = _nbytes(shape, _ST_DTYPES[dtype].itemsize, data_size)
+    if end - begin != nbytes:
+      needs = f"more than the file's {data_size} data bytes" if nbytes > data_size else f"{nbytes} bytes"
+      raise ValueError(f"{where}: data_offsets {offsets} span {end - begin} bytes, but {dtype} {_short(shape)} "
+                       f"needs {needs}")
+    spans.append((begin, end, name))
+  spans.sort()
+  for (_, end0, name0), (begin1, _, name1) in zip(spans, spans[1:]):
+    if begin1 < end0:
+      raise ValueError(f"{path}: tensors {name0!r} and {name1!r} overlap (data_offsets {header[name0]['data_offsets']}"
+                       f" and {header[name1]['data_offsets']})")
   return start, header
 
 
-def iter_tensors(files: list[pathlib.Path]) -> Iterator[tuple[str, pathlib.Path, np.ndarray]]:
-  """``(name, file, read-only memory-mapped array)`` of every tensor of ``files`` (nothing is read until used)."""
+def iter_tensors(files: list[pathlib.Path], headers: dict[pathlib.Path, tuple[int, dict]] | None = None
+                 ) -> Iterator[tuple[str, pathlib.Path, np.ndarray]]:
+  """``(name, file, read-only memory-mapped array)`` of every tensor of ``files`` (nothing is read until used);
+  ``headers``: ``read_safetensors_header`` of each file when already read."""
   for path in files:
-    start, header = read_safetensors_header(path)
+    start, header = headers[path] if headers is not None else read_safetensors_header(path)
     if not header:
       continue
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
@@ -341,12 +460,13 @@ def iter_tensors(files: list[pathlib.Path]) -> Iterator[tuple[str, pathlib.Path,
       del mapped
 
 
-def _tensor_names(files: list[pathlib.Path]) -> dict[str, pathlib.Path]:
+def _tensor_files(headers: dict[pathlib.Path, tuple[int, dict]]) -> dict[str, pathlib.Path]:
+  """Tensor name → the file holding it; ValueError for a name in two files."""
   names: dict[str, pathlib.Path] = {}
-  for path in files:
-    for name in read_safetensors_header(path)[1]:
+  for path, (_, header) in headers.items():
+    for name in header:
       if name in names:
-        raise ValueError(f"tensor {name} is in both {names[name].name} and {path.name}")
+        raise ValueError(f"{path.parent}: tensor {name} is in both {names[name].name} and {path.name}")
       names[name] = path
   return names
 
@@ -368,7 +488,7 @@ def _canonical(name: str, family: str) -> str | None:
   return name
 
 
-_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)", re.ASCII)
 _LINEAR = {"self_attn.q_proj": ("attn", "q"), "self_attn.k_proj": ("attn", "k"), "self_attn.v_proj": ("attn", "v"),
            "self_attn.o_proj": ("attn", "o"), "mlp.gate_proj": ("mlp", "gate"), "mlp.up_proj": ("mlp", "up"),
            "mlp.down_proj": ("mlp", "down")}
@@ -403,32 +523,39 @@ def _listed(names: list[str]) -> str:
   return f"{names[:10]}" + (f" (+{len(names) - 10} more)" if len(names) > 10 else "")
 
 
-def convert(directory: os.PathLike | str, dtype: str = "float32", progress: bool = False
-            ) -> tuple[DecoderConfig, dict]:
-  """Read an HF llama/qwen2/gemma3 checkpoint directory into ``(config, {"params": tree})`` with host numpy leaves
-  of ``dtype`` ("float32" or "bfloat16"), one tensor at a time.
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """What ``convert`` reads, checked before any tensor data is: the config, the files and their headers, and the
+  Decoder parameter of every tensor that has one (``targets``; a tensor in neither it nor ``tied_head``, the
+  ``lm_head.weight`` of tied embeddings, is skipped)."""
+  directory: pathlib.Path
+  config: DecoderConfig
+  headers: dict[pathlib.Path, tuple[int, dict]]
+  targets: dict[str, tuple[str, ...]]
+  tied_head: str | None
 
-  Raises:
-    FileNotFoundError: no config.json, no weights, or a shard of the index is missing.
-    NotImplementedError: see ``config_from_hf``; a tensor dtype the reader does not know (e.g. FP8).
-    ValueError: tensors without a place in the Decoder or parameters without a tensor (both named), wrong shapes,
-      a tied ``lm_head.weight`` that differs from the embedding, a malformed file.
-  """
+
+def _plan(directory: os.PathLike | str, dtype: str) -> _Plan:
+  """Read config.json and the safetensors headers and check every tensor's name and shape against the config."""
   directory = pathlib.Path(directory)
+  config_path = directory / "config.json"
   raw_config = read_config(directory)
-  family, _ = _family(raw_config, str(directory / "config.json"))
-  files = safetensors_files(directory)
-  canonical = {n: _canonical(n, family) for n in _tensor_names(files)}
+  family, _ = _family(raw_config, str(config_path))
+  headers = {path: read_safetensors_header(path) for path in safetensors_files(directory)}
+  files = _tensor_files(headers)
+  canonical = {n: _canonical(n, family) for n in files}
   kept = {c for c in canonical.values() if c is not None}
-  config = config_from_hf(raw_config, tensor_names=kept, dtype=dtype, where=str(directory / "config.json"))
+  config = config_from_hf(raw_config, tensor_names=kept, dtype=dtype, where=str(config_path))
   expected = param_shapes(config)
-  tied_head = config.tie_embeddings and "lm_head.weight" in kept
-  targets = {n: _target(c, family) for n, c in canonical.items()
-             if c is not None and not (tied_head and c == "lm_head.weight")}
+  heads = [n for n, c in canonical.items() if c == "lm_head.weight"]
+  tied_head = heads[0] if config.tie_embeddings and heads else None
+  targets = {n: _target(c, family) for n, c in canonical.items() if c is not None and n != tied_head}
   unknown = sorted(n for n, t in targets.items() if t not in expected)
   if unknown:
+    hint = layers_past([canonical[n] for n in unknown], config.num_layers, _LAYER_RE,
+                       "config.json's num_hidden_layers")
     raise ValueError(f"{directory}: tensors with no place in Decoder ({family}, {config.num_layers} layers): "
-                     f"{_listed(unknown)}")
+                     f"{_listed(unknown)}{hint}")
   by_target: dict[tuple[str, ...], str] = {}
   for n, t in targets.items():
     if t in by_target:
@@ -438,30 +565,62 @@ def convert(directory: os.PathLike | str, dtype: str = "float32", progress: bool
   if missing:
     raise ValueError(f"{directory}: missing tensors for {_listed(['/'.join(p) for p in missing])} (e.g. "
                      f"{_hf_name(missing[0], family)!r})")
+  checked = [(n, expected[t], "/".join(t)) for n, t in targets.items()]
+  if tied_head is not None:
+    checked.append((tied_head, expected[("embed", "embedding")], "lm_head/weight (tied to the embedding)"))
+  for n, want, label in checked:
+    shape = tuple(headers[files[n]][1][n]["shape"])
+    if shape != want:
+      raise ValueError(f"{files[n]}: tensor {n} has shape {shape}, expected {want} for {label} (config.json's "
+                       f"sizes: {describe_sizes(config)})")
+  return _Plan(directory, config, headers, targets, tied_head)
+
+
+def read_checkpoint_config(directory: os.PathLike | str, dtype: str = "float32") -> DecoderConfig:
+  """The DecoderConfig ``convert(directory, dtype)`` would return, after every check it makes before reading tensor
+  data (config.json, the safetensors headers, tensor names and shapes against the config); reads no tensor data.
+  Raises as ``convert``."""
+  return _plan(directory, dtype).config
+
+
+def convert(directory: os.PathLike | str, dtype: str = "float32", progress: bool = False
+            ) -> tuple[DecoderConfig, dict]:
+  """Read an HF llama/qwen2/gemma3 checkpoint directory into ``(config, {"params": tree})`` with host numpy leaves
+  of ``dtype`` ("float32" or "bfloat16"), one tensor at a time. Everything is checked against the config and the
+  files before the first tensor is read (see ``read_safetensors_header`` and ``config_from_hf``).
+
+  Raises:
+    FileNotFoundError: no config.json, no weights, or a shard of the index is missing.
+    NotImplementedError: see ``config_from_hf``; a tensor dtype the reader does not know (e.g. FP8).
+    ValueError: tensors without a place in the Decoder or parameters without a tensor (both named), wrong shapes,
+      a layer count the tensors do not back, a tied ``lm_head.weight`` that differs from the embedding, a malformed
+      file (named, with the tensor).
+  """
+  plan = _plan(directory, dtype)
+  config, expected = plan.config, param_shapes(plan.config)
   np_dtype = np.dtype(_DTYPES[dtype])
   tree: dict = {}
   head = None
   bar = None
   if progress:
     from tqdm.auto import tqdm
-    bar = tqdm(total=len(canonical), desc="convert", unit="tensor")
+    bar = tqdm(total=sum(len(header) for _, header in plan.headers.values()), desc="convert", unit="tensor")
   try:
-    for name, path, value in iter_tensors(files):
+    for name, path, value in iter_tensors(list(plan.headers), plan.headers):
       if bar is not None:
         bar.update(1)
-      if canonical[name] is None:
-        continue
-      if name not in targets:  # the tied lm_head.weight: checked against the embedding below
+      if name == plan.tied_head:  # checked against the embedding below
         head = (name, np.array(value, dtype=np_dtype))
-        continue
-      param_path = targets[name]
-      # np.array copies out of the memory map.
-      insert_param(tree, param_path, np.array(value, dtype=np_dtype), expected[param_path], f"{path}: tensor {name}")
+      elif name in plan.targets:
+        param_path = plan.targets[name]
+        # np.array copies out of the memory map.
+        insert_param(tree, param_path, np.array(value, dtype=np_dtype), expected[param_path],
+                     f"{path}: tensor {name}")
   finally:
     if bar is not None:
       bar.close()
   if head is not None and not np.array_equal(head[1], tree["embed"]["embedding"]):
-    raise ValueError(f"{directory}: tie_word_embeddings is true but {head[0]} differs from the embedding")
+    raise ValueError(f"{plan.directory}: tie_word_embeddings is true but {head[0]} differs from the embedding")
   return config, {"params": tree}
 
 

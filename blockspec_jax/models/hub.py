@@ -11,7 +11,9 @@ parsing, no dequantisation). A cache file that cannot be read, or was made from 
 deleted (with a message on stderr) and rebuilt. Converting holds ``registry.cache_lock`` on
 ``<cache>/converted/<name>.<dtype>.npz.lock`` (a second process waits, then loads the first one's file); the file is
 written as ``….npz.partial-<pid>`` and renamed, so a killed run leaves nothing that is read (the next conversion
-deletes it). An unwritable cache directory is reported before fetching or converting.
+deletes it). An unwritable cache directory is reported before fetching or converting, and so is a disk without room
+for the converted file (estimated from the GGUF's tensor shapes and the dtype, plus a margin): a ``CacheDirError``
+naming the directory, the space needed and the space free, before anything is dequantised or written.
 
 Bring your own checkpoint: ``name`` may instead be a path (``model.spec`` is then a ``LocalSource`` whose ``name`` is
 the absolute path):
@@ -27,9 +29,11 @@ the absolute path):
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import pathlib
+import shutil
 import sys
 import zipfile
 from typing import Any
@@ -47,6 +51,8 @@ __all__ = ["LoadedModel", "LocalSource", "load_model", "converted_cache_path"]
 _FORMAT_VERSION = 3  # 2: linear weights stored (out, in) as "weight"; 3: Gemma tokenizer without invented ids
 _META_KEY = "__meta__"
 _DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_MEMBER_OVERHEAD_BYTES = 1 << 10  # zip local and central headers and the .npy header of one array, rounded up
+_DISK_MARGIN_BYTES = 64 << 20  # the metadata (tokenizer JSON) and room to spare, as registry keeps before a fetch
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -110,8 +116,8 @@ def _source(name: str | os.PathLike, checksum: bool = True) -> registry.ModelSpe
 def _load_hf_dir(spec: LocalSource, dtype: str, progress: bool) -> LoadedModel:
   """Tokenizer and parameters of a Hugging Face checkpoint directory, straight from its files (no cache)."""
   hf_convert.check_checkpoint_dir(spec.path)
-  hf_convert.config_from_hf(hf_convert.read_config(spec.path), dtype=dtype,
-                            where=str(spec.path / "config.json"))  # unsupported families fail before any reading
+  # Unsupported families, broken headers and sizes the tensors do not back fail before any tensor data is read.
+  hf_convert.read_checkpoint_config(spec.path, dtype)
   tokenizer = hf_convert.tokenizer_from_hf(spec.path)
   config, params = hf_convert.convert(spec.path, dtype=dtype, progress=progress)
   _device_put_in_place(params)
@@ -136,6 +142,21 @@ def _config_from_json(fields: dict) -> DecoderConfig:
   return DecoderConfig(**fields)
 
 
+def _check_free_space(directory: pathlib.Path, needed: int, what: str) -> None:
+  """Raise ``registry.CacheDirError`` (errno ENOSPC, the wording of a full disk) naming ``directory``, the ``needed``
+  bytes and the free ones, when the disk holding ``directory`` (which must exist) has fewer than ``needed`` free."""
+  free = shutil.disk_usage(directory).free
+  if free < needed:
+    raise registry.cache_dir_error(directory, what, OSError(
+        errno.ENOSPC, f"need about {_mib(needed)}, have {_mib(free)} free"))
+
+
+def _mib(n: int) -> str:
+  if n < 1 << 20:
+    return f"{n} bytes"
+  return f"{n / 2**20:.1f} MiB" if n < 10 << 20 else f"{n / 2**20:.0f} MiB"
+
+
 def _save(path: pathlib.Path, config: DecoderConfig, params: dict, tokenizer: TokenizerWrapper, dtype: str,
           spec: registry.ModelSpec) -> None:
   arrays = {}
@@ -149,6 +170,9 @@ def _save(path: pathlib.Path, config: DecoderConfig, params: dict, tokenizer: To
   tmp = path.with_name(path.name + f".partial-{os.getpid()}")  # not *.npz: never taken for a cache file
   try:
     path.parent.mkdir(parents=True, exist_ok=True)
+    # The exact size of what follows (the estimate before converting may have been made with less in the cache).
+    _check_free_space(path.parent, sum(a.nbytes + _MEMBER_OVERHEAD_BYTES for a in arrays.values()),
+                     f"converted parameters {path.name}")
     with open(tmp, "wb") as f:
       np.savez(f, **arrays)
       f.flush()
@@ -290,6 +314,23 @@ def _parent(tree: dict, param_path) -> dict:
   return node
 
 
+def _estimated_bytes(contents: gguf_convert.GGUFContents, dtype: str) -> int:
+  """Disk space the converted cache file of ``contents`` needs: its parameters in ``dtype``, the zip and .npy
+  headers of each, and a margin for the metadata."""
+  return (gguf_convert.converted_nbytes(contents, dtype) + _MEMBER_OVERHEAD_BYTES * (len(contents.tensors) + 1)
+          + _DISK_MARGIN_BYTES)
+
+
+def _gguf_tokenizer(contents) -> TokenizerWrapper:
+  """``tokenizer_from_gguf`` of the file's metadata; its errors name the file."""
+  try:
+    return tokenizer_from_gguf(contents.metadata)
+  except NotImplementedError as e:
+    raise NotImplementedError(f"{contents.path}: {e}") from e
+  except (ValueError, TypeError, KeyError, AttributeError) as e:  # metadata of the wrong types in a damaged file
+    raise gguf_convert.GGUFError(f"{contents.path}: unusable tokenizer metadata ({type(e).__name__}: {e})") from e
+
+
 def _try_load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str, stacked: bool = False):
   """``_load(path, ...)``, or None (with a message) when the file is unusable; the caller rebuilds it."""
   try:
@@ -322,11 +363,14 @@ def load_model(name: str | os.PathLike, dtype: str = "float32", cache_dir: os.Pa
     LoadedModel; ``.spec`` is the registry ModelSpec, or a LocalSource whose ``name`` is the absolute path.
   Raises:
     ValueError: unknown name (neither a registry name nor an existing path), a file that is not GGUF, bad dtype;
-      tensors that are missing or have no place in the Decoder (named).
+      tensors that are missing or have no place in the Decoder (named); a truncated, damaged or inconsistent GGUF
+      (``gguf_convert.GGUFError``) or Hugging Face file (named, with the tensor), sizes the tensors do not back.
     FileNotFoundError: a path that does not exist; a directory without config.json, *.safetensors or
       tokenizer.json (named).
     NotImplementedError: an architecture / model_type the Decoder cannot run (named, with the supported ones).
     registry.FetchError: the GGUF of a registry model could not be downloaded or verified.
+    registry.CacheDirError: the cache directory is not writable, or its disk has no room for the converted file
+      (checked before converting, from the tensor shapes and ``dtype``).
   """
   spec = _source(name)
   if dtype not in _DTYPE_NAMES:
@@ -356,8 +400,13 @@ def load_model(name: str | os.PathLike, dtype: str = "float32", cache_dir: os.Pa
         gguf_path = spec.path if isinstance(spec, LocalSource) else registry.fetch_gguf(spec, cache_dir,
                                                                                        progress=progress)
         contents = gguf_convert.read_gguf(gguf_path)
+        tokenizer = _gguf_tokenizer(contents)  # before the long part: a broken tokenizer fails fast
+        # The tensor infos give the size before converting (a stand-in without them, as tests install, is checked
+        # by _save alone, with the exact size).
+        if isinstance(contents, gguf_convert.GGUFContents):
+          _check_free_space(path.parent, _estimated_bytes(contents, dtype), f"the converted parameters of {name} "
+                           f"({dtype}, {path.name})")
         config, params_np = gguf_convert.convert(contents, dtype=dtype, progress=progress)
-        tokenizer = tokenizer_from_gguf(contents.metadata)
         del contents
         _save(path, config, params_np, tokenizer, dtype, spec)
         loaded = config, params_np, tokenizer
