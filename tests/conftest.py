@@ -12,6 +12,18 @@ import os
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
+# On an NVIDIA GPU, float32 comparisons hold only with full-precision dots and deterministic reductions: XLA runs
+# float32 matmuls in TF32 by default there (10-bit mantissas) and may sum in any order (atomics). So where a GPU
+# plugin of jaxlib is installed, the tests (and every subprocess they start, through the environment) run with
+# float32 dots in float32 and XLA's deterministic GPU ops. Set before JAX starts; the CPU backend never sees them.
+import importlib.util  # noqa: E402
+
+if any(importlib.util.find_spec(name) for name in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+  os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+  os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
+  if "xla_gpu_deterministic_ops" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_gpu_deterministic_ops=true"
+
 import jax  # noqa: E402  (after XLA_FLAGS: the CPU backend reads them when it starts)
 import pytest
 

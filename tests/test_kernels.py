@@ -177,6 +177,50 @@ def test_decoder_pass_of_many_rows_equals_steps_and_row_alone(dtype):
   np.testing.assert_array_equal(np.asarray(alone_1xTxV[0]), full_BxTxV[2])
 
 
+def test_wide_passes_keep_the_kernels_precision_under_a_bfloat16_compute_dtype():
+  """Float32 weights with a bfloat16 compute dtype: a pass wider than KERNEL_MAX_TOKENS takes XLA's dot, and it
+  computes in the kernel's precision (float32 operands and sums), never with the weights rounded to bfloat16 (what it
+  did before: every wide pass, prefills and verify passes of γ >= 16, then ran in another precision than the steps).
+  Its result is the kernel's, rounded once to bfloat16: equal up to one bfloat16 ulp (the sums' order differs)."""
+  t = kernels.KERNEL_MAX_TOKENS + 1
+  x_MxK, w_NxK = _operands(2 * t, 576, 96, seed=8)
+  x_BxTxK = x_MxK.reshape(2, t, 576).astype(jnp.bfloat16)
+  auto = jax.jit(lambda x, w: kernels.linear(x, w, dtype=jnp.bfloat16))
+  assert "blockspec_jax_linear_f32" not in auto.lower(x_BxTxK, w_NxK).as_text()  # the wide pass: XLA's dot
+  wide = np.asarray(auto(x_BxTxK, w_NxK), np.float32)
+  kernel = np.asarray(_kernel(x_BxTxK.reshape(2 * t, 576), w_NxK)).reshape(wide.shape)
+  ulp = np.abs(kernel) * 2.0 ** -7 + 1e-30
+  assert np.all(np.abs(wide - kernel) <= ulp)
+  rounded_weights = np.asarray(kernels.linear(x_BxTxK, w_NxK, impl="xla", dtype=jnp.bfloat16), np.float32)
+  assert not np.all(np.abs(rounded_weights - kernel) <= ulp)  # what the old path computed is further off
+
+
+def test_float32_weights_with_a_bfloat16_compute_dtype_decode_greedy_rows_exactly_at_gamma_20():
+  """The defect: float32 parameters and compute dtype bfloat16: verify passes of γ + 1 > 16 tokens took XLA's dot
+  with both operands in bfloat16 while decode steps took the kernel, so greedy speculative rows left the
+  autoregressive ones (16 of 33 rows at γ = 16 on a real model). Verify passes up to KERNEL_MAX_TOKENS tokens
+  per row now run in the kernel: at γ = 20, every row equals autoregressive decoding."""
+  cfg = DecoderConfig.tiny(dtype=jnp.bfloat16, num_layers=2)
+  pos_1x1 = jnp.zeros((1, 1), jnp.int32)
+  params = Decoder(cfg).init(jax.random.key(3), pos_1x1, pos_1x1, init_cache(cfg, 1, 4), causal_mask(pos_1x1, 4))
+  target = params["params"]
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(target))
+  leaves, tree = jax.tree.flatten(target)
+  noise = [jax.random.normal(k, x.shape) for x, k in zip(leaves, jax.random.split(jax.random.key(4), len(leaves)))]
+  drafter = jax.tree.unflatten(tree, [x + 0.1 * jnp.std(x) * n for x, n in zip(leaves, noise)])
+  rng = np.random.default_rng(1)
+  prompts = [list(rng.integers(1, cfg.vocab_size, size=rng.choice([2, 5]))) for _ in range(6)]
+  tokens_BxP, len_B = spec.prepare_prompts(prompts)
+  keys_B = jax.random.split(jax.random.key(0), 6)
+  greedy, n_new = sampling.Sampler(temperature=0.0), 44
+  ar = spec.generate_autoregressive(target, keys_B, tokens_BxP, len_B, target=cfg, max_new_tokens=n_new,
+                                    sampler=greedy)
+  out = spec.generate_speculative(target, drafter, keys_B, tokens_BxP, len_B, target=cfg, drafter=ModelDrafter(cfg),
+                                  gamma=20, max_new_tokens=n_new, sampler=greedy)
+  np.testing.assert_array_equal(np.asarray(out.tokens_BxN), np.asarray(ar.tokens_BxN))
+  assert int(out.metrics.num_accepted_tokens.sum()) > 0
+
+
 # bfloat16 is the dtype where the old batch-dependent switch changed tokens; float32 rows are held bit-identical at
 # the forward level by test_decoder_pass_of_many_rows_equals_steps_and_row_alone (both dtypes).
 @pytest.mark.parametrize("dtype", [jnp.bfloat16])

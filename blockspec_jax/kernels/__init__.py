@@ -12,18 +12,27 @@ registers.
 
 Same numbers for a row whatever the pass: the kernel sums every output in one fixed order that depends only on K,
 so a row's outputs are bit-identical whatever M, the blocking or the thread split. "auto" picks the kernel by the
-tokens per row of the pass (``x.shape[-2] <= KERNEL_MAX_TOKENS``), never by the batch, so a row decoded alone, in
-a batch of any size, one token at a time or inside a verify pass gets the same logits, in float32 and bfloat16
-models alike (greedy speculative decoding then reproduces autoregressive decoding exactly). Passes longer than
+tokens per row of the pass (``x.shape[-2] <= KERNEL_MAX_TOKENS``), never by the batch, so a row's linear layers give
+the same numbers alone, in a batch of any size, one token at a time or inside a verify pass, for float32 and bfloat16
+weights alike. For a float32 model that makes the whole decoder's rows bit-identical (greedy speculative decoding
+reproduces autoregressive decoding exactly, at any batch). A bfloat16 compute dtype is not held to that: XLA's
+fusions of the bfloat16 operations outside the linear layers (residual sums, norms, the attention operands) depend on
+the program's shapes, so a row's bfloat16 numbers may move by bfloat16 rounding with its batch or its pass width
+(measured on SmolLM2 in bfloat16: 10 of 12 greedy rows left their batch-of-12 tokens within 48 tokens when decoded
+alone; in float32, none). Use float32 where rows must reproduce exactly. Passes longer than
 ``KERNEL_MAX_TOKENS`` tokens per row (prefill of long prompts; for bfloat16 weights, longer than
-``KERNEL_MAX_TOKENS_BF16``) use XLA's GEMM, whose rounding differs from the kernel's; they only fill the KV cache.
+``KERNEL_MAX_TOKENS_BF16``) use XLA's GEMM in the kernel's precision (float32 operands and sums, whatever the
+compute dtype: a bfloat16 compute dtype over float32 weights never rounds the weights for wide passes only), whose
+summation order differs from the kernel's, so their numbers may differ from a narrower pass's by float32 rounding;
+a verify pass of γ + 1 <= ``KERNEL_MAX_TOKENS`` tokens never takes it.
 
 ``impl``:
   "auto"   the kernel when the computation runs on CPU (checked first, so on GPU / TPU the kernel is never built
            or called), the pass has at most ``KERNEL_MAX_TOKENS`` tokens per row (``KERNEL_MAX_TOKENS_BF16`` =
            1024 for bfloat16 weights, whose prefill is faster in the kernel than in XLA's bf16 GEMM), the weights
            are float32 / bfloat16, the call is not traced under a multi-device mesh (the custom call has no sharding
-           rule) and the library could be built and loaded; XLA's dot in ``dtype`` otherwise. The platform is a concrete
+           rule) and the library could be built and loaded; XLA's dot otherwise: in float32 when only the pass's width
+           ruled the kernel out (the kernel's precision, see above), else in ``dtype``. The platform is a concrete
            committed input's device, else the ``jax.default_device`` in effect, else ``jax.default_backend()``.
   "xla"    always ``jnp.einsum`` in ``dtype`` (what ``flax.linen.Dense`` computes), on every backend.
   "kernel" the kernel for any width; raises KernelUnavailable off CPU or if the library cannot be built (tests,
@@ -75,9 +84,10 @@ from blockspec_jax.paths import default_cache_dir
 __all__ = ["IMPLS", "KERNEL_MAX_TOKENS", "KERNEL_MAX_TOKENS_BF16", "KernelUnavailable", "kernel_available", "linear"]
 
 IMPLS = ("auto", "xla", "kernel")
-# "auto" uses the kernel for passes of at most this many tokens per row (x.shape[-2]: decode steps, verify passes,
-# drafts, short prompts), whatever the batch; longer passes (prefill) use XLA's GEMM.
-KERNEL_MAX_TOKENS = 16
+# "auto" uses the kernel for passes of at most this many tokens per row (x.shape[-2]: decode steps, verify passes up
+# to γ = 63, drafts, short prompts), whatever the batch; longer passes (prefill) use XLA's GEMM. At 17-64 tokens the
+# kernel was as fast as XLA's float32 GEMM or faster on this 2-core CPU (0.9-2.6x, SmolLM2 and Qwen 0.5B shapes).
+KERNEL_MAX_TOKENS = 64
 # bfloat16 weights use the kernel up to this many tokens per row (prefill too): XLA's CPU GEMM in bfloat16 runs at
 # 51-135 GFLOP/s for 64-512 tokens against the kernel's 142-163 on this 2-core AVX2 machine (float32 GEMM: 108-195).
 KERNEL_MAX_TOKENS_BF16 = 1024
@@ -426,13 +436,16 @@ def linear(x_MxK: jax.Array, w_NxK: jax.Array, *, impl: str = "auto", dtype=jnp.
   lead = x_MxK.shape[:-1]
   rows = int(np.prod(lead, dtype=np.int64))
   tokens = x_MxK.shape[-2] if x_MxK.ndim >= 2 else 1
-  use_kernel = False
+  use_kernel = kernel_precision = False
   if impl == "auto":
     # The platform is checked before kernel_available(), so on GPU / TPU the kernel is never built. The width test
     # looks at the tokens per row only, never at the batch, so a row's numbers do not depend on its neighbours.
+    # A wider pass that other widths of the same layer run in the kernel gets XLA's dot in the kernel's precision
+    # (float32 operands and sums), never the compute dtype's: one precision for every width.
     most = KERNEL_MAX_TOKENS_BF16 if np.dtype(w_NxK.dtype) == np.dtype(jnp.bfloat16) else KERNEL_MAX_TOKENS
-    use_kernel = (np.dtype(w_NxK.dtype) in _TARGETS and 0 < rows and tokens <= most
-                  and not _under_multidevice_mesh() and _platform(x_MxK) == "cpu" and kernel_available(warn=True))
+    kernel_precision = (np.dtype(w_NxK.dtype) in _TARGETS and 0 < rows and not _under_multidevice_mesh()
+                        and _platform(x_MxK) == "cpu" and kernel_available(warn=True))
+    use_kernel = kernel_precision and tokens <= most
   elif impl == "kernel":
     if np.dtype(w_NxK.dtype) not in _TARGETS:
       raise ValueError(f"linear impl='kernel' needs float32 or bfloat16 weights, got {w_NxK.dtype}")
@@ -444,7 +457,7 @@ def linear(x_MxK: jax.Array, w_NxK: jax.Array, *, impl: str = "auto", dtype=jnp.
   if not use_kernel:
     if layer is not None:
       w_NxK = jax.lax.dynamic_index_in_dim(w_NxK, layer, 0, keepdims=False)
-    return _xla(x_MxK, w_NxK, dtype)
+    return _xla(x_MxK, w_NxK, jnp.float32).astype(dtype) if kernel_precision else _xla(x_MxK, w_NxK, dtype)
   x_2d = x_MxK.reshape(rows, x_MxK.shape[-1])
   y_MxN = _kernel_linear(x_2d, w_NxK) if layer is None else _kernel_linear_stacked(x_2d, w_NxK, layer)
   return y_MxN.reshape(*lead, w_shape[0]).astype(dtype)

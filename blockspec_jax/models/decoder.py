@@ -55,7 +55,7 @@ iteration. The numbers are those of the unrolled layout, bit for bit (tests/test
 and training address layers one by one and use the unrolled layout.
 
 Linear layers run through ``blockspec_jax.kernels.linear`` with ``config.matmul`` ("auto": a streaming CPU kernel
-for passes of at most ``KERNEL_MAX_TOKENS`` = 16 tokens per row (decode steps, verify passes), whatever the batch;
+for passes of at most ``KERNEL_MAX_TOKENS`` = 64 tokens per row (decode steps, verify passes), whatever the batch;
 XLA's dot for longer prefill, on GPU/TPU and under multi-device meshes).
 
 Rotary styles: "half" (rotate-half / NeoX: dim i pairs with i + H/2, as in HF llama and qwen2) and "interleaved"
