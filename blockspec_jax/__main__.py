@@ -56,7 +56,7 @@ def main(argv=None) -> int:
   overrides = {k: v for k, v in (("gammas", args.gamma), ("num_samples", args.samples), ("seed", args.seed),
                                  ("tree_samples", args.tree_samples)) if v is not None}
   with jobs.cli_errors(parser.prog):
-    gin.parse_config_files_and_bindings(args.gin_file, args.gin_param)
+    jobs.parse_gin(args.gin_file, args.gin_param)
     report = theory_report(**overrides)
   print(f"blockspec_jax on {jax.devices()[0].platform}: token vs block verification, exact and measured\n")
   print(report)

@@ -30,18 +30,19 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from blockspec_jax.checks import check_int
+from blockspec_jax.checks import UsageError, check_int
 from blockspec_jax.paths import default_cache_dir
 
 __all__ = ["METHODS", "AUTOREGRESSIVE", "known_methods", "parse_method", "build_drafter", "UsageError", "load_model",
            "check_model_name", "drafter_labels", "check_gamma", "check_settings", "check_verifier_settings",
+           "check_drafter_settings",
            "check_cache_room", "check_pair", "encode_prompts", "load_models", "check_methods_fit", "run_method",
            "PrefillCache",
            "method_gamma", "method_is_lossy", "compiling", "enable_compilation_cache", "COMPILE_CACHE_ENV_VAR",
            "peak_rss_gb",
-           "mapped_regions", "max_mapped_regions", "release_programs_if_near_map_limit", "cli_errors",
+           "mapped_regions", "max_mapped_regions", "release_programs_if_near_map_limit", "cli_errors", "parse_gin",
            "join_multihost_from_env", "is_main_process", "add_gin_search_path", "bound_jobs", "MULTIHOST_ENV_VAR",
-           "gin_parser", "gin_main", "write_report", "backend_compiles", "DEFAULT_TARGET", "DEFAULT_DRAFTER",
+           "gin_parser", "gin_main", "write_report", "check_output_dir", "check_output_file", "backend_compiles", "DEFAULT_TARGET", "DEFAULT_DRAFTER",
            "argparse_gin_job", "argv_from_settings"]
 
 #: The pair every job decodes with unless told otherwise (one definition for the gin jobs and the command lines).
@@ -50,10 +51,6 @@ DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
 AUTOREGRESSIVE = "autoregressive"
 METHODS = (AUTOREGRESSIVE, "token", "block")  # the main job's default comparison
 COMPILE_CACHE_ENV_VAR = "BLOCKSPEC_JAX_COMPILE_CACHE"
-
-
-class UsageError(ValueError):
-  """A job setting that cannot work (caught by :func:`cli_errors` and printed as one line)."""
 
 
 def known_methods() -> tuple[str, ...]:
@@ -151,11 +148,13 @@ def trained_run_spec(name) -> tuple[str, int | str | None] | None:
   return None
 
 
-def trained_drafter_spec(entry) -> tuple[str, dict] | None:
+def trained_drafter_spec(entry, job_settings: Sequence[str] = ()) -> tuple[str, dict] | None:
   """``"<drafter>:<run dir>[?key=value&…]"`` → ``(drafter, settings)`` for a registered drafter with trained parts
   (``heads:results/train/heads_qwen?rescore=pbest_ngram``, ``steered:results/train/steer_qwen``,
   ``sprinter:results/train/sprinter_qwen``): the run directory goes to the drafter's ``run_setting`` field, the
-  query's values are numbers where they parse as numbers. None when ``entry`` names a model instead."""
+  query's values are numbers where they parse as numbers. None when ``entry`` names a model instead. The settings are
+  checked before any model loads (``drafters.check_settings``), except ``job_settings``: keys the calling job takes
+  for itself (``eval.paired``'s ``replay``), returned with the rest."""
   from blockspec_jax import drafters
   kind, sep, rest = str(entry).partition(":")
   cls = drafters.DRAFTERS.get(kind)
@@ -176,6 +175,10 @@ def trained_drafter_spec(entry) -> tuple[str, dict] | None:
       except ValueError:
         pass
     settings[key] = value
+  try:  # before any model loads: the run's record, the settings' values
+    drafters.check_settings(kind, {k: v for k, v in settings.items() if k not in job_settings})
+  except ValueError as e:
+    raise UsageError(f"{entry!r}: {e}") from None
   return kind, settings
 
 
@@ -191,7 +194,13 @@ def load_model(name, dtype: str = "float32", cache_dir=None, progress: bool = Tr
     from blockspec_jax.train import recipe
     model = recipe.load_trained(trained[0], trained[1], dtype, cache_dir, progress=progress)
     return hub.scanned(model) if scan_layers else model
-  return hub.load_model(name, dtype, cache_dir, progress=progress, scan_layers=scan_layers)
+  try:
+    return hub.load_model(name, dtype, cache_dir, progress=progress, scan_layers=scan_layers)
+  except (ValueError, NotImplementedError) as e:
+    if isinstance(e, UsageError) or not os.path.exists(os.fspath(name)):
+      raise
+    # A user's own checkpoint that cannot be read (hub names the file and the problem): the input's fault.
+    raise UsageError(f"cannot load the checkpoint {name}: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
 
 
 def drafter_labels(names) -> list[str]:
@@ -238,28 +247,42 @@ def _check_positive_int(value, name: str) -> int:
   return check_int(value, name, error=UsageError)
 
 
-def check_settings(*, gamma=None, gammas: Iterable | None = None, methods: Iterable[str] = (),
-                   known_methods: Sequence[str] | None = None, temperatures: Iterable = (), max_new_tokens=None,
-                   num_prompts=None, dtype: str | None = None, models: Iterable[str] = ()) -> None:
+def _sequence(value, name: str) -> tuple:
+  """``value`` as a non-empty tuple when it is a list or tuple; a :class:`UsageError` for a scalar, a string or an
+  empty sequence (``temperatures = 1.0`` is a scalar where the job runs a list: bind ``(1.0,)``)."""
+  if not isinstance(value, (list, tuple)):
+    raise UsageError(f"{name} must be a tuple or list, e.g. ({value!r},), got {value!r} ({type(value).__name__})")
+  if not value:
+    raise UsageError(f"{name} is empty: the job would run nothing; give at least one")
+  return tuple(value)
+
+
+def check_settings(*, gamma=None, gammas=None, methods=None, known_methods: Sequence[str] | None = None,
+                   temperatures=None, max_new_tokens=None, num_prompts=None, dtype: str | None = None,
+                   models: Iterable[str] = ()) -> None:
   """Check a job's settings before anything heavy runs (no model is loaded); raises :class:`UsageError`.
 
-  ``methods`` are checked with :func:`parse_method` (every registered verifier, optionally ``@drafter``) unless
-  ``known_methods`` lists the only allowed names. ``models``: registry names or local paths (checked with
-  ``hub.check_model_name``)."""
+  ``gammas``, ``methods`` and ``temperatures`` (when given) must be non-empty tuples or lists. ``methods`` are checked
+  with :func:`parse_method` (every registered verifier, optionally ``@drafter``) unless ``known_methods`` lists the
+  only allowed names. ``models``: registry names or local paths (checked with ``hub.check_model_name``)."""
   if gamma is not None:
     check_gamma(gamma)
-  for g in gammas or ():
-    check_gamma(g, "every gamma")
-  if known_methods is None:
-    for method in methods:
-      parse_method(method)
-  else:
-    unknown = [m for m in methods if m not in known_methods]
-    if unknown:
-      raise UsageError(f"unknown methods {unknown}; known: {', '.join(known_methods)}")
-  for t in temperatures:
-    if isinstance(t, bool) or not isinstance(t, (int, float, np.number)) or not t >= 0:
-      raise UsageError(f"temperatures must be numbers >= 0, got {t!r}")
+  if gammas is not None:
+    for g in _sequence(gammas, "gammas"):
+      check_gamma(g, "every gamma")
+  if methods is not None:
+    methods = _sequence(methods, "methods")
+    if known_methods is None:
+      for method in methods:
+        parse_method(method)
+    else:
+      unknown = [m for m in methods if m not in known_methods]
+      if unknown:
+        raise UsageError(f"unknown methods {unknown}; known: {', '.join(known_methods)}")
+  if temperatures is not None:
+    for t in _sequence(temperatures, "temperatures"):
+      if isinstance(t, bool) or not isinstance(t, (int, float, np.number)) or not t >= 0:
+        raise UsageError(f"temperatures must be numbers >= 0, got {t!r}")
   if max_new_tokens is not None:
     _check_positive_int(max_new_tokens, "max_new_tokens")
   if num_prompts is not None:
@@ -485,6 +508,23 @@ def enable_compilation_cache(directory: str | os.PathLike | None = None, min_com
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_MAX_BYTES)
   return path
+
+
+def check_drafter_settings(settings: dict | None) -> None:
+  """Check ``drafter_settings`` (drafter name, or ``name/variant``, -> its settings) before any model loads: every
+  name a registered drafter, every setting one of its own with a value it accepts, every trained run it names present
+  with its record (``drafters.check_settings``); a :class:`UsageError` naming the entry otherwise. What depends on
+  the models (sizes, layers) is checked when the drafter is built on them."""
+  from blockspec_jax import drafters
+  if settings is None:
+    return
+  if not isinstance(settings, dict):
+    raise UsageError(f"drafter_settings must map drafter names to settings dicts, got {settings!r}")
+  for name, own in settings.items():
+    try:
+      drafters.check_settings(name, own)
+    except ValueError as e:
+      raise UsageError(f"drafter_settings[{name!r}]: {e}") from None
 
 
 def check_verifier_settings(settings: dict | None) -> None:
@@ -724,6 +764,36 @@ def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tok
   return summary, outputs
 
 
+def check_output_dir(path, what: str) -> pathlib.Path:
+  """Create directory ``path`` if needed and prove it writable (a file created and deleted in it), before any work
+  whose results go there; a :class:`UsageError` naming ``what`` and the reason otherwise (a file in its place, no
+  permission, a read-only or full disk)."""
+  path = pathlib.Path(path)
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+    probe = path / f".write-probe-{os.getpid()}"
+    probe.write_bytes(b"")
+    probe.unlink()
+  except OSError as e:
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    reason = f"{blocker} is a file, not a directory" if blocker is not None else (e.strerror or str(e))
+    raise UsageError(f"cannot write {what} {path}: {reason}") from None
+  return path
+
+
+def check_output_file(path, what: str) -> pathlib.Path | None:
+  """Check, before any work, that the file ``path`` (None: no file) can be written later: its folder can be created
+  and written (:func:`check_output_dir`) and ``path`` is not a directory. A :class:`UsageError` otherwise, so a long
+  run never ends in a report it cannot write."""
+  if path is None or path == "":
+    return None
+  path = pathlib.Path(path)
+  if path.is_dir():
+    raise UsageError(f"cannot write {what} {path}: it is a directory")
+  check_output_dir(path.parent, f"the folder of {what}")
+  return path
+
+
 def write_report(path, report: dict) -> pathlib.Path:
   """Write a job's JSON report (indented) to ``path``, creating its folder; returns the path."""
   path = pathlib.Path(path)
@@ -748,13 +818,11 @@ def gin_parser(prog: str, description: str, workdir: bool = False):
 def gin_main(prog: str, description: str, job, argv=None) -> int:
   """A gin-configured job's command line (:func:`gin_parser`), then ``job()``; usage and configuration errors print
   one line (:func:`cli_errors`)."""
-  import gin
   parser = gin_parser(prog, description)
   args = parser.parse_args(argv)
   with cli_errors(parser.prog):
     join_multihost_from_env()
-    add_gin_search_path()
-    gin.parse_config_files_and_bindings(args.gin_file, args.gin_param)
+    parse_gin(args.gin_file, args.gin_param)
     job()
   return 0
 
@@ -865,27 +933,29 @@ def is_main_process() -> bool:
 
 @contextlib.contextmanager
 def cli_errors(prog: str):
-  """Run a command-line job: a :class:`UsageError`, a gin configuration error, a missing file or an unknown name
-  becomes one line ``<prog>: error: …`` on stderr and exit status 2, instead of a traceback."""
+  """Run a command-line job: a :class:`UsageError` (a setting, name, path or file of the user's that cannot work,
+  including a gin configuration that does not parse: :func:`parse_gin`) or a missing file becomes one line
+  ``<prog>: error: …`` on stderr and exit status 2. Every other exception is a fault of the program, not of its
+  input, and keeps its traceback."""
   try:
     yield
   except (UsageError, FileNotFoundError) as e:
     _fail(prog, e)
-  except (ValueError, OSError) as e:
-    # gin reports typos and unknown bindings (ValueError) and missing gin files (OSError) while parsing, before
-    # anything runs; other errors keep their traceback.
-    if _from_gin(e):
-      _fail(prog, e)
-    raise
 
 
-def _from_gin(e: BaseException) -> bool:
-  tb = e.__traceback__
-  while tb is not None:
-    if "/gin/" in tb.tb_frame.f_code.co_filename.replace(os.sep, "/"):
-      return True
-    tb = tb.tb_next
-  return False
+def parse_gin(files: Sequence[str], bindings: Sequence[str]) -> None:
+  """``gin.parse_config_files_and_bindings(files, bindings)`` with the gin search path set (:func:`add_gin_search_path`);
+  whatever the parse raises (a syntax error, an unknown configurable or setting, a missing file, a bad value) is a
+  :class:`UsageError` naming the gin configuration, since nothing has run yet."""
+  import gin
+  add_gin_search_path()
+  try:
+    gin.parse_config_files_and_bindings(files, bindings)
+  except Exception as e:  # noqa: BLE001  (any failure to parse is the configuration's)
+    message = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    if isinstance(e, SyntaxError) and e.lineno is not None and str(e.lineno) not in message:
+      message += f" (line {e.lineno}: {(e.text or '').strip()!r})"
+    raise UsageError(f"the gin configuration does not parse: {type(e).__name__}: {message}") from None
 
 
 def _fail(prog: str, e: BaseException):

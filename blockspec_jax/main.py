@@ -83,9 +83,8 @@ def main(argv=None) -> int:
   with jobs.cli_errors(parser.prog):
     if not args.gin_file:
       raise jobs.UsageError("give the job's gin file: --gin_file gin/<kind>/<job>.gin")
-    jobs.add_gin_search_path()
     _register_all()
-    gin.parse_config_files_and_bindings(args.gin_file, args.gin_param)
+    jobs.parse_gin(args.gin_file, args.gin_param)
     name = configured_job()
     if args.workdir and name not in TRAINING_JOBS:
       raise jobs.UsageError(f"--workdir is for training jobs; {name} writes where its own settings say")

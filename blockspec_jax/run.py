@@ -103,6 +103,8 @@ def run_job(target: str = jobs.DEFAULT_TARGET, drafter=jobs.DEFAULT_DRAFTER,
   jobs.check_settings(gamma=gamma, methods=methods, temperatures=temperatures, max_new_tokens=max_new_tokens,
                       num_prompts=num_prompts, dtype=dtype, models=(target, *drafter_names))
   jobs.check_verifier_settings(verifier_settings)
+  jobs.check_drafter_settings(drafter_settings)
+  jobs.check_output_file(output_json, "the report (run_job.output_json)")
   rows = prompts_lib.load_prompts(prompts_path, limit=num_prompts)
   if not rows:
     raise jobs.UsageError(f"no prompts in {prompts_path}")

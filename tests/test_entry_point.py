@@ -126,6 +126,13 @@ def test_an_argparse_job_runs_from_gin_end_to_end(tmp_path, capsys, monkeypatch)
      "configure run_job and suite; a run runs one job"),
     (["--gin_file", "gin/eval/smoke.gin", "--workdir", "/tmp/x"], "--workdir is for training jobs"),
     (["--gin_param", "suite.gammas = (2,)", "--gin_file", "/nonexistent.gin"], "nonexistent.gin"),
+    (["--gin_file", "gin/eval/smoke.gin", "--gin_param", "suite.gammas = ("], "the gin configuration does not parse"),
+    (["--gin_file", "gin/eval/smoke.gin", "--gin_param", "suite.gammas = 3"],
+     "gammas must be a tuple or list, e.g. (3,), got 3"),
+    (["--gin_file", "gin/eval/smoke.gin", "--gin_param", "suite.out_dir = '/proc/version/suite'"],
+     "cannot write the suite's directory /proc/version/suite"),
+    (["--gin_file", "gin/train/distill_smoke.gin", "--workdir", "/proc/version"],
+     "cannot write the training run's work directory (--workdir) /proc/version: /proc/version is a file"),
 ])
 def test_usage_errors_are_one_line(argv, message, capsys, monkeypatch):
   monkeypatch.chdir(REPO)

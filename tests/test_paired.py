@@ -104,3 +104,23 @@ def test_tree_arm_summary_and_paired_differences():
   assert "siblings without − with replacement" in text and "+0.500" in text
   with pytest.raises(KeyError, match="no arm"):
     pt.paired_difference(results, 16, "spectr k=2", "rrs", "spectr")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--draws", "0"], "--draws must be an integer >= 1, got 0"),
+    (["--temperatures", "x"], "--temperatures is for --trees and --drafters"),
+    (["--trees", "--temperatures", "x"], "--temperatures takes comma-separated numbers, got 'x'"),
+    (["--trees", "--budgets", "4,x"], "--budgets takes comma-separated numbers, got '4,x'"),
+    (["--trees", "--budgets", "4,0"], "every budget must be >= 1, got 0"),
+    (["--drafters", "heads:/nonexistent/heads_run"], "/nonexistent/heads_run"),
+    (["--json", "/proc/version/out.json"], "cannot write the folder of the report (--json)"),
+])
+def test_option_mistakes_are_one_line_before_any_model_loads(argv, message, capsys, monkeypatch):
+  from blockspec_jax import jobs
+  from blockspec_jax.eval import paired
+  monkeypatch.setattr(jobs, "load_model", lambda *a, **k: pytest.fail("a model was loaded before the check"))
+  with pytest.raises(SystemExit) as exit_info:
+    paired.main(["--target", "smollm2-135m", "--drafter", "smollm2-135m", *argv])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert exit_info.value.code == 2
+  assert len(err) == 1 and err[0].startswith("python -m blockspec_jax.eval.paired: error:") and message in err[0], err

@@ -127,6 +127,15 @@ def test_pair_checks():
     ("run_job.target = 'llama-405b'", "unknown model 'llama-405b'"),
     ("run_job.drafter = '/nonexistent/model.gguf'", "does not exist"),
     ("run_job.prompts_path = '/nonexistent/p.jsonl'", "prompt file /nonexistent/p.jsonl not found"),
+    ("run_job.gamma = (", "the gin configuration does not parse"),
+    ("run_job.temperatures = 1.0", "temperatures must be a tuple or list, e.g. (1.0,), got 1.0"),
+    ("run_job.methods = ()", "methods is empty"),
+    ("run_job.temperatures = ()", "temperatures is empty"),
+    ("run_job.output_json = '/proc/version/run.json'", "cannot write the folder of the report"),
+    ("run_job.drafter_settings = {'k_chains': {'k': 0}}", "drafter_settings['k_chains']"),
+    ("run_job.drafter_settings = {'heads': {'run': '/tmp'}}", "drafter_settings['heads']"),
+    ("run_job.drafter_settings = {'heads': {'heads': '/nonexistent/run'}}", "/nonexistent/run"),
+    ("run_job.drafter_settings = {'nope': {}}", "unknown drafter 'nope'"),
 ])
 def test_command_line_mistakes_are_one_line_before_any_model_loads(binding, message, capsys, monkeypatch):
   """A user's mistake is one line on stderr and exit status 2, found before any model is loaded (minutes)."""
@@ -139,6 +148,35 @@ def test_command_line_mistakes_are_one_line_before_any_model_loads(binding, mess
   err = capsys.readouterr().err.strip().splitlines()
   assert exit_info.value.code == 2
   assert len(err) == 1 and err[0].startswith("python -m blockspec_jax.run: error:") and message in err[0], err
+
+
+def test_a_prompt_file_that_is_not_utf8_is_named_with_its_line(tmp_path, capsys, monkeypatch):
+  from blockspec_jax.models import hub
+  monkeypatch.setattr(hub, "load_model", lambda *a, **k: pytest.fail("a model was loaded before the check"))
+  bad = tmp_path / "bad.jsonl"
+  bad.write_bytes(b'{"text": "fine", "task": "code"}\n{"text": "caf\xe9", "task": "code"}\n')
+  gin.clear_config()
+  with pytest.raises(SystemExit) as exit_info:
+    run.main(["--gin_param", f"run_job.prompts_path = '{bad}'"])
+  gin.clear_config()
+  err = capsys.readouterr().err.strip().splitlines()
+  assert exit_info.value.code == 2 and len(err) == 1
+  assert f"prompt file {bad}, line 2: not valid UTF-8 (byte 0xe9 at column 14)" in err[0], err
+
+
+def test_a_fault_inside_a_job_keeps_its_traceback(capsys, monkeypatch):
+  """Only usage errors are one line: a ValueError raised by the program itself, once the settings have passed their
+  checks, propagates with its traceback (it used to become "error: …" with exit status 2, hiding the fault)."""
+  def broken(*args, **kwargs):
+    raise ValueError("an internal fault")
+  monkeypatch.setattr(jobs, "enable_compilation_cache", broken)
+  gin.clear_config()
+  try:
+    with pytest.raises(ValueError, match="an internal fault"):
+      run.main(["--gin_param", "run_job.target = 'smollm2-135m'", "--gin_param", "run_job.drafter = 'smollm2-135m'"])
+  finally:
+    gin.clear_config()
+  assert "error:" not in capsys.readouterr().err
 
 
 def test_missing_gin_file_and_empty_prompt_file(tmp_path, capsys):
@@ -284,7 +322,7 @@ def test_main_job_runs_the_lossy_rules_from_gin(tmp_path, capsys):
   assert rows["mtad"]["lossy"] and not rows["block"]["lossy"]
 
 
-def test_method_variants_and_trained_drafter_entries():
+def test_method_variants_and_trained_drafter_entries(tmp_path):
   """``<verifier>@<drafter>/<variant>`` runs a labelled variant of a registered drafter with its own settings, and
   ``<drafter>:<run dir>?k=v`` names a drafter with trained parts (eval.paired --drafters)."""
   import types
@@ -304,9 +342,15 @@ def test_method_variants_and_trained_drafter_entries():
   assert rescored.rescore == "ngram" and rescored.top_k == 8 and rescored.lm_config is None
   with pytest.raises(jobs.UsageError, match="gamma"):
     jobs.build_drafter("heads", target, small, settings, gamma=5)
-  assert jobs.trained_drafter_spec("heads:runs/h?rescore=pbest_ngram&top_k=16&lm_weight=0.5") == (
-      "heads", {"heads": "runs/h", "rescore": "pbest_ngram", "top_k": 16, "lm_weight": 0.5})
-  assert jobs.trained_drafter_spec("steered:runs/s") == ("steered", {"steer": "runs/s"})
+  from blockspec_jax.drafters import heads as heads_lib
+  from blockspec_jax.train import heads as heads_train
+  heads_train.save_heads(tmp_path, heads_lib.init_heads(32, 2, jax.random.key(0)))
+  assert jobs.trained_drafter_spec(f"heads:{tmp_path}?top_k=16&lm_weight=0.5&replay=2", job_settings=("replay",)) == (
+      "heads", {"heads": str(tmp_path), "top_k": 16, "lm_weight": 0.5, "replay": 2})
+  with pytest.raises(jobs.UsageError, match="BPD heads directory runs/h does not exist"):  # checked before loading
+    jobs.trained_drafter_spec("heads:runs/h?rescore=pbest_ngram")
+  with pytest.raises(jobs.UsageError, match="has no settings"):
+    jobs.trained_drafter_spec(f"heads:{tmp_path}?replay=2")
   assert jobs.trained_drafter_spec("qwen2.5-coder-0.5b") is None and jobs.trained_drafter_spec("model:x") is None
   for bad, message in (("heads:", "directory"), ("heads:d?rescore", "key=value")):
     with pytest.raises(jobs.UsageError, match=message):

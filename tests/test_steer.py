@@ -330,7 +330,7 @@ def test_replayed_history_is_the_state_decoding_leaves(stride):
                              max_new_tokens=1, history_B=history_B, replay_stride=0)
 
 
-def test_paired_acceptance_replays_a_steered_drafter_history():
+def test_paired_acceptance_replays_a_steered_drafter_history(tmp_path):
   """eval.paired with each context's offset: a steered drafter's rows change exactly where a context has tokens past
   its prompt (and with the stride), stride 0 or no offsets is the prompt prefill, a plain drafter's table does not
   move; bad offsets, strides and `?replay=` settings are refused."""
@@ -359,8 +359,14 @@ def test_paired_acceptance_replays_a_steered_drafter_history():
     table(drafter, params, offsets=[5, 3, 0, 5], replay_stride=1)  # 5 tokens past a 5-token context's prompt
   with pytest.raises(ValueError, match="replay_stride must be an integer >= 0"):
     table(drafter, params, offsets=offsets, replay_stride=-1)
+  steer_lib.save_steer(tmp_path, params["steer"], {"target_layers": list(drafter.target_layers),
+                                                    "steered_layers": list(range(drafter_cfg.num_layers)),
+                                                    "drafter_layers": drafter_cfg.num_layers,
+                                                    "ffn_dim": drafter_cfg.ffn_dim})
   with pytest.raises(jobs.UsageError, match="replay must be an integer >= 0"):
-    paired._paired_drafter("steered:results/train/none?replay=-2", None, argparse.Namespace(replay_stride=8))
+    paired._paired_drafter(f"steered:{tmp_path}?replay=-2", None, argparse.Namespace(replay_stride=8))
+  with pytest.raises(jobs.UsageError, match="SD² steering map directory results/train/none does not exist"):
+    paired._paired_drafter("steered:results/train/none?replay=2", None, argparse.Namespace(replay_stride=8))
   assert paired._shown("steer_qwen", 8) == "steer_qwen (replay 8)" and paired._shown("base", None) == "base"
   assert paired._shown("steer_qwen", 0) == "steer_qwen (prefilled as prompt)"
   # a label whose settings name the stride already says it: not twice

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from blockspec_jax import sampling
 from blockspec_jax.decoding.contracts import SAMPLING_CHAIN, Commit, Drafter, chain_draft
+from blockspec_jax.drafters.settings import Settings
 from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.models.scorer import ConfigBacked
 
@@ -37,15 +38,22 @@ def feed(module, params, tokens_BxT, positions_BxT, cache, max_len: int, return_
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelDrafter(ConfigBacked):
+class ModelDrafter(Settings, ConfigBacked):
   """A small decoder-only model drafting one chain of γ tokens (the standard pairing: same tokenizer, fewer layers).
 
-  Lossless with every registered lossless rule: ``q`` rows are exactly the laws the tokens were drawn from.
+  Lossless with every registered lossless rule: ``q`` rows are exactly the laws the tokens were drawn from. No
+  settings; subclasses add theirs as fields and check them in ``checked`` (:class:`~.settings.Settings`), which
+  ``__post_init__`` runs with ``config``.
   """
 
   config: decoder_lib.DecoderConfig
+  name = "model"
+  job_fields = ("config",)  # the drafter's DecoderConfig: the job builds the drafter on its loaded model
   sibling_sampling = SAMPLING_CHAIN
   is_chain = True
+
+  def __post_init__(self):
+    self.check_fields(self.config)
 
   def num_nodes(self, gamma: int) -> int:
     return gamma

@@ -33,7 +33,8 @@ import numpy as np
 from blockspec_jax import sampling
 from blockspec_jax.decoding.contracts import SAMPLING_BEAM, chain_draft
 from blockspec_jax.drafters.base import ModelDrafter, feed
-from blockspec_jax.drafters.trees import _is_int, conditioned_scores  # shared with RSD-S
+from blockspec_jax.drafters.settings import check_count
+from blockspec_jax.drafters.trees import conditioned_scores  # shared with RSD-S
 
 __all__ = ["BeamDrafter"]
 
@@ -71,18 +72,18 @@ class BeamDrafter(ModelDrafter):
 
   width: int = 4
   sample: bool = True
+  name = "beam"
   sibling_sampling = SAMPLING_BEAM
   is_chain = True
 
-  def __post_init__(self):
-    vocab = self.config.vocab_size
-    if not _is_int(self.width) or not 1 <= self.width <= vocab:
-      raise ValueError(f"beam width must be an integer in [1, V = {vocab}] (beams per step), got {self.width!r}")
-    if not isinstance(self.sample, (bool, np.bool_)):
+  @classmethod
+  def checked(cls, values, config=None):
+    values = super().checked(values, config)
+    width = check_count(values["width"], config, "beam width", " (beams per step)")
+    if not isinstance(values["sample"], (bool, np.bool_)):
       raise ValueError(f"beam sample must be a bool (True: stochastic beam search, False: deterministic top-W), "
-                       f"got {self.sample!r}")
-    object.__setattr__(self, "width", int(self.width))
-    object.__setattr__(self, "sample", bool(self.sample))
+                       f"got {values['sample']!r}")
+    return {**values, "width": width, "sample": bool(values["sample"])}
 
   def num_nodes(self, gamma: int) -> int:
     return gamma

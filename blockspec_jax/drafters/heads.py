@@ -60,6 +60,7 @@ from blockspec_jax.checks import check_int
 from blockspec_jax.decoding.contracts import SAMPLING_CHAIN, Commit, chain_draft
 from blockspec_jax.drafters import lattice
 from blockspec_jax.drafters.base import ModelDrafter
+from blockspec_jax.drafters.settings import Settings, check_count, check_directory, is_int, read_record
 from blockspec_jax.models import decoder as decoder_lib
 
 __all__ = ["RESCORERS", "HeadsDrafter", "HeadsState", "init_heads", "heads_logits", "lm_head_weight",
@@ -67,6 +68,7 @@ __all__ = ["RESCORERS", "HeadsDrafter", "HeadsState", "init_heads", "heads_logit
 
 #: ``rescore`` values: the raw heads, local rescoring with either LM, the p-best search with either LM.
 RESCORERS = ("none", "ngram", "neural", "pbest_ngram", "pbest_neural")
+_NGRAM_RESCORERS, _NEURAL_RESCORERS = ("ngram", "pbest_ngram"), ("neural", "pbest_neural")
 _HEAD_KEYS = ("w1_HxDxD", "b1_HxD", "w2_HxDxD")
 _LOG_FLOOR = 1e-30  # the neural LM's probabilities are floored before the log: no −inf score, no NaN law
 
@@ -131,12 +133,8 @@ class HeadsState:
   lm_cache: Optional[decoder_lib.KVCache] = None
 
 
-def _is_int(value, low: int) -> bool:
-  return not isinstance(value, bool) and isinstance(value, int) and value >= low
-
-
 @dataclasses.dataclass(frozen=True)
-class HeadsDrafter:
+class HeadsDrafter(Settings):
   """BPD heads on the target's hidden state, raw or rescored (see the module docstring). Hashable, static under jit.
 
   ``target``      the target's DecoderConfig (V, D, tied LM head, compute dtype)
@@ -162,7 +160,10 @@ class HeadsDrafter:
   lm_config: decoder_lib.DecoderConfig | None = None
 
   name = "heads"
+  job_fields = ("target", "lm_config")  # the job builds the drafter on the loaded target and drafter models
   run_setting = "heads"  # the field naming the training run (jobs.trained_drafter_spec)
+  run_what = "trained BPD heads"
+  run_train = "train them with `python -m blockspec_jax.train --gin_file gin/train/heads_qwen.gin`"
   reads_target = True
   sibling_sampling = SAMPLING_CHAIN
   is_chain = True
@@ -170,18 +171,8 @@ class HeadsDrafter:
   def __post_init__(self):
     if not isinstance(self.target, decoder_lib.DecoderConfig):
       raise ValueError(f"heads drafter needs the target's DecoderConfig, got {type(self.target).__name__}")
-    if self.rescore not in RESCORERS:
-      raise ValueError(f"unknown rescorer {self.rescore!r}; known: {', '.join(RESCORERS)}")
-    if not _is_int(self.num_heads, 1):
-      raise ValueError(f"num_heads must be an integer >= 1, got {self.num_heads!r}")
+    self.check_fields(self.target)
     vocab = self.target.vocab_size
-    if not _is_int(self.top_k, 1) or self.top_k > vocab:
-      raise ValueError(f"top_k must be an integer in [1, V = {vocab}], got {self.top_k!r}")
-    if not _is_int(self.pbest, 1):
-      raise ValueError(f"pbest must be an integer >= 1, got {self.pbest!r}")
-    if isinstance(self.lm_weight, bool) or not isinstance(self.lm_weight, (int, float)) \
-        or not math.isfinite(self.lm_weight) or self.lm_weight < 0:
-      raise ValueError(f"lm_weight must be a finite number >= 0, got {self.lm_weight!r}")
     if self.uses_neural:
       if not isinstance(self.lm_config, decoder_lib.DecoderConfig):
         raise ValueError(f"rescorer {self.rescore!r} needs the neural LM's DecoderConfig (lm_config)")
@@ -193,16 +184,58 @@ class HeadsDrafter:
                          f"{self.scratch_slots} scratch slots of the p-best search")
 
   @classmethod
+  def checked(cls, values, config=None):
+    """``config``: the target's DecoderConfig (``top_k <= V``). The neural LM's config is checked by
+    ``__post_init__``."""
+    values = super().checked(values, config)
+    if values["rescore"] not in RESCORERS:
+      raise ValueError(f"unknown rescorer {values['rescore']!r}; known: {', '.join(RESCORERS)}")
+    num_heads = check_int(values["num_heads"], "num_heads")
+    top_k = check_count(values["top_k"], config, "top_k")
+    pbest = check_int(values["pbest"], "pbest")
+    lm_weight = values["lm_weight"]
+    if isinstance(lm_weight, bool) or not isinstance(lm_weight, (int, float)) or not math.isfinite(lm_weight) \
+        or lm_weight < 0:
+      raise ValueError(f"lm_weight must be a finite number >= 0, got {lm_weight!r}")
+    return {**values, "num_heads": num_heads, "top_k": top_k, "pbest": pbest,
+            "heads": check_directory(values["heads"], "heads"), "ngram": check_directory(values["ngram"], "ngram")}
+
+  @classmethod
+  def _run_record(cls, directory) -> dict:
+    from blockspec_jax.train import heads as heads_train  # host-side loading only
+    return heads_train._HEADS.read_record(directory, convert={"num_heads": int, "d_model": int})
+
+  @classmethod
+  def check_run(cls, settings) -> dict:
+    """The heads' record (and, asked for, no more heads than it holds) and the n-gram LM's record: in ``ngram``
+    when given, else in the heads' directory when the rescorer reads one."""
+    record = super().check_run(settings)
+    asked = settings.get("num_heads")
+    if asked is not None and asked > record["num_heads"]:
+      raise ValueError(f"the checkpoint in {settings['heads']} has {record['num_heads']} heads; the drafter asks for "
+                       f"{asked}")
+    ngram = settings.get("ngram")
+    if ngram is None and settings.get("rescore", "none") in _NGRAM_RESCORERS:
+      ngram = settings["heads"]
+    if ngram is not None:
+      read_record(lambda d: lattice._NGRAM.read_record(d, convert={"order": int, "vocab_size": int, "probe": int}),
+                  ngram, "the BPD heads training job writes one in its work directory (python -m blockspec_jax.train "
+                  "--gin_file gin/train/heads_qwen.gin)")
+    return record
+
+  @classmethod
   def build(cls, target_config: decoder_lib.DecoderConfig, lm_config: decoder_lib.DecoderConfig | None = None,
             **settings) -> "HeadsDrafter":
     """The drafter for a target and (for the neural rescorers) a small drafter model; ``settings`` are the other
     fields. ``lm_config`` is dropped for the rescorers that do not read it (so a job may always pass its drafter).
-    Without ``num_heads``, a trained run's (``heads``) number of heads is used."""
+    Without ``num_heads``, a trained run's (``heads``) number of heads is used (its record:
+    :meth:`~.settings.Settings.read_run`)."""
+    cls.check_known(settings)
     rescore = settings.get("rescore", "none")
-    if rescore not in ("neural", "pbest_neural"):
+    if rescore not in _NEURAL_RESCORERS:
       lm_config = None
     if "num_heads" not in settings and settings.get("heads") is not None:
-      settings["num_heads"] = _recorded_num_heads(settings["heads"])
+      settings["num_heads"] = cls.read_run(settings["heads"])["num_heads"]
     return cls(target=target_config, lm_config=lm_config, **settings)
 
   # --- declarations -----------------------------------------------------------------------------------------------
@@ -213,11 +246,11 @@ class HeadsDrafter:
 
   @property
   def uses_neural(self) -> bool:
-    return self.rescore in ("neural", "pbest_neural")
+    return self.rescore in _NEURAL_RESCORERS
 
   @property
   def uses_ngram(self) -> bool:
-    return self.rescore in ("ngram", "pbest_ngram")
+    return self.rescore in _NGRAM_RESCORERS
 
   @property
   def is_global(self) -> bool:
@@ -235,10 +268,10 @@ class HeadsDrafter:
     return self.lm_config.max_len - self.scratch_slots
 
   def num_nodes(self, gamma: int) -> int:
-    if not _is_int(gamma, 1) or gamma > self.num_heads:
+    if not is_int(gamma, 1) or gamma > self.num_heads:
       raise ValueError(f"heads drafter has {self.num_heads} heads; gamma must be an integer in [1, "
                        f"{self.num_heads}], got {gamma!r}")
-    return gamma
+    return int(gamma)
 
   @property
   def _lm(self) -> ModelDrafter:
@@ -361,9 +394,7 @@ class HeadsDrafter:
     n-gram LM from ``ngram`` (default: the heads directory). ``drafter_model`` / ``target_model``:
     ``hub.LoadedModel``s."""
     if self.heads is None:
-      raise ValueError("needs trained BPD heads: train them with `python -m blockspec_jax.train --gin_file "
-                       "gin/train/heads_qwen.gin` and bind drafter_settings = {'heads': {'heads': '<its work "
-                       "directory>'}}")
+      raise ValueError(self.run_needed())
     from blockspec_jax.train import heads as heads_train  # host-side loading only
     target_config = target_model.config
     if target_config.vocab_size != self.vocab_size or target_config.d_model != self.target.d_model:
@@ -379,19 +410,6 @@ class HeadsDrafter:
     if self.uses_ngram:
       params["ngram"], _ = lattice.load_ngram(self.ngram or self.heads, vocab_size=self.vocab_size)
     return params
-
-
-def _recorded_num_heads(workdir) -> int:
-  """The number of heads a training run saved (``heads.json``); a clear error when the run has none."""
-  import json
-  import pathlib
-  path = pathlib.Path(workdir) / "heads.json"
-  try:
-    return int(json.loads(path.read_text())["num_heads"])
-  except (OSError, ValueError, KeyError, TypeError) as e:
-    raise ValueError(f"no trained BPD heads in {workdir}: {path} is missing or unreadable ({type(e).__name__}: "
-                     f"{e}); train them with `python -m blockspec_jax.train --gin_file gin/train/heads_qwen.gin`") \
-        from None
 
 
 def _candidate_logp(q_BxV, cand_BxK):

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from blockspec_jax.decoding.contracts import SAMPLING_CHAIN, Commit, chain_draft
+from blockspec_jax.drafters.settings import Settings, is_int
 
 __all__ = ["NGramDrafter", "lookup"]
 
@@ -60,12 +61,12 @@ def lookup(tokens_BxS: jax.Array, length_B: jax.Array, gamma: int, max_ngram: in
 
 
 @dataclasses.dataclass(frozen=True)
-class NGramDrafter:
+class NGramDrafter(Settings):
   """Prompt lookup over the row's committed tokens (see the module docstring); a point-mass chain of γ tokens.
 
-  ``vocab_size``  the target's V (declared; the drafter never builds a row of it)
+  ``vocab_size``  the target's V (declared; the drafter never builds a row of it; the job passes it)
   ``max_ngram``, ``min_ngram``  the n-gram sizes tried, longest first (default 3 down to 1)
-  ``max_len``     ``None``: no cache, any length works
+  ``max_len``     ``None``: no cache, any length works (else an integer >= 1)
   No parameters (``params`` may be ``None``), no state (``None``), no randomness (the key is ignored).
   """
 
@@ -73,16 +74,27 @@ class NGramDrafter:
   max_ngram: int = 3
   min_ngram: int = 1
   max_len: Optional[int] = None
+  name = "ngram"
+  job_fields = ("vocab_size",)
   sibling_sampling = SAMPLING_CHAIN
   is_chain = True
 
   def __post_init__(self):
     if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 1:
       raise ValueError(f"ngram drafter needs the target's vocab_size (an integer >= 1), got {self.vocab_size!r}")
-    sizes = (self.min_ngram, self.max_ngram)
-    if any(isinstance(x, bool) or not isinstance(x, int) for x in sizes) or not 1 <= self.min_ngram <= self.max_ngram:
-      raise ValueError(f"ngram sizes need integers 1 <= min_ngram <= max_ngram, got min_ngram={self.min_ngram!r}, "
-                       f"max_ngram={self.max_ngram!r}")
+    self.check_fields(None)  # no model: every constraint is model-independent
+
+  @classmethod
+  def checked(cls, values, config=None):
+    values = super().checked(values, config)
+    low, high = values["min_ngram"], values["max_ngram"]
+    if any(isinstance(x, bool) or not isinstance(x, int) for x in (low, high)) or not 1 <= low <= high:
+      raise ValueError(f"ngram sizes need integers 1 <= min_ngram <= max_ngram, got min_ngram={low!r}, "
+                       f"max_ngram={high!r}")
+    max_len = values["max_len"]
+    if max_len is not None and not is_int(max_len, 1):
+      raise ValueError(f"ngram max_len must be None (no limit) or an integer >= 1, got {max_len!r}")
+    return {**values, "max_len": None if max_len is None else int(max_len)}
 
   def num_nodes(self, gamma: int) -> int:
     return gamma

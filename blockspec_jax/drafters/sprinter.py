@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from blockspec_jax.drafters.base import ModelDrafter
+from blockspec_jax.drafters.settings import check_directory
 
 __all__ = ["SprinterDrafter", "head_logits", "head_probs", "init_head"]
 
@@ -59,6 +60,18 @@ class SprinterDrafter(ModelDrafter):
 
   name = "sprinter"
   run_setting = "head"  # the field naming the training run (jobs.trained_drafter_spec)
+  run_what = "a trained verifier head"
+  run_train = "train one with `python -m blockspec_jax.train --gin_file gin/train/sprinter_qwen.gin`"
+
+  @classmethod
+  def checked(cls, values, config=None):
+    values = super().checked(values, config)
+    return {**values, "head": check_directory(values["head"], "head")}
+
+  @classmethod
+  def _run_record(cls, directory) -> dict:
+    from blockspec_jax.train import sprinter as sprinter_train  # host-side loading only
+    return sprinter_train._HEAD.read_record(directory, convert={"d_model": int})
 
   def load_params(self, drafter_model, target_model):
     """``{"model": the drafter's parameters, "head": the trained head}`` (host side): the head from the ``head``
@@ -66,9 +79,7 @@ class SprinterDrafter(ModelDrafter):
     ``hub.LoadedModel``s."""
     del target_model
     if self.head is None:
-      raise ValueError("needs a trained verifier head: train one with `python -m blockspec_jax.train --gin_file "
-                       "gin/train/sprinter_qwen.gin` and bind drafter_settings = {'sprinter': {'head': '<its work "
-                       "directory>'}}")
+      raise ValueError(self.run_needed())
     from blockspec_jax.train import sprinter as sprinter_train  # host-side loading only
     head, _ = sprinter_train.load_head(self.head, d_model=drafter_model.config.d_model)
     return {"model": drafter_model.params["params"], "head": head}

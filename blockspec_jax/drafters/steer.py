@@ -50,6 +50,7 @@ from flax import struct
 from blockspec_jax.checks import check_int
 from blockspec_jax.decoding.contracts import Commit
 from blockspec_jax.drafters.base import ModelDrafter, feed
+from blockspec_jax.drafters.settings import check_directory
 from blockspec_jax.models import decoder as decoder_lib
 
 __all__ = ["SteerState", "SteeredDrafter", "default_target_layers", "init_steer", "steer_dims", "steering_vectors",
@@ -67,14 +68,17 @@ def default_target_layers(num_target_layers: int) -> tuple[int, ...]:
   return tuple(sorted(min(max(i, 0), top) for i in (2, num_target_layers // 2, num_target_layers - 3)))
 
 
-def check_layers(layers, num_layers: int, what: str, allow_repeats: bool = False) -> tuple[int, ...]:
-  """``layers`` as a non-empty tuple of layer indices in ``[0, num_layers)`` (lists from JSON / gin accepted);
-  ValueError naming ``what`` otherwise. Without ``allow_repeats`` they must be strictly increasing."""
+def check_layers(layers, num_layers: Optional[int], what: str, allow_repeats: bool = False) -> tuple[int, ...]:
+  """``layers`` as a non-empty tuple of layer indices in ``[0, num_layers)`` (lists from JSON / gin accepted;
+  ``num_layers`` None: the model is not known yet, indices ``>= 0``); ValueError naming ``what`` otherwise. Without
+  ``allow_repeats`` they must be strictly increasing."""
   if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
     raise ValueError(f"{what} must be a non-empty tuple of layer indices, got {layers!r}")
   layers = tuple(layers)
-  if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers for i in layers):
-    raise ValueError(f"{what} must be layer indices in [0, {num_layers}), got {layers}")
+  top = float("inf") if num_layers is None else num_layers
+  if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < top for i in layers):
+    bound = ">= 0" if num_layers is None else f"in [0, {num_layers})"
+    raise ValueError(f"{what} must be layer indices {bound}, got {layers}")
   if not allow_repeats and any(a >= b for a, b in zip(layers, layers[1:])):
     raise ValueError(f"{what} must be strictly increasing, got {layers}")
   return layers
@@ -212,6 +216,8 @@ class SteeredDrafter(ModelDrafter):
   reads_target = True
   name = "steered"
   run_setting = "steer"  # the field naming the training run (jobs.trained_drafter_spec)
+  run_what = "a trained steering map"
+  run_train = "train one with `python -m blockspec_jax.train --gin_file gin/train/steer_qwen.gin`"
 
   def __post_init__(self):
     target_layers, steered_layers = self.target_layers, self.steered_layers
@@ -220,13 +226,26 @@ class SteeredDrafter(ModelDrafter):
       if recorded is not None:
         target_layers = target_layers or recorded[0]
         steered_layers = recorded[1] if steered_layers is None else steered_layers
-    target_layers = tuple(target_layers or ())
-    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in target_layers):
-      raise ValueError(f"target_layers must be layer indices >= 0, got {target_layers}")
-    if steered_layers is not None:
-      steered_layers = check_layers(steered_layers, self.config.num_layers, "steered_layers")
     object.__setattr__(self, "target_layers", target_layers)
     object.__setattr__(self, "steered_layers", steered_layers)
+    super().__post_init__()
+
+  @classmethod
+  def checked(cls, values, config=None):
+    """Target layers: indices >= 0 (their bound, the target's depth, is checked when the map loads); steered
+    layers: strictly increasing indices below the drafter's depth (with ``config``)."""
+    values = super().checked(values, config)
+    target_layers, steered_layers = values["target_layers"], values["steered_layers"]
+    target_layers = check_layers(target_layers, None, "target_layers", allow_repeats=True) if target_layers else ()
+    if steered_layers is not None:
+      steered_layers = check_layers(steered_layers, None if config is None else config.num_layers, "steered_layers")
+    return {**values, "target_layers": target_layers, "steered_layers": steered_layers,
+            "steer": check_directory(values["steer"], "steer")}
+
+  @classmethod
+  def _run_record(cls, directory) -> dict:
+    from blockspec_jax.train import steer as steer_train  # host-side loading only
+    return steer_train.read_steer_info(directory)
 
   @property
   def layers(self) -> tuple[int, ...]:
@@ -289,9 +308,7 @@ class SteeredDrafter(ModelDrafter):
     work directory, checked against both models' shapes and this drafter's layers. ``drafter_model`` /
     ``target_model``: ``hub.LoadedModel``s."""
     if self.steer is None:
-      raise ValueError("needs a trained steering map: train one with `python -m blockspec_jax.train --gin_file "
-                       "gin/train/steer_qwen.gin` and bind drafter_settings = {'steered': {'steer': '<its work "
-                       "directory>'}}")
+      raise ValueError(self.run_needed())
     from blockspec_jax.train import steer as steer_train  # host-side loading only
     steer, info = steer_train.load_steer(self.steer, target_config=target_model.config,
                                          drafter_config=drafter_model.config, target_layers=self.target_layers or None,

@@ -7,8 +7,8 @@ each depth's nodes grouped by parent and, within a parent, in draw order (so sib
 come first: the layout :func:`blockspec_jax.verify.tree_verify` requires). One drafter forward per depth feeds that
 depth's nodes at once (rotary position ``length − 1 + d``, cache slot ``length + n``, attending to the committed slots
 and to its own root-to-node path: :mod:`blockspec_jax.decoding.contracts`), except the deepest, whose rows nobody
-needs; where every depth has the same width the depths run in a ``lax.scan`` (one forward compiled). ``q`` row of node ``n`` = the law of its parent's context (after ``sampler``), the row its siblings were drawn
-from. ``commit`` moves the accepted path's entries into contiguous slots (the path commit) so the drafter's cache is
+needs; where every depth has the same width the depths run in a ``lax.scan`` (one forward compiled). ``q`` row of
+node ``n`` = the law of its parent's context (after ``sampler``), the row its siblings were drawn from. ``commit`` moves the accepted path's entries into contiguous slots (the path commit) so the drafter's cache is
 the one an autoregressive pass over the committed tokens would leave, up to the deepest accepted node when it is a
 leaf of depth γ (never fed, like the last token of :class:`~blockspec_jax.drafters.base.ModelDrafter`'s chain); the
 next ``propose`` re-feeds the last two committed tokens, which covers it.
@@ -37,6 +37,7 @@ import numpy as np
 from blockspec_jax import sampling
 from blockspec_jax.decoding.contracts import Commit, Draft, path_slots
 from blockspec_jax.drafters.base import ModelDrafter, feed
+from blockspec_jax.drafters.settings import check_count, is_int
 from blockspec_jax.verify.tree import WITH_REPLACEMENT, WITHOUT_REPLACEMENT  # the modes tree rules declare
 
 __all__ = ["KChainDrafter", "RSDConstantDrafter", "RSDStochasticBeamDrafter", "gumbel_top_k", "shape_for_budget"]
@@ -50,13 +51,10 @@ def gumbel_top_k(key_B, log_weights_BxWxV: jax.Array, k: int):
   return top_BxWxK.astype(jnp.int32)
 
 
-def _is_int(x) -> bool:
-  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _check_epsilon(epsilon) -> None:
+def _check_epsilon(epsilon) -> float:
   if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float, np.floating)) or not 0.0 < epsilon < 1.0:
     raise ValueError(f"epsilon must be in (0, 1) (the without-replacement drafters' smoothing), got {epsilon!r}")
+  return epsilon
 
 
 def _smoothed(q_BxWxV: jax.Array, epsilon: float) -> jax.Array:
@@ -204,12 +202,15 @@ class KChainDrafter(_TreeModelDrafter):
   ``is_chain`` stays False (the loop then uses the tree mask, which on a chain is the causal one)."""
 
   k: int = 2
+  name = "k_chains"
   sibling_sampling = WITH_REPLACEMENT
 
-  def __post_init__(self):
-    if not _is_int(self.k) or self.k < 1:
-      raise ValueError(f"k_chains needs an integer number of chains k >= 1, got {self.k!r}")
-    object.__setattr__(self, "k", int(self.k))
+  @classmethod
+  def checked(cls, values, config=None):
+    values = super().checked(values, config)
+    if not is_int(values["k"], 1):
+      raise ValueError(f"k_chains needs an integer number of chains k >= 1, got {values['k']!r}")
+    return {**values, "k": int(values["k"])}
 
   def widths(self, gamma):
     return (self.k,) * gamma
@@ -234,21 +235,23 @@ class RSDConstantDrafter(_TreeModelDrafter):
 
   branching: tuple[int, ...] = (2, 1)
   epsilon: float = 1e-6
+  name = "rsd_c"
   sibling_sampling = WITHOUT_REPLACEMENT
 
-  def __post_init__(self):
+  @classmethod
+  def checked(cls, values, config=None):
+    values = super().checked(values, config)
     try:
-      b = tuple(self.branching)
+      b = tuple(values["branching"])
     except TypeError:
       b = ()
-    if not b or any(not _is_int(x) or x < 1 for x in b):
+    if not b or any(not is_int(x, 1) for x in b):
       raise ValueError(f"rsd_c branching must be a non-empty tuple of integers >= 1 (children per node at each "
-                       f"depth), got {self.branching!r}")
-    if max(b) > self.config.vocab_size:
-      raise ValueError(f"rsd_c branching {b} asks for more distinct children than the V = {self.config.vocab_size} "
+                       f"depth), got {values['branching']!r}")
+    if config is not None and max(b) > config.vocab_size:
+      raise ValueError(f"rsd_c branching {b} asks for more distinct children than the V = {config.vocab_size} "
                        "tokens")
-    _check_epsilon(self.epsilon)
-    object.__setattr__(self, "branching", tuple(int(x) for x in b))
+    return {**values, "branching": tuple(int(x) for x in b), "epsilon": _check_epsilon(values["epsilon"])}
 
   def widths(self, gamma):
     if gamma != len(self.branching):
@@ -289,13 +292,14 @@ class RSDStochasticBeamDrafter(_TreeModelDrafter):
 
   width: int = 2
   epsilon: float = 1e-6
+  name = "rsd_s"
   sibling_sampling = WITHOUT_REPLACEMENT
 
-  def __post_init__(self):
-    if not _is_int(self.width) or not 1 <= self.width <= self.config.vocab_size:
-      raise ValueError(f"rsd_s width must be an integer in [1, V = {self.config.vocab_size}], got {self.width!r}")
-    _check_epsilon(self.epsilon)
-    object.__setattr__(self, "width", int(self.width))
+  @classmethod
+  def checked(cls, values, config=None):
+    values = super().checked(values, config)
+    return {**values, "width": check_count(values["width"], config, "rsd_s width"),
+            "epsilon": _check_epsilon(values["epsilon"])}
 
   def widths(self, gamma):
     return (self.width,) * gamma
@@ -340,13 +344,13 @@ def shape_for_budget(kind: str, budget: int, branches: int = 2) -> tuple[dict, i
   near the root). Budgets 4, 8, 16 give depths 2, 4, 8 (branches 2) and 1, 2, 4 (branches 4; depth 1 is no tree).
   Branching spread over depths, e.g. RSD-C ``(2, 2, 1, …)``, reaches only ``N = 2 + 4(γ − 1)`` (6, 10, 14, …), none of
   the power-of-two budgets; build such drafters directly."""
-  if not _is_int(budget) or budget < 1:
+  if not is_int(budget, 1):
     raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
   if kind not in _BUDGET_KINDS:
     raise ValueError(f"no budget shapes for drafter {kind!r}; known: {', '.join(_BUDGET_KINDS)}")
   if kind in ("model", "ngram"):
     return {}, int(budget)
-  if not _is_int(branches) or branches < 1:
+  if not is_int(branches, 1):
     raise ValueError(f"branches must be an integer >= 1, got {branches!r}")
   if budget % branches:
     raise ValueError(f"{kind} shapes with {branches} branches need a budget divisible by {branches}, got {budget}")

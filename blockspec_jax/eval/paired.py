@@ -240,21 +240,32 @@ def _trees_main(args, target, drafter_model, prompt_ids, start) -> int:
   return 0
 
 
+def _trained_entry(name, args) -> tuple[str, dict, int] | None:
+  """``(drafter, settings, replay stride)`` of a ``--drafters`` entry naming a drafter with trained parts (checked,
+  with its run's record, before any model loads), None for an entry that names a model."""
+  from blockspec_jax import jobs
+  spec_ = jobs.trained_drafter_spec(name, job_settings=("replay",))
+  if spec_ is None:
+    return None
+  kind, settings = spec_
+  stride = settings.pop("replay", args.replay_stride)
+  stride = check_int(stride, f"{name!r}: replay", 0, hint=" (0: contexts prefilled as prompts)",
+                     error=jobs.UsageError)
+  return kind, settings, stride
+
+
 def _paired_drafter(name, target, args):
   """``(drafter, its parameters, replay stride)`` for one ``--drafters`` entry: a model (name, path, training run) as
   a chain drafter, or ``<drafter>:<run dir>[?settings]`` (:func:`blockspec_jax.jobs.trained_drafter_spec`: BPD heads,
   SD²) built on ``--drafter``'s model (the steered base, the heads' neural rescorer). The stride is the entry's
   ``replay`` setting (``steered:DIR?replay=1``), else ``--replay-stride``; None for drafters that do not replay."""
   from blockspec_jax import jobs
-  spec_ = jobs.trained_drafter_spec(name)
-  if spec_ is None:
+  entry = _trained_entry(name, args)
+  if entry is None:
     drafter = jobs.load_model(name, args.dtype, progress=False, scan_layers=True)
     jobs.check_pair(target, drafter)
     return ModelDrafter(drafter.config), drafter.params["params"], None
-  kind, settings = spec_
-  stride = settings.pop("replay", args.replay_stride)
-  stride = check_int(stride, f"{name!r}: replay", 0, hint=" (0: contexts prefilled as prompts)",
-                     error=jobs.UsageError)
+  kind, settings, stride = entry
   base = jobs.load_model(args.drafter, args.dtype, progress=False, scan_layers=True)
   jobs.check_pair(target, base)
   drafter = jobs.build_drafter(kind, target, base, {kind: settings}, args.gamma)
@@ -422,6 +433,41 @@ def build_parser() -> argparse.ArgumentParser:
   return ap
 
 
+def _numbers(text: str, option: str, parse) -> list:
+  """The comma-separated values of ``option`` parsed with ``parse`` (a UsageError naming a value that does not)."""
+  from blockspec_jax import jobs
+  try:
+    return [parse(item) for item in text.split(",") if item.strip()]
+  except ValueError:
+    raise jobs.UsageError(f"{option} takes comma-separated numbers, got {text!r}") from None
+
+
+def _check_args(args) -> None:
+  """Every option checked before a model loads (a UsageError naming the first that cannot work); fills in
+  ``args.temperature_list`` and ``args.budget_list`` and checks the trained drafters' runs."""
+  from blockspec_jax import jobs
+  for option, value in (("--positions", args.positions), ("--sample-tokens", args.sample_tokens),
+                        ("--buckets", args.buckets), ("--draws", args.draws), ("--verify-draws", args.verify_draws)):
+    check_int(value, option, error=jobs.UsageError)
+  check_int(args.replay_stride, "--replay-stride", 0, hint=" (0: every context prefilled as a prompt)",
+                 error=jobs.UsageError)
+  jobs.check_settings(gamma=args.gamma, temperatures=(args.temperature,), num_prompts=args.num_prompts,
+                      dtype=args.dtype, models=(args.target, args.drafter, *args.drafter_list))
+  if args.drafters is not None and args.trees:
+    raise jobs.UsageError("--drafters and --trees are separate measurements; give one")
+  if args.drafters is None and not args.trees and args.temperature_given:
+    raise jobs.UsageError("--temperatures is for --trees and --drafters; the plain comparison takes --temperature")
+  args.temperature_list = _numbers(args.temperatures, "--temperatures", float)
+  jobs.check_settings(temperatures=args.temperature_list)
+  args.budget_list = [jobs.check_gamma(b, "every budget") for b in _numbers(args.budgets, "--budgets", int)]
+  if args.drafters is not None:
+    if not args.drafter_list:
+      raise jobs.UsageError("--drafters: give at least one drafter")
+    for entry in args.drafter_list:
+      _trained_entry(entry, args)  # a trained drafter's run and settings, before any model loads
+  jobs.check_output_file(args.json, "the report (--json)")
+
+
 def main(argv=None) -> int:
   from blockspec_jax import jobs
   from blockspec_jax.eval import prompts as prompts_lib
@@ -430,40 +476,27 @@ def main(argv=None) -> int:
   if args.json is None:
     args.json = ("results/paired_trees.json" if args.trees else "results/paired_drafters.json" if args.drafters
                  else "results/paired.json")
+  args.temperature_given = args.temperatures is not None
   if args.temperatures is None:
     args.temperatures = "1,0.6" if args.trees else "1,0"
   args.drafter_list = [d for d in (args.drafters or "").split(",") if d]
-  if args.positions < 1 or args.sample_tokens < 1 or args.buckets < 1:
-    ap.error("--positions, --sample-tokens and --buckets must be >= 1")
   if args.replay_stride is None:
     args.replay_stride = args.gamma
-  if args.replay_stride < 0:
-    ap.error("--replay-stride must be >= 0 (0: every context prefilled as a prompt)")
-  with jobs.cli_errors(ap.prog):
-    jobs.check_settings(gamma=args.gamma, temperatures=(args.temperature,), num_prompts=args.num_prompts,
-                        dtype=args.dtype, models=(args.target, args.drafter, *args.drafter_list))
+  with jobs.cli_errors(ap.prog):  # a mistake in the options, the prompts or a user's checkpoint: one line
+    _check_args(args)
     prompts_lib.load_prompts(args.prompts, limit=args.num_prompts)
+    if args.drafters is not None:
+      start = time.perf_counter()
+      target = jobs.load_model(args.target, args.dtype, scan_layers=True)
+      rows = prompts_lib.load_prompts(args.prompts, limit=args.num_prompts)
+      return _drafters_main(args, target, rows, jobs.encode_prompts(target, rows, chat=True), start)
+    return _pair_main(args)
 
-  if args.drafters is not None:
-    with jobs.cli_errors(ap.prog):
-      if not args.drafter_list:
-        raise jobs.UsageError("--drafters: give at least one drafter")
-      if args.trees:
-        raise jobs.UsageError("--drafters and --trees are separate measurements; give one")
-      args.temperature_list = [float(t) for t in args.temperatures.split(",") if t]
-      jobs.check_settings(temperatures=args.temperature_list)
-    start = time.perf_counter()
-    target = jobs.load_model(args.target, args.dtype, scan_layers=True)
-    rows = prompts_lib.load_prompts(args.prompts, limit=args.num_prompts)
-    prompt_ids = jobs.encode_prompts(target, rows, chat=True)
-    with jobs.cli_errors(ap.prog):
-      return _drafters_main(args, target, rows, prompt_ids, start)
 
-  if args.trees:
-    with jobs.cli_errors(ap.prog):
-      args.budget_list = [jobs.check_gamma(int(b), "every budget") for b in args.budgets.split(",") if b]
-      args.temperature_list = [float(t) for t in args.temperatures.split(",") if t]
-      jobs.check_settings(temperatures=args.temperature_list)
+def _pair_main(args) -> int:
+  """Token vs block verification of one drafter (``--trees``: trees and chains at equal budgets) on one target."""
+  from blockspec_jax import jobs
+  from blockspec_jax.eval import prompts as prompts_lib
   start = time.perf_counter()
   target = jobs.load_model(args.target, args.dtype, scan_layers=True)
   drafter = jobs.load_model(args.drafter, args.dtype, scan_layers=True)

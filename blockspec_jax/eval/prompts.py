@@ -56,7 +56,7 @@ import tempfile
 import types
 import zipfile
 
-from blockspec_jax.checks import check_int
+from blockspec_jax.checks import UsageError, check_int
 from blockspec_jax.models.registry import download_pinned
 
 DEFAULT_PROMPTS = pathlib.Path(__file__).with_name("data") / "prompts.jsonl"
@@ -98,25 +98,30 @@ _FIELDS = ("id", "task", "text", "source", "licence")
 def _parse_rows(path: pathlib.Path) -> list[dict]:
   """The rows of a prompt file, each checked and with its optional fields filled (see the module docstring)."""
   rows = []
-  for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+  for lineno, raw in enumerate(path.read_bytes().splitlines(), start=1):
+    where = f"prompt file {path}, line {lineno}"
+    try:
+      line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise UsageError(f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); prompt files "
+                       "are UTF-8 JSON lines") from None
     if not line.strip():
       continue
-    where = f"prompt file {path}, line {lineno}"
     try:
       row = json.loads(line)
     except json.JSONDecodeError as e:
-      raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON object "
+      raise UsageError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON object "
                        f"with at least \"text\" and \"task\"") from None
     if not isinstance(row, dict):
-      raise ValueError(f"{where}: a JSON {type(row).__name__}, not an object; each line must be one JSON object with "
+      raise UsageError(f"{where}: a JSON {type(row).__name__}, not an object; each line must be one JSON object with "
                        f"at least \"text\" and \"task\"")
     missing = [k for k in ("text", "task") if k not in row]
     if missing:
-      raise ValueError(f"{where}: the row lacks {' and '.join(repr(k) for k in missing)} (required: \"text\", the "
+      raise UsageError(f"{where}: the row lacks {' and '.join(repr(k) for k in missing)} (required: \"text\", the "
                        f"prompt, and \"task\", its category; optional: \"id\", \"source\", \"licence\")")
     for key in ("text", "task"):
       if not isinstance(row[key], str) or not row[key].strip():
-        raise ValueError(f"{where}: {key!r} must be a non-empty string, got {row[key]!r}")
+        raise UsageError(f"{where}: {key!r} must be a non-empty string, got {row[key]!r}")
     if not all(k in row for k in _FIELDS):  # a user's row: fill the optional fields
       row = dict(row)
       row.setdefault("id", f"{path.stem}/{lineno}")

@@ -330,10 +330,14 @@ def suite_job(name: str = "suite", target: str = jobs.DEFAULT_TARGET, drafter: s
   ``share_prefills``: rows that run the same prefill share it, as in the main job (``run_job.share_prefills``).
   Every setting is checked before a model is loaded.
   """
+  jobs.check_settings(gammas=gammas, methods=methods, temperatures=temperatures)  # lists, not scalars, not empty
   methods, gammas, temperatures = tuple(methods), tuple(gammas), tuple(temperatures)
-  if not methods or not gammas or not temperatures:
-    raise jobs.UsageError("suite: methods, gammas and temperatures must each name at least one value")
-  method_gammas = {m: tuple(g) for m, g in (method_gammas or {}).items()}
+  if not isinstance(method_gammas or {}, dict):
+    raise jobs.UsageError(f"suite.method_gammas must map methods to tuples of γ, got {method_gammas!r}")
+  method_gammas = dict(method_gammas or {})
+  for method, own in method_gammas.items():
+    jobs.check_settings(gammas=own)
+    method_gammas[method] = tuple(own)
   stray = [m for m in method_gammas if m not in methods]
   if stray:
     raise jobs.UsageError(f"suite: method_gammas names {stray}, which are not among the methods {list(methods)}")
@@ -341,6 +345,7 @@ def suite_job(name: str = "suite", target: str = jobs.DEFAULT_TARGET, drafter: s
   jobs.check_settings(gammas=all_gammas, methods=methods, temperatures=temperatures, max_new_tokens=max_new_tokens,
                       num_prompts=prompts_per_task, dtype=dtype, models=(target, drafter))
   jobs.check_verifier_settings(verifier_settings)
+  jobs.check_drafter_settings(drafter_settings)
   try:
     from blockspec_jax import sampling
     sampling.Sampler(temperature=1.0, top_k=top_k, top_p=top_p)
@@ -357,7 +362,7 @@ def suite_job(name: str = "suite", target: str = jobs.DEFAULT_TARGET, drafter: s
     raise jobs.UsageError(f"suite: tasks {unknown} are not in {prompts} (it has {', '.join(present)})")
   by_task = {t: [r for r in rows if r["task"] == t][:prompts_per_task] for t in tasks}
   bucket_width(1, width_bucket)
-  out = pathlib.Path(out_dir) if out_dir else _default_out_dir(name)
+  out = jobs.check_output_dir(pathlib.Path(out_dir) if out_dir else _default_out_dir(name), "the suite's directory")
 
   compile_dir = jobs.enable_compilation_cache(compilation_cache)
   for flag, value in (("scan_layers", scan_layers), ("share_prefills", share_prefills)):

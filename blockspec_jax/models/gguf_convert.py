@@ -57,6 +57,7 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 
+from blockspec_jax.checks import UsageError
 from blockspec_jax.models.decoder import DecoderConfig
 
 __all__ = ["GGUFContents", "GGUFError", "SUPPORTED_ARCHS", "read_gguf", "config_from_gguf", "convert",
@@ -83,7 +84,7 @@ class GGUFContents:
     return self.metadata["general.architecture"]
 
 
-class GGUFError(ValueError):
+class GGUFError(UsageError):
   """A GGUF file that is truncated, damaged or inconsistent; the message names the file and the problem."""
 
 

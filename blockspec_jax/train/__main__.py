@@ -509,11 +509,10 @@ def main(argv=None) -> int:
     if not args.gin_file:
       raise jobs.UsageError("give a job with --gin_file gin/train/<job>.gin")
     jobs.join_multihost_from_env()
-    jobs.add_gin_search_path()
     _jobs()  # every job's configurables registered before the files are parsed
-    gin.parse_config_files_and_bindings(args.gin_file, args.gin_param)
+    jobs.parse_gin(args.gin_file, args.gin_param)
     workdir = pathlib.Path(args.workdir) if args.workdir else default_workdir(args.gin_file)
-    workdir.mkdir(parents=True, exist_ok=True)
+    jobs.check_output_dir(workdir, "the training run's work directory (--workdir)")
     (workdir / "config.gin").write_text(gin.config_str())  # what was bound; the operative config replaces it
     job = selected_job()
     summary = job(workdir)

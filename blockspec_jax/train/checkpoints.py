@@ -25,7 +25,7 @@ directory or none), so the newest step lacking one is almost always a run killed
 files; a damaged one that orbax still reads cannot be told from it, hence the line. A record that exists but cannot
 be read counts as missing (its step is unverified), never as proof.
 
-When no kept step is intact, :class:`DamagedCheckpointError` (a ValueError) says so in one line, naming the directory
+When no kept step is intact, :class:`DamagedCheckpointError` (a ValueError: a ``checks.UsageError``) says so in one line, naming the directory
 and each step's reason, and that deleting the directory starts the run over. When every step is intact but none
 restores into the template (a run resumed with other settings), a plain ValueError says that instead. With an
 explicit ``step`` there is no fallback: that step damaged is the error. Errors and lines never carry orbax's
@@ -55,6 +55,7 @@ from typing import Any
 import jax
 
 from blockspec_jax.artifacts import atomic_write
+from blockspec_jax.checks import UsageError
 
 __all__ = ["DamagedCheckpointError", "Restored", "records_dir", "make_manager", "save", "restore", "delete_after",
            "verify_step"]
@@ -64,8 +65,9 @@ _CHUNK = 1 << 20
 _PREFIX = "[blockspec_jax]"
 
 
-class DamagedCheckpointError(ValueError):
-  """No usable checkpoint: every kept step (or the one asked for) is damaged. The message is one line."""
+class DamagedCheckpointError(UsageError):
+  """No usable checkpoint: every kept step (or the one asked for) is damaged. The message is one line (a UsageError:
+  the command lines print it without a traceback)."""
 
 
 @dataclasses.dataclass(frozen=True)

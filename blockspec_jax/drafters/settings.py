@@ -1,0 +1,134 @@
+"""Drafter settings, checked before the models load (:func:`blockspec_jax.drafters.check_settings`) and again, with
+the models' configs, when the drafter is built: one implementation of every constraint.
+
+Every registered drafter class mixes in :class:`Settings`. Its settings are its dataclass fields but those the job
+fills in itself (``job_fields``: the drafter's or the target's DecoderConfig, the target's vocabulary). One
+classmethod, ``checked(values, config)``, holds every constraint on their values: without a config (before any model
+loads) it checks what does not depend on the models; ``__post_init__`` calls it with the drafter's config
+(:meth:`Settings.check_fields`), which adds the constraints that do (``V``, layer counts). Drafters with a trained
+run (class attribute ``run_setting``: the field naming the run's work directory; ``run_what``, ``run_train`` say what
+it holds and how to train one) also check, before any model loads, that it is given and holds its record (the JSON
+alone: cheap); their ``load_params`` reads the arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+__all__ = ["Settings", "is_int", "check_count", "check_directory", "read_record"]
+
+
+def is_int(value, low: int | None = None) -> bool:
+  """True for a Python or NumPy integer (not a bool) ``>= low`` (any integer when ``low`` is None)."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    return False
+  return low is None or value >= low
+
+
+def check_count(value, config, what: str, hint: str = "") -> int:
+  """``value`` as an ``int`` when it is an integer in ``[1, V]`` (``V = config.vocab_size``; ``config`` None: before
+  the models load, only ``>= 1`` is checked). ValueError ``"<what> must be an integer in [1, V = <V>]<hint>, got
+  <value!r>"`` otherwise (``[1, V]`` without a config)."""
+  vocab = None if config is None else config.vocab_size
+  if not is_int(value, 1) or (vocab is not None and value > vocab):
+    bound = "V" if vocab is None else f"V = {vocab}"
+    raise ValueError(f"{what} must be an integer in [1, {bound}]{hint}, got {value!r}")
+  return int(value)
+
+
+def check_directory(value, setting: str):
+  """``value`` when it is None or a path (a non-empty string or ``os.PathLike``): a setting naming a directory;
+  ValueError naming ``setting`` otherwise."""
+  if value is None or (isinstance(value, os.PathLike) or (isinstance(value, str) and value)):
+    return value
+  raise ValueError(f"{setting} must name a directory (a path), got {value!r}")
+
+
+def read_record(read: Callable[[Any], dict], directory, remedy: str) -> dict:
+  """``read(directory)``: an artifact's record (:meth:`blockspec_jax.artifacts.Artifact.read_record`), with every
+  problem a ValueError: the artifact's own message (a missing directory also says ``remedy``: how to make one; a
+  directory without the record already names the training job)."""
+  try:
+    return read(directory)
+  except FileNotFoundError as e:
+    hint = "" if pathlib.Path(directory).expanduser().is_dir() else f"; {remedy}"
+    raise ValueError(f"{e}{hint}") from None
+
+
+class Settings:
+  """The settings of a drafter class (a frozen dataclass; see the module docstring). Subclasses set ``name`` (the
+  registered name), ``job_fields`` and extend :meth:`checked`; those with a trained run set ``run_setting``,
+  ``run_what``, ``run_train`` and define ``_run_record(directory) -> dict``."""
+
+  job_fields = ()
+
+  @classmethod
+  def setting_names(cls) -> tuple[str, ...]:
+    """The fields a job's ``drafter_settings`` entry may set, in declaration order."""
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name not in cls.job_fields)
+
+  @classmethod
+  def check_known(cls, settings) -> None:
+    """ValueError unless ``settings`` is a dict whose keys are all settings of this drafter (naming the unknown ones
+    and listing the known)."""
+    if not isinstance(settings, Mapping):
+      raise ValueError(f"drafter {cls.name!r} takes its settings as a dict of setting -> value, got {settings!r}")
+    names = cls.setting_names()
+    unknown = sorted(set(settings) - set(names), key=str)
+    if unknown:
+      raise ValueError(f"drafter {cls.name!r} has no settings {unknown}; its settings: {', '.join(names) or 'none'}")
+
+  @classmethod
+  def checked(cls, values: dict, config=None) -> dict:
+    """``values`` (every setting, by name) normalized (Python ints, tuples), after checking every constraint on
+    them: those that need no model always, those that depend on the models' sizes when ``config`` (the DecoderConfig
+    the drafter is built on) is given. ValueError naming the first problem. Subclasses extend it."""
+    return dict(values)
+
+  @classmethod
+  def check_settings(cls, settings: Mapping) -> None:
+    """Everything about ``settings`` (a job's ``drafter_settings`` entry, unset settings at their defaults) that can
+    be checked before the models load: known settings, values (:meth:`checked` without a config) and, for a drafter
+    with a trained run, the run's record (:meth:`check_run`). ValueError naming the problem."""
+    cls.check_known(settings)
+    cls.checked({**cls._defaults(), **settings})
+    if getattr(cls, "run_setting", None) is not None:
+      cls.check_run(settings)
+
+  @classmethod
+  def _defaults(cls) -> dict:
+    return {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            for f in dataclasses.fields(cls) if f.name not in cls.job_fields}
+
+  def check_fields(self, config) -> None:
+    """``__post_init__``'s check: :meth:`checked` on the drafter's own settings with ``config``; the normalized
+    values replace the fields."""
+    values = {name: getattr(self, name) for name in self.setting_names()}
+    for name, value in self.checked(values, config).items():
+      object.__setattr__(self, name, value)
+
+  # --- drafters with a trained run ------------------------------------------------------------------------------------
+
+  @classmethod
+  def run_needed(cls) -> str:
+    """The message for a missing run: what the drafter needs, how to train it and how to bind it."""
+    return (f"needs {cls.run_what}: {cls.run_train} and bind drafter_settings = "
+            f"{{{cls.name!r}: {{{cls.run_setting!r}: '<its work directory>'}}}}")
+
+  @classmethod
+  def read_run(cls, directory) -> dict:
+    """The record of the trained run in ``directory`` (its JSON alone); ValueError saying what is wrong and what to
+    do (None: the run is missing, :meth:`run_needed`)."""
+    if directory is None:
+      raise ValueError(cls.run_needed())
+    return read_record(cls._run_record, check_directory(directory, cls.run_setting), cls.run_train)
+
+  @classmethod
+  def check_run(cls, settings: Mapping) -> dict:
+    """The run's record for ``settings`` (ValueError when it is missing or unreadable); subclasses check more."""
+    return cls.read_run(settings.get(cls.run_setting))
