@@ -18,7 +18,9 @@ import sys
 import gin
 import jax
 
-from blockspec_jax import jobs
+from blockspec_jax import checks as checks_lib
+from blockspec_jax import cli
+from blockspec_jax import methods
 from blockspec_jax.checks import check_int
 from blockspec_jax.eval import theory_report as report_lib
 
@@ -26,15 +28,15 @@ from blockspec_jax.eval import theory_report as report_lib
 @gin.configurable("theory_report")
 def theory_report(gammas=(2, 4), num_samples: int = 100_000, seed: int = 0, tree_samples: int = 0) -> str:
   """The chain table; with ``tree_samples > 0`` also the tree table (trees per rule, shape and pair)."""
-  jobs.check_settings(gammas=gammas)
-  check_int(num_samples, "num_samples", 2, error=jobs.UsageError)
+  methods.check_settings(gammas=gammas)
+  check_int(num_samples, "num_samples", 2, error=checks_lib.UsageError)
   if isinstance(tree_samples, bool) or not isinstance(tree_samples, int) or tree_samples < 0 or tree_samples == 1:
-    raise jobs.UsageError(f"tree_samples must be 0 (no tree table) or an integer >= 2, got {tree_samples!r}")
+    raise checks_lib.UsageError(f"tree_samples must be 0 (no tree table) or an integer >= 2, got {tree_samples!r}")
   pairs = report_lib.default_pairs(tuple(gammas), seed)
   try:
     report_lib.check_enumerable(pairs)
   except ValueError as e:
-    raise jobs.UsageError(str(e)) from None
+    raise checks_lib.UsageError(str(e)) from None
   rows = report_lib.report_rows(pairs, num_samples, seed)
   report = report_lib.format_table(rows)
   if tree_samples:
@@ -55,8 +57,8 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   overrides = {k: v for k, v in (("gammas", args.gamma), ("num_samples", args.samples), ("seed", args.seed),
                                  ("tree_samples", args.tree_samples)) if v is not None}
-  with jobs.cli_errors(parser.prog):
-    jobs.parse_gin(args.gin_file, args.gin_param)
+  with cli.cli_errors(parser.prog):
+    cli.parse_gin(args.gin_file, args.gin_param)
     report = theory_report(**overrides)
   print(f"blockspec_jax on {jax.devices()[0].platform}: token vs block verification, exact and measured\n")
   print(report)

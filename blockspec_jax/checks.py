@@ -12,7 +12,7 @@ __all__ = ["UsageError", "check_int"]
 
 class UsageError(ValueError):
   """The caller's input cannot work: a setting, a name, a path or a user's file (a prompt file that is not UTF-8, a
-  damaged checkpoint). The command lines print it as one line (``jobs.cli_errors``); any other exception is a fault
+  damaged checkpoint). The command lines print it as one line (``cli.cli_errors``); any other exception is a fault
   of the program and keeps its traceback. A ValueError, so library callers may catch either."""
 
 

@@ -20,7 +20,8 @@ import sys
 
 import gin
 
-from blockspec_jax import jobs
+from blockspec_jax import checks
+from blockspec_jax import cli
 
 __all__ = ["JOBS", "TRAINING_JOBS", "ARGPARSE_JOBS", "configured_job", "main"]
 
@@ -36,14 +37,14 @@ JOBS = {
 TRAINING_JOBS = ("distill_job", "sprinter_job", "heads_job", "steer_job")
 TRAINING_MODULE = "blockspec_jax.train.__main__"
 #: Commands with an argparse command line -> their module (``build_parser()`` and ``main(argv)``): gin jobs made by
-#: ``jobs.argparse_gin_job`` when this entry point registers them, so the library modules never import gin.
+#: ``cli.argparse_gin_job`` when this entry point registers them, so the library modules never import gin.
 ARGPARSE_JOBS = {
     "paired": "blockspec_jax.eval.paired",
     "bench_decode": "blockspec_jax.eval.bench_decode",
     "bench_peer": "blockspec_jax.eval.bench_peer",
     "bench_trees": "blockspec_jax.eval.bench_trees",
     "bench_verify": "blockspec_jax.eval.bench_verify",
-    "build_prompts": "blockspec_jax.eval.prompts",
+    "build_prompts": "blockspec_jax.data.prompts",
 }
 _ARGPARSE_CONFIGURABLES: dict = {}
 
@@ -52,7 +53,7 @@ def argparse_job(name: str):
   """The gin configurable of the argparse command ``name`` (registered once per process)."""
   if name not in _ARGPARSE_CONFIGURABLES:
     module = importlib.import_module(ARGPARSE_JOBS[name])
-    _ARGPARSE_CONFIGURABLES[name] = jobs.argparse_gin_job(name, module.build_parser, lambda argv: module.main(argv))
+    _ARGPARSE_CONFIGURABLES[name] = cli.argparse_gin_job(name, module.build_parser, lambda argv: module.main(argv))
   return _ARGPARSE_CONFIGURABLES[name]
 
 
@@ -68,26 +69,26 @@ def _register_all() -> None:
 def configured_job() -> str:
   """The name of the one job the parsed gin configuration binds; a UsageError for none or several."""
   names = (*JOBS, *TRAINING_JOBS, *ARGPARSE_JOBS)
-  configured = jobs.bound_jobs(names)
+  configured = cli.bound_jobs(names)
   if not configured:
-    raise jobs.UsageError(f"the gin files bind no job's settings; bind one of {', '.join(names)} "
+    raise checks.UsageError(f"the gin files bind no job's settings; bind one of {', '.join(names)} "
                           "(e.g. --gin_file gin/eval/smoke.gin)")
   if len(configured) > 1:
-    raise jobs.UsageError(f"the gin files configure {' and '.join(configured)}; a run runs one job")
+    raise checks.UsageError(f"the gin files configure {' and '.join(configured)}; a run runs one job")
   return configured[0]
 
 
 def main(argv=None) -> int:
-  parser = jobs.gin_parser("python -m blockspec_jax.main", __doc__, workdir=True)
+  parser = cli.gin_parser("python -m blockspec_jax.main", __doc__, workdir=True)
   args = parser.parse_args(argv)
-  with jobs.cli_errors(parser.prog):
+  with cli.cli_errors(parser.prog):
     if not args.gin_file:
-      raise jobs.UsageError("give the job's gin file: --gin_file gin/<kind>/<job>.gin")
+      raise checks.UsageError("give the job's gin file: --gin_file gin/<kind>/<job>.gin")
     _register_all()
-    jobs.parse_gin(args.gin_file, args.gin_param)
+    cli.parse_gin(args.gin_file, args.gin_param)
     name = configured_job()
     if args.workdir and name not in TRAINING_JOBS:
-      raise jobs.UsageError(f"--workdir is for training jobs; {name} writes where its own settings say")
+      raise checks.UsageError(f"--workdir is for training jobs; {name} writes where its own settings say")
     if name in ARGPARSE_JOBS:  # the bound settings become the command's own command line
       result = argparse_job(name)()
       gin.clear_config()

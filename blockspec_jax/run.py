@@ -28,10 +28,15 @@ import sys
 import gin
 import jax
 
-from blockspec_jax import jobs
-from blockspec_jax.eval import prompts as prompts_lib
+from blockspec_jax import checks
+from blockspec_jax import cli
+from blockspec_jax.eval import harness
+from blockspec_jax import methods as methods_lib
+from blockspec_jax import runtime
+from blockspec_jax import sources
+from blockspec_jax.data import prompts as prompts_lib
 
-METHODS = jobs.METHODS
+METHODS = methods_lib.METHODS
 
 
 def format_table(rows, drafters: list[str] | None = None) -> str:
@@ -74,7 +79,7 @@ def format_table(rows, drafters: list[str] | None = None) -> str:
 
 
 @gin.configurable("run_job")
-def run_job(target: str = jobs.DEFAULT_TARGET, drafter=jobs.DEFAULT_DRAFTER,
+def run_job(target: str = methods_lib.DEFAULT_TARGET, drafter=methods_lib.DEFAULT_DRAFTER,
             prompts_path: str = str(prompts_lib.DEFAULT_PROMPTS), num_prompts: int | None = 6, gamma: int = 4,
             temperatures=(0.0, 1.0), methods=METHODS, max_new_tokens: int = 64, dtype: str = "float32",
             seed: int = 0, chat: bool = True, output_json: str | None = "results/run.json",
@@ -92,51 +97,51 @@ def run_job(target: str = jobs.DEFAULT_TARGET, drafter=jobs.DEFAULT_DRAFTER,
   tokens; on this CPU its decode steps are about 6% and its prefill about 18% slower than the unrolled layout's, which
   ``False`` selects for long measurements).
   ``share_prefills``: rows that run the same prefill (same models, drafter, γ and budget: temperature and verifier
-  do not enter it) compute each prompt's prefill once (``jobs.PrefillCache``; the same state bit for bit) and each
+  do not enter it) compute each prompt's prefill once (``harness.PrefillCache``; the same state bit for bit) and each
   count its measured time; False runs and times every row's own.
   ``compilation_cache``: JAX's persistent compilation cache directory (default ``$BLOCKSPEC_JAX_COMPILE_CACHE`` or
   ``<cache dir>/jax_compilation``; "off" disables it): a second run loads its compiled programs from there.
   """
   drafter_names = (drafter,) if isinstance(drafter, str) else tuple(drafter)
   if not drafter_names:
-    raise jobs.UsageError("run_job.drafter: give at least one drafter")
-  jobs.check_settings(gamma=gamma, methods=methods, temperatures=temperatures, max_new_tokens=max_new_tokens,
+    raise checks.UsageError("run_job.drafter: give at least one drafter")
+  methods_lib.check_settings(gamma=gamma, methods=methods, temperatures=temperatures, max_new_tokens=max_new_tokens,
                       num_prompts=num_prompts, dtype=dtype, models=(target, *drafter_names))
-  jobs.check_verifier_settings(verifier_settings)
-  jobs.check_drafter_settings(drafter_settings)
-  jobs.check_output_file(output_json, "the report (run_job.output_json)")
+  methods_lib.check_verifier_settings(verifier_settings)
+  methods_lib.check_drafter_settings(drafter_settings)
+  runtime.check_output_file(output_json, "the report (run_job.output_json)")
   rows = prompts_lib.load_prompts(prompts_path, limit=num_prompts)
   if not rows:
-    raise jobs.UsageError(f"no prompts in {prompts_path}")
-  compile_dir = jobs.enable_compilation_cache(compilation_cache)
+    raise checks.UsageError(f"no prompts in {prompts_path}")
+  compile_dir = runtime.enable_compilation_cache(compilation_cache)
   for name, value in (("scan_layers", scan_layers), ("share_prefills", share_prefills)):
     if not isinstance(value, bool):
-      raise jobs.UsageError(f"run_job.{name} must be True or False, got {value!r}")
-  target_model, drafter_models, load_s = jobs.load_models(target, drafter_names, dtype, cache_dir, scan_layers)
-  labels = jobs.drafter_labels(drafter_names)
+      raise checks.UsageError(f"run_job.{name} must be True or False, got {value!r}")
+  target_model, drafter_models, load_s = sources.load_models(target, drafter_names, dtype, cache_dir, scan_layers)
+  labels = methods_lib.drafter_labels(drafter_names)
   print(f"loaded {', '.join(map(str, drafter_names))} → {target} ({dtype}) in {load_s:.1f} s; "
         f"{len(rows)} prompts; jax {jax.__version__} on {jax.devices()[0].platform}; compilation cache "
         f"{compile_dir or 'off'}", flush=True)
-  prompt_ids = jobs.encode_prompts(target_model, rows, chat)
+  prompt_ids = prompts_lib.encode_prompts(target_model, rows, chat)
   width = max(len(p) for p in prompt_ids)
-  jobs.check_methods_fit(methods, (gamma,), target_model, drafter_models, width, max_new_tokens, drafter_settings,
+  methods_lib.check_methods_fit(methods, (gamma,), target_model, drafter_models, width, max_new_tokens, drafter_settings,
                          verifier_settings)
   stop_ids = target_model.stop_ids
   several = len(drafter_models) > 1
   results, texts, generated = [], {}, {}
-  prefills = jobs.PrefillCache() if share_prefills else None
+  prefills = harness.PrefillCache() if share_prefills else None
   for temperature in temperatures:
     baseline = None
     for method in methods:
-      pairs = [(None, None)] if method == jobs.AUTOREGRESSIVE else list(zip(labels, drafter_models))
+      pairs = [(None, None)] if method == methods_lib.AUTOREGRESSIVE else list(zip(labels, drafter_models))
       for label, drafter_model in pairs:
-        summary, outputs = jobs.run_method(method, target_model, drafter_model, prompt_ids, width, gamma=gamma,
+        summary, outputs = harness.run_method(method, target_model, drafter_model, prompt_ids, width, gamma=gamma,
                                            max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                            stop_ids=stop_ids, drafter_settings=drafter_settings,
                                            verifier_settings=verifier_settings, prefills=prefills)
         if label is not None:
           summary["drafter"] = label
-        if method == jobs.AUTOREGRESSIVE:
+        if method == methods_lib.AUTOREGRESSIVE:
           baseline = summary
         summary["speedup"] = summary["tokens_per_s"] / baseline["tokens_per_s"] if baseline else float("nan")
         summary["decode_speedup"] = (summary["decode_tokens_per_s"] / baseline["decode_tokens_per_s"] if baseline
@@ -153,19 +158,19 @@ def run_job(target: str = jobs.DEFAULT_TARGET, drafter=jobs.DEFAULT_DRAFTER,
     print(f"\nprompt [{rows[0]['id']}]: {rows[0]['text'][:300]}")
     for name, text in texts.items():
       print(f"\n--- {name} ---\n{text}")
-  rss_gb = jobs.peak_rss_gb()
+  rss_gb = runtime.peak_rss_gb()
   print(f"\npeak resident memory of this job: {rss_gb:.2f} GB (10^9 bytes)")
   report = dict(target=target, drafter=list(drafter_names) if several else drafter_names[0], dtype=dtype,
                 gamma=gamma, max_new_tokens=max_new_tokens, peak_rss_gb=rss_gb,
                 prompts=[dict(id=r["id"], task=r["task"], source=r["source"], licence=r["licence"]) for r in rows],
                 results=results, sample_text=texts, generated_ids=generated)
   if output_json:
-    print(f"\nwrote {jobs.write_report(output_json, report)}")
+    print(f"\nwrote {runtime.write_report(output_json, report)}")
   return report
 
 
 def main(argv=None) -> int:
-  return jobs.gin_main("python -m blockspec_jax.run", __doc__, run_job, argv)
+  return cli.gin_main("python -m blockspec_jax.run", __doc__, run_job, argv)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ if any(importlib.util.find_spec(name) for name in ("jax_cuda12_plugin", "jax_cud
 import jax  # noqa: E402  (after XLA_FLAGS: the CPU backend reads them when it starts)
 import pytest
 
-from blockspec_jax import jobs  # noqa: E402
+from blockspec_jax import runtime  # noqa: E402
 
 # No persistent compilation cache inside the test workers: jobs run in-process (run.main, bench_lossy) would turn it
 # on for the rest of the worker. The cache's own test uses an explicit directory in subprocesses.
@@ -45,4 +45,4 @@ def _release_compiled_programs():
   in three different tests, each passing alone). After each test, drop the compiled programs once half of the limit
   is in use (no single test adds more than about ten thousand); later tests compile what they need again."""
   yield
-  jobs.release_programs_if_near_map_limit()
+  runtime.release_programs_if_near_map_limit()

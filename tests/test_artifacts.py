@@ -84,7 +84,7 @@ def test_read_matching_reads_a_cache_made_alike_and_refuses_one_made_otherwise(t
 
 
 def test_collect_missing_fills_only_the_uncached_splits_and_saves_each_at_once():
-  from blockspec_jax import jobs
+  from blockspec_jax import checks
   from blockspec_jax.train import pools
   calls, saved = [], []
 
@@ -99,6 +99,6 @@ def test_collect_missing_fills_only_the_uncached_splits_and_saves_each_at_once()
   assert calls == [("heldout", np.dtype(np.int64), [1])] and saved == ["heldout"]
   assert data["train"] == {"rows": "cached"} and data["heldout"]["rows"].tolist() == [1]
   calls.clear(), saved.clear()
-  with pytest.raises(jobs.UsageError, match="no held-out prompts"):  # the collector's error, as a usage error
+  with pytest.raises(checks.UsageError, match="no held-out prompts"):  # the collector's error, as a usage error
     pools.collect_missing({"train": None, "heldout": None}, ([0, 2], []), collect, lambda split, d: saved.append(split))
   assert saved == ["train"]  # the first split was saved before the second failed

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from blockspec_jax import jobs
+from blockspec_jax import methods
 from blockspec_jax.eval import bench_lossy
 from blockspec_jax.models import decoder as dec
 from blockspec_jax.train import sprinter as sprinter_train
@@ -20,8 +20,8 @@ def test_method_specs_name_every_row():
   assert [s["label"] for s in specs] == ["autoregressive", "token", "block", "sprinter θ=0.3", "sprinter θ=0.5",
                                          "sprinter θ=0.7", "mtad τ=0.3", "mtad τ=0.5"]
   for s in specs:
-    jobs.parse_method(s["method"])
-    jobs.check_verifier_settings(s["verifier_settings"])
+    methods.parse_method(s["method"])
+    methods.check_verifier_settings(s["verifier_settings"])
 
 
 def test_tabular_fidelity_is_exact_zero_for_lossless_rows_and_positive_for_lossy_ones():

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from blockspec_jax import jobs
+from blockspec_jax import sources
 from blockspec_jax.eval import bench_startup
 from blockspec_jax.models import decoder as dec
 
@@ -82,7 +82,7 @@ def test_bench_on_smollm2_reports_every_figure(tmp_path, capsys):
                                             ("bench_startup.bandwidth_mib = 0", "bandwidth_mib"),
                                             ("bench_startup.layouts = ('stacked',)", "layouts must name")])
 def test_bad_settings_fail_before_a_model_loads(param, message, capsys, monkeypatch):
-  monkeypatch.setattr(jobs, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+  monkeypatch.setattr(sources, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
   gin.clear_config()
   try:
     with pytest.raises(SystemExit) as exc:

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from blockspec_jax import checks, jobs
+from blockspec_jax import checks
+from blockspec_jax import checks as checks_lib
 from blockspec_jax.drafters import lattice
 from blockspec_jax.drafters.steer import default_target_layers
 from blockspec_jax.eval import paired, paired_drafters
@@ -29,8 +30,8 @@ def test_python_ints_only_when_numpy_is_off():
 
 
 def test_hint_low_and_error_class():
-  with pytest.raises(jobs.UsageError, match=r"^stride must be an integer >= 0 \(0: none\), got -1$"):
-    checks.check_int(-1, "stride", 0, hint=" (0: none)", error=jobs.UsageError)
+  with pytest.raises(checks_lib.UsageError, match=r"^stride must be an integer >= 0 \(0: none\), got -1$"):
+    checks.check_int(-1, "stride", 0, hint=" (0: none)", error=checks_lib.UsageError)
 
 
 @pytest.mark.parametrize("call,message", [
@@ -48,5 +49,5 @@ def test_library_functions_share_the_wording(call, message):
 def test_job_settings_name_the_job_and_refuse_numpy_integers():
   assert pools.check_int(4, "rank", job="steer_job") == 4
   for value in (0, np.int64(4), True):
-    with pytest.raises(jobs.UsageError, match=r"^steer_job\.rank must be an integer >= 1, got "):
+    with pytest.raises(checks_lib.UsageError, match=r"^steer_job\.rank must be an integer >= 1, got "):
       pools.check_int(value, "rank", job="steer_job")

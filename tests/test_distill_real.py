@@ -10,8 +10,12 @@ import jax
 import numpy as np
 import pytest
 
-from blockspec_jax import jobs, run
-from blockspec_jax.eval import paired_drafters, prompts as prompts_lib
+from blockspec_jax import run
+from blockspec_jax import checks
+from blockspec_jax import methods as methods_lib
+from blockspec_jax import sources
+from blockspec_jax.data import prompts as prompts_lib
+from blockspec_jax.eval import paired_drafters
 from blockspec_jax.models import hub
 from blockspec_jax.train import __main__ as train_main
 
@@ -59,8 +63,8 @@ def test_fast_pair_job_and_its_drafter_loaded_back(fast_pair):
   assert summary["drafter_recipe"]["layers"] == [0, 1, 2, 29]
   assert json.loads((workdir / "drafter.json").read_text())["base"] == "smollm2-135m"
   base = hub.load_model("smollm2-135m", progress=False)
-  init = jobs.load_model(f"{workdir}@init", progress=False)
-  trained = jobs.load_model(str(workdir), progress=False)
+  init = sources.load_model(f"{workdir}@init", progress=False)
+  trained = sources.load_model(str(workdir), progress=False)
   assert init.config.num_layers == trained.config.num_layers == 4 and init.tokenizer is not None
   bp, ip, tp = base.params["params"], init.params["params"], trained.params["params"]
   for j, i in enumerate((0, 1, 2, 29)):  # the untrained drafter is the base's layers, bit for bit
@@ -71,11 +75,11 @@ def test_fast_pair_job_and_its_drafter_loaded_back(fast_pair):
            for a, b in zip(jax.tree.leaves(tp["layers_3"]), jax.tree.leaves(ip["layers_3"]))]
   assert max(moved) > 0  # three adamw steps moved the trained layers
   assert trained.spec.name.endswith("@3") and init.spec.name.endswith("@init")
-  jobs.check_model_name(f"{workdir}@2")
+  methods_lib.check_model_name(f"{workdir}@2")
   with pytest.raises(ValueError, match=r"no checkpoint of step 1 .*kept steps: \[2, 3\]"):
-    jobs.load_model(f"{workdir}@1", progress=False)
-  with pytest.raises(jobs.UsageError, match="checkpoint step or 'init'"):
-    jobs.check_model_name(f"{workdir}@latest")
+    sources.load_model(f"{workdir}@1", progress=False)
+  with pytest.raises(checks.UsageError, match="checkpoint step or 'init'"):
+    methods_lib.check_model_name(f"{workdir}@latest")
 
 
 def _train(workdir, *params):
@@ -106,9 +110,9 @@ def test_a_run_started_from_another_runs_checkpoint(fast_pair, tmp_path, capsys)
   warm = json.loads((workdir / "metrics.json").read_text())
   assert warm["init_from"].endswith("@3") and warm["steps"] == 2
   assert warm["heldout_tv_before"] == pytest.approx(summary["heldout_tv_after"], abs=1e-6)
-  source_trained = jobs.load_model(str(source), progress=False).params["params"]
-  init = jobs.load_model(f"{workdir}@init", progress=False).params["params"]
-  trained = jobs.load_model(str(workdir), progress=False).params["params"]
+  source_trained = sources.load_model(str(source), progress=False).params["params"]
+  init = sources.load_model(f"{workdir}@init", progress=False).params["params"]
+  trained = sources.load_model(str(workdir), progress=False).params["params"]
   for a, b in zip(jax.tree.leaves(init), jax.tree.leaves(source_trained)):  # @init = where it started
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   moved = [float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
@@ -226,17 +230,17 @@ def test_paired_drafters_summary_arithmetic():
 
 
 def test_verifier_settings_are_checked_and_reach_the_rule():
-  jobs.check_verifier_settings({"lenient": {"epsilon": 0.5, "f": "pow"}})
+  methods_lib.check_verifier_settings({"lenient": {"epsilon": 0.5, "f": "pow"}})
   for bad, message in (({"lenien": {}}, "unknown verifier 'lenien'"), ({"lenient": {"epsilon": 0.0}}, "epsilon"),
                        ({"lenient": 0.5}, "must be a dict"), ({"block": {"epsilon": 0.5}}, "block")):
-    with pytest.raises(jobs.UsageError, match=message):
-      jobs.check_verifier_settings(bad)
+    with pytest.raises(checks.UsageError, match=message):
+      methods_lib.check_verifier_settings(bad)
 
 
 def test_drafter_labels_are_short_and_distinct():
-  assert jobs.drafter_labels(["qwen2.5-coder-0.5b", "results/train/distill_qwen_tvd",
+  assert methods_lib.drafter_labels(["qwen2.5-coder-0.5b", "results/train/distill_qwen_tvd",
                              "results/train/distill_qwen_tvd@init", "other/distill_qwen_tvd"]) == [
       "qwen2.5-coder-0.5b", "distill_qwen_tvd", "distill_qwen_tvd@init", "distill_qwen_tvd'"]
-  assert jobs.drafter_labels(["results/train/steer_joint", "steered:results/train/steer_joint?replay=8",
+  assert methods_lib.drafter_labels(["results/train/steer_joint", "steered:results/train/steer_joint?replay=8",
                               "heads:runs/heads_qwen?rescore=ngram"]) == [
       "steer_joint", "steered:steer_joint?replay=8", "heads:heads_qwen?rescore=ngram"]

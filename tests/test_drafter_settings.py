@@ -45,7 +45,7 @@ BAD = {
 
 
 def build(name, settings):
-  """The drafter ``name`` built on the tiny config as a job builds it (``jobs.build_drafter``)."""
+  """The drafter ``name`` built on the tiny config as a job builds it (``methods.build_drafter``)."""
   cls = drafters.DRAFTERS[name]
   if hasattr(cls, "build"):
     return cls.build(CONFIG, CONFIG, **settings)

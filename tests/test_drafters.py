@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from blockspec_jax import drafters, sampling, verify
-from blockspec_jax.decoding import contracts
+from blockspec_jax import contracts
 from blockspec_jax.models import decoder as dec
 from blockspec_jax.theory.stats import chi2_gof
 

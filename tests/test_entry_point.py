@@ -88,22 +88,23 @@ def test_settings_become_the_command_line_they_stand_for():
   """Switches appear when bound True, nargs options take separate words, other sequences are comma-joined (our
   commands' list syntax), None keeps the default; unknown names and a non-bool switch are one-line usage errors."""
   import argparse
-  from blockspec_jax import jobs
+  from blockspec_jax import checks
+  from blockspec_jax import cli
   parser = argparse.ArgumentParser(prog="demo")
   parser.add_argument("--num-prompts", type=int, default=3)
   parser.add_argument("--gammas", type=lambda s: [int(x) for x in s.split(",")], default=[4])
   parser.add_argument("--batch", type=int, nargs="+")
   parser.add_argument("--trees", action="store_true")
   parser.add_argument("--hidden", help=argparse.SUPPRESS)
-  argv = jobs.argv_from_settings(parser, dict(num_prompts=12, gammas=(2, 8), batch=[1, 8], trees=True))
+  argv = cli.argv_from_settings(parser, dict(num_prompts=12, gammas=(2, 8), batch=[1, 8], trees=True))
   assert argv == ["--num-prompts", "12", "--gammas", "2,8", "--batch", "1", "8", "--trees"]
   args = parser.parse_args(argv)
   assert (args.num_prompts, args.gammas, args.batch, args.trees) == (12, [2, 8], [1, 8], True)
-  assert jobs.argv_from_settings(parser, dict(trees=False, num_prompts=None)) == []
-  with pytest.raises(jobs.UsageError, match=r"unknown settings \['hidden', 'num_prompt'\]; known: num_prompts"):
-    jobs.argv_from_settings(parser, dict(num_prompt=1, hidden="x"))
-  with pytest.raises(jobs.UsageError, match="trees is a switch"):
-    jobs.argv_from_settings(parser, dict(trees="yes"))
+  assert cli.argv_from_settings(parser, dict(trees=False, num_prompts=None)) == []
+  with pytest.raises(checks.UsageError, match=r"unknown settings \['hidden', 'num_prompt'\]; known: num_prompts"):
+    cli.argv_from_settings(parser, dict(num_prompt=1, hidden="x"))
+  with pytest.raises(checks.UsageError, match="trees is a switch"):
+    cli.argv_from_settings(parser, dict(trees="yes"))
 
 
 def test_an_argparse_job_runs_from_gin_end_to_end(tmp_path, capsys, monkeypatch):

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from blockspec_jax import sampling, theory
-from blockspec_jax.decoding import contracts, speculative as spec
+from blockspec_jax import contracts, sampling, theory
+from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.drafters import heads as heads_lib, lattice
 from blockspec_jax.models import decoder as dec
 from blockspec_jax.train import __main__ as train_main  # registers tiny_decoder for the smoke gin file

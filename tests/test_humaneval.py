@@ -8,7 +8,7 @@ import time
 import pytest
 
 from blockspec_jax.eval import humaneval
-from blockspec_jax.eval import prompts as prompts_lib
+from blockspec_jax.data import prompts as prompts_lib
 from blockspec_jax.eval import sandbox
 from blockspec_jax.models.registry import FetchError
 

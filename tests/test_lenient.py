@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from blockspec_jax import jobs, sampling, theory, verify
+from blockspec_jax import sampling, theory, verify
+from blockspec_jax import methods
 from blockspec_jax.decoding import reference as ref
 from blockspec_jax.eval.bench_verify import make_inputs
 from blockspec_jax.theory import exact
@@ -247,7 +248,7 @@ def test_registry_entry():
   assert hash(v) == hash(verify.get_verifier("lenient"))  # static under jit
   with pytest.warns(UserWarning, match="lossy rule"):
     assert verify.warn_if_inexact(verify.LenientVerifier(epsilon=0.123), sampling.Sampler(0.8765))
-  assert jobs.parse_method("lenient") == ("lenient", "model")
+  assert methods.parse_method("lenient") == ("lenient", "model")
   # the numpy theory mirrors the rule's constants
   assert exact.LENIENT_FUNCTIONS == verify.LENIENT_FUNCTIONS
   assert exact.LENIENT_DEFAULT_EPSILON == verify.LenientVerifier().epsilon

@@ -20,8 +20,9 @@ GIN_FILE = "gin/runs/smollm2_self.gin"
 def main_job_ids() -> dict:
   """``{"<method>@T=<t>": [[token ids of prompt i] …]}`` of the SmolLM2 main job (its gin file, no report file)."""
   import gin
-  from blockspec_jax import jobs, run
-  jobs.parse_gin([str(REPO / GIN_FILE)], ["run_job.output_json = None", "run_job.show_text = False",
+  from blockspec_jax import run
+  from blockspec_jax import cli
+  cli.parse_gin([str(REPO / GIN_FILE)], ["run_job.output_json = None", "run_job.show_text = False",
                                           "run_job.compilation_cache = 'off'"])
   try:
     report = run.run_job()

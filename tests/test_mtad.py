@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from blockspec_jax import drafters, sampling, theory, verify
-from blockspec_jax.decoding import contracts
+from blockspec_jax import contracts
 from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.drafters import BeamDrafter, ModelDrafter
 from blockspec_jax.models import decoder as dec

@@ -116,9 +116,9 @@ def test_tree_arm_summary_and_paired_differences():
     (["--json", "/proc/version/out.json"], "cannot write the folder of the report (--json)"),
 ])
 def test_option_mistakes_are_one_line_before_any_model_loads(argv, message, capsys, monkeypatch):
-  from blockspec_jax import jobs
+  from blockspec_jax import sources
   from blockspec_jax.eval import paired
-  monkeypatch.setattr(jobs, "load_model", lambda *a, **k: pytest.fail("a model was loaded before the check"))
+  monkeypatch.setattr(sources, "load_model", lambda *a, **k: pytest.fail("a model was loaded before the check"))
   with pytest.raises(SystemExit) as exit_info:
     paired.main(["--target", "smollm2-135m", "--drafter", "smollm2-135m", *argv])
   err = capsys.readouterr().err.strip().splitlines()

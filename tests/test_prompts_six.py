@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from blockspec_jax.eval import prompts as prompts_lib
+from blockspec_jax.data import prompts as prompts_lib
 from blockspec_jax.models.registry import FetchError
 
 NEW_TASKS = ("summarization", "translation", "qa")

@@ -9,8 +9,14 @@ import pytest
 
 import gin
 
-from blockspec_jax import jobs, run
-from blockspec_jax.eval import prompts as prompts_lib
+from blockspec_jax import run
+from blockspec_jax import checks as checks_lib
+from blockspec_jax import cli
+from blockspec_jax.eval import harness
+from blockspec_jax import methods as methods_lib
+from blockspec_jax import runtime
+from blockspec_jax import sources
+from blockspec_jax.data import prompts as prompts_lib
 
 
 def test_prompt_file_rows_keep_their_licence():
@@ -64,7 +70,7 @@ def test_the_stacked_and_unrolled_layouts_emit_the_same_tokens(tmp_path):
   assert reports[0]["generated_ids"] == reports[1]["generated_ids"]
   for a, b in zip(reports[0]["results"], reports[1]["results"]):
     assert (a.get("block_efficiency"), a["target_calls"]) == (b.get("block_efficiency"), b["target_calls"])
-  with pytest.raises(jobs.UsageError, match="scan_layers must be True or False"):
+  with pytest.raises(checks_lib.UsageError, match="scan_layers must be True or False"):
     run.run_job(target="smollm2-135m", drafter="smollm2-135m", scan_layers="yes")
 
 
@@ -86,12 +92,12 @@ def test_shared_prefills_change_no_token_and_charge_every_row(tmp_path):
   assert len({rows[m, t]["prefill_s"] for m in ("token", "block") for t in (0.0, 1.0)}) == 1
   for r in shared["results"]:
     assert r["wall_s"] == pytest.approx(r["prefill_s"] + r["decode_s"])
-  with pytest.raises(jobs.UsageError, match="share_prefills must be True or False"):
+  with pytest.raises(checks_lib.UsageError, match="share_prefills must be True or False"):
     run.run_job(target="smollm2-135m", drafter="smollm2-135m", share_prefills=1)
 
 
 def test_prefill_cache_keeps_the_newest_states_within_its_budget():
-  cache = jobs.PrefillCache(max_bytes=3 * 400)
+  cache = harness.PrefillCache(max_bytes=3 * 400)
   states = {k: {"cache": np.zeros((100,), np.float32) + k} for k in range(4)}  # 400 bytes each
   for k, state in states.items():
     cache.put(("p", k), state, seconds=0.5 + k)
@@ -109,7 +115,7 @@ def test_pair_checks():
   smol = hub.load_model("smollm2-135m")
   fake = dataclasses.replace(smol, config=dataclasses.replace(smol.config, vocab_size=smol.config.vocab_size + 1))
   with pytest.raises(ValueError, match="vocabulary mismatch"):
-    jobs.check_pair(smol, fake)
+    sources.check_pair(smol, fake)
   with pytest.raises(ValueError, match="gamma must be >= 1"):
     run.run_job(target="smollm2-135m", drafter="smollm2-135m", gamma=0)
   with pytest.raises(ValueError, match="unknown model"):
@@ -169,7 +175,7 @@ def test_a_fault_inside_a_job_keeps_its_traceback(capsys, monkeypatch):
   checks, propagates with its traceback (it used to become "error: …" with exit status 2, hiding the fault)."""
   def broken(*args, **kwargs):
     raise ValueError("an internal fault")
-  monkeypatch.setattr(jobs, "enable_compilation_cache", broken)
+  monkeypatch.setattr(runtime, "enable_compilation_cache", broken)
   gin.clear_config()
   try:
     with pytest.raises(ValueError, match="an internal fault"):
@@ -194,31 +200,37 @@ def test_missing_gin_file_and_empty_prompt_file(tmp_path, capsys):
 def test_cache_room_check_names_the_numbers():
   from blockspec_jax.models.decoder import DecoderConfig
   small = DecoderConfig.tiny(max_len=64)
-  assert jobs.check_cache_room(40, 16, 4, small) == 61
-  with pytest.raises(jobs.UsageError, match=r"longest prompt 50 tokens \+ 16 new \+ 5 draft slots = 71 > max_len 64"):
-    jobs.check_cache_room(50, 16, 4, small, DecoderConfig.tiny(max_len=128))
+  assert methods_lib.check_cache_room(40, 16, 4, small) == 61
+  with pytest.raises(checks_lib.UsageError, match=r"longest prompt 50 tokens \+ 16 new \+ 5 draft slots = 71 > max_len 64"):
+    methods_lib.check_cache_room(50, 16, 4, small, DecoderConfig.tiny(max_len=128))
 
 
 def test_compiling_announces_the_first_call(capsys):
   import io
   stream = io.StringIO()
-  with jobs.compiling("block (T = 1)", stream=stream):
+  with runtime.compiling("block (T = 1)", stream=stream):
     pass
   lines = stream.getvalue().splitlines()
   assert lines[0] == "compiling block (T = 1) …" and lines[1].startswith("compiled block (T = 1) in ")
   quiet = io.StringIO()
   ran = []
-  with jobs.compiling("block (T = 1)", stream=quiet, when=False):
+  with runtime.compiling("block (T = 1)", stream=quiet, when=False):
     ran.append(1)
   assert ran == [1] and quiet.getvalue() == ""  # a later (compiled) call runs its body silently
 
 
 _CACHE_SCRIPT = """
 import sys, jax, jax.numpy as jnp
-from blockspec_jax import jobs, kernels
+from blockspec_jax import kernels
+from blockspec_jax import checks as checks_lib
+from blockspec_jax import cli
+from blockspec_jax.eval import harness
+from blockspec_jax import methods as methods_lib
+from blockspec_jax import runtime
+from blockspec_jax import sources
 events = []
 jax.monitoring.register_event_listener(lambda name, **kw: events.append(name))
-print("dir", jobs.enable_compilation_cache(sys.argv[1], min_compile_time_s=0))
+print("dir", runtime.enable_compilation_cache(sys.argv[1], min_compile_time_s=0))
 f = jax.jit(lambda x, w: jnp.tanh(kernels.linear(x, w)) * 3)
 y = f(jnp.ones((2, 64)), jnp.ones((32, 64)))
 print("value", float(y.sum()))
@@ -230,7 +242,7 @@ print("locked", compilation_cache._cache.eviction_enabled, (cache_dir := compila
 
 
 def test_persistent_compilation_cache_is_hit_by_a_second_process(tmp_path):
-  """jobs.enable_compilation_cache: a second process loads the compiled program (custom CPU kernel included) from
+  """runtime.enable_compilation_cache: a second process loads the compiled program (custom CPU kernel included) from
   disk instead of compiling it, and computes the same numbers. Reads and writes hold the directory's file lock (a
   size limit turns it on): without it a process could load a program another one is still writing, and XLA aborts
   on the half-written executable (seen with two test workers sharing the default directory)."""
@@ -245,28 +257,28 @@ def test_persistent_compilation_cache_is_hit_by_a_second_process(tmp_path):
   assert outs[0]["hits"] == "0" and int(outs[1]["hits"]) >= 1
   assert outs[0]["value"] == outs[1]["value"]
   assert outs[0]["locked"] == outs[1]["locked"] == "True True"
-  assert jobs.enable_compilation_cache("off") is None
+  assert runtime.enable_compilation_cache("off") is None
 
 
 def test_compiled_programs_are_released_near_the_map_limit(monkeypatch):
-  """jobs.release_programs_if_near_map_limit: XLA's CPU executables live in anonymous mappings for as long as the jit
+  """runtime.release_programs_if_near_map_limit: XLA's CPU executables live in anonymous mappings for as long as the jit
   caches hold them; past half of vm.max_map_count every compiled program is dropped (the mappings go back), below
   it nothing is touched, and the results of a recompiled program are the same."""
   import jax.numpy as jnp
   fs = [jax.jit(lambda x, i=i: jnp.tanh(x @ x.T + i).sum(0)) for i in range(30)]
   x = jnp.ones((8, 8))
   before = [np.asarray(f(x)) for f in fs]
-  held = jobs.mapped_regions()
-  assert held is not None and jobs.max_mapped_regions() is not None
-  monkeypatch.setattr(jobs, "max_mapped_regions", lambda: 2 * held + 2)  # just under the threshold: kept
-  assert not jobs.release_programs_if_near_map_limit() and fs[0]._cache_size() == 1
-  monkeypatch.setattr(jobs, "max_mapped_regions", lambda: held)  # held > half of it: released
-  assert jobs.release_programs_if_near_map_limit()
+  held = runtime.mapped_regions()
+  assert held is not None and runtime.max_mapped_regions() is not None
+  monkeypatch.setattr(runtime, "max_mapped_regions", lambda: 2 * held + 2)  # just under the threshold: kept
+  assert not runtime.release_programs_if_near_map_limit() and fs[0]._cache_size() == 1
+  monkeypatch.setattr(runtime, "max_mapped_regions", lambda: held)  # held > half of it: released
+  assert runtime.release_programs_if_near_map_limit()
   assert all(f._cache_size() == 0 for f in fs)
-  assert jobs.mapped_regions() < held - 2 * len(fs)  # each small program held a few mappings
+  assert runtime.mapped_regions() < held - 2 * len(fs)  # each small program held a few mappings
   np.testing.assert_array_equal(np.stack(before), np.stack([np.asarray(f(x)) for f in fs]))
   with pytest.raises(ValueError, match="fraction"):
-    jobs.release_programs_if_near_map_limit(0)
+    runtime.release_programs_if_near_map_limit(0)
 
 
 def test_methods_name_every_registered_rule_and_drafter():
@@ -274,25 +286,25 @@ def test_methods_name_every_registered_rule_and_drafter():
 
   from blockspec_jax import drafters, verify
   from blockspec_jax.models.decoder import DecoderConfig
-  assert set(jobs.known_methods()) == {"autoregressive"} | set(verify.VERIFIERS)
-  assert jobs.parse_method("greedy") == ("greedy", "model")
-  assert jobs.parse_method("exact_match@ngram") == ("exact_match", "ngram")
-  assert jobs.parse_method("spectr") == ("spectr", "k_chains")
-  assert jobs.parse_method("traversal") == ("traversal", "rsd_c")
+  assert set(methods_lib.known_methods()) == {"autoregressive"} | set(verify.VERIFIERS)
+  assert methods_lib.parse_method("greedy") == ("greedy", "model")
+  assert methods_lib.parse_method("exact_match@ngram") == ("exact_match", "ngram")
+  assert methods_lib.parse_method("spectr") == ("spectr", "k_chains")
+  assert methods_lib.parse_method("traversal") == ("traversal", "rsd_c")
   for method, message in (("blok", "unknown method 'blok'"), ("block@lattice", "unknown drafter 'lattice'"),
                           ("block@beam", "not draws from q.*exact_match, greedy, mtad"),
                           ("block@rsd_s", "verifies chains"), ("rrs@rsd_c", "needs siblings drawn with replacement"),
                           ("traversal@k_chains", "needs siblings drawn without replacement")):
-    with pytest.raises(jobs.UsageError, match=message):
-      jobs.parse_method(method)
+    with pytest.raises(checks_lib.UsageError, match=message):
+      methods_lib.parse_method(method)
   model = types.SimpleNamespace(config=DecoderConfig.tiny(vocab_size=64))
-  rsd_c = jobs.build_drafter("rsd_c", model, model, None, gamma=4)
+  rsd_c = methods_lib.build_drafter("rsd_c", model, model, None, gamma=4)
   assert rsd_c.branching == (2, 1, 1, 1) and rsd_c.num_nodes(4) == 8
-  with pytest.raises(jobs.UsageError, match="gamma is 4"):
-    jobs.build_drafter("rsd_c", model, model, {"rsd_c": {"branching": (2, 2)}}, gamma=4)
-  with pytest.raises(jobs.UsageError, match="no settings"):
-    jobs.build_drafter("k_chains", model, model, {"k_chains": {"width": 2}}, gamma=4)
-  assert isinstance(jobs.build_drafter("ngram", model, model, None, gamma=4), drafters.NGramDrafter)
+  with pytest.raises(checks_lib.UsageError, match="gamma is 4"):
+    methods_lib.build_drafter("rsd_c", model, model, {"rsd_c": {"branching": (2, 2)}}, gamma=4)
+  with pytest.raises(checks_lib.UsageError, match="no settings"):
+    methods_lib.build_drafter("k_chains", model, model, {"k_chains": {"width": 2}}, gamma=4)
+  assert isinstance(methods_lib.build_drafter("ngram", model, model, None, gamma=4), drafters.NGramDrafter)
 
 
 def test_main_job_runs_the_lossy_rules_from_gin(tmp_path, capsys):
@@ -329,34 +341,34 @@ def test_method_variants_and_trained_drafter_entries(tmp_path):
 
   from blockspec_jax import drafters
   from blockspec_jax.models.decoder import DecoderConfig
-  assert jobs.parse_method("block@heads/ngram") == ("block", "heads/ngram")
-  assert jobs.drafter_kind("heads/ngram") == "heads" and jobs.drafter_kind("model") == "model"
-  with pytest.raises(jobs.UsageError, match="unknown drafter 'lattice'"):
-    jobs.parse_method("block@lattice/ngram")
+  assert methods_lib.parse_method("block@heads/ngram") == ("block", "heads/ngram")
+  assert methods_lib.drafter_kind("heads/ngram") == "heads" and methods_lib.drafter_kind("model") == "model"
+  with pytest.raises(checks_lib.UsageError, match="unknown drafter 'lattice'"):
+    methods_lib.parse_method("block@lattice/ngram")
   target = types.SimpleNamespace(config=DecoderConfig.tiny(vocab_size=64))
   small = types.SimpleNamespace(config=DecoderConfig.tiny(vocab_size=64, num_layers=1))
   settings = {"heads": {"num_heads": 4}, "heads/ngram": {"num_heads": 4, "rescore": "ngram", "top_k": 8}}
-  raw = jobs.build_drafter("heads", target, small, settings, gamma=4)
-  rescored = jobs.build_drafter("heads/ngram", target, small, settings, gamma=4)
+  raw = methods_lib.build_drafter("heads", target, small, settings, gamma=4)
+  rescored = methods_lib.build_drafter("heads/ngram", target, small, settings, gamma=4)
   assert isinstance(raw, drafters.HeadsDrafter) and raw.rescore == "none" and raw.target == target.config
   assert rescored.rescore == "ngram" and rescored.top_k == 8 and rescored.lm_config is None
-  with pytest.raises(jobs.UsageError, match="gamma"):
-    jobs.build_drafter("heads", target, small, settings, gamma=5)
+  with pytest.raises(checks_lib.UsageError, match="gamma"):
+    methods_lib.build_drafter("heads", target, small, settings, gamma=5)
   from blockspec_jax.drafters import heads as heads_lib
   from blockspec_jax.train import heads as heads_train
   heads_train.save_heads(tmp_path, heads_lib.init_heads(32, 2, jax.random.key(0)))
-  assert jobs.trained_drafter_spec(f"heads:{tmp_path}?top_k=16&lm_weight=0.5&replay=2", job_settings=("replay",)) == (
+  assert methods_lib.trained_drafter_spec(f"heads:{tmp_path}?top_k=16&lm_weight=0.5&replay=2", job_settings=("replay",)) == (
       "heads", {"heads": str(tmp_path), "top_k": 16, "lm_weight": 0.5, "replay": 2})
-  with pytest.raises(jobs.UsageError, match="BPD heads directory runs/h does not exist"):  # checked before loading
-    jobs.trained_drafter_spec("heads:runs/h?rescore=pbest_ngram")
-  with pytest.raises(jobs.UsageError, match="has no settings"):
-    jobs.trained_drafter_spec(f"heads:{tmp_path}?replay=2")
-  assert jobs.trained_drafter_spec("qwen2.5-coder-0.5b") is None and jobs.trained_drafter_spec("model:x") is None
+  with pytest.raises(checks_lib.UsageError, match="BPD heads directory runs/h does not exist"):  # checked before loading
+    methods_lib.trained_drafter_spec("heads:runs/h?rescore=pbest_ngram")
+  with pytest.raises(checks_lib.UsageError, match="has no settings"):
+    methods_lib.trained_drafter_spec(f"heads:{tmp_path}?replay=2")
+  assert methods_lib.trained_drafter_spec("qwen2.5-coder-0.5b") is None and methods_lib.trained_drafter_spec("model:x") is None
   for bad, message in (("heads:", "directory"), ("heads:d?rescore", "key=value")):
-    with pytest.raises(jobs.UsageError, match=message):
-      jobs.trained_drafter_spec(bad)
-  with pytest.raises(jobs.UsageError, match="needs trained BPD heads"):
-    jobs.drafter_params(raw, small, target)
+    with pytest.raises(checks_lib.UsageError, match=message):
+      methods_lib.trained_drafter_spec(bad)
+  with pytest.raises(checks_lib.UsageError, match="needs trained BPD heads"):
+    methods_lib.drafter_params(raw, small, target)
 
 
 def test_main_job_runs_the_target_reading_drafters_from_gin(tmp_path, capsys):
@@ -402,7 +414,7 @@ def test_main_job_runs_the_target_reading_drafters_from_gin(tmp_path, capsys):
 
 
 def test_multihost_is_joined_only_when_asked(monkeypatch):
-  """jobs.join_multihost_from_env (every gin entry point runs it first): $BLOCKSPEC_JAX_MULTIHOST=1 joins with the
+  """cli.join_multihost_from_env (every gin entry point runs it first): $BLOCKSPEC_JAX_MULTIHOST=1 joins with the
   coordinator, process count and id from $JAX_* when given (the GPU launcher sets them; TPU slices auto-detect),
   unset or 0 does nothing, anything else is a one-line usage error."""
   from blockspec_jax import parallel
@@ -410,20 +422,20 @@ def test_multihost_is_joined_only_when_asked(monkeypatch):
   monkeypatch.setattr(parallel, "initialize_multihost", lambda **kw: calls.append(kw))
   for name in ("BLOCKSPEC_JAX_MULTIHOST", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     monkeypatch.delenv(name, raising=False)
-  assert not jobs.join_multihost_from_env()
+  assert not cli.join_multihost_from_env()
   monkeypatch.setenv("BLOCKSPEC_JAX_MULTIHOST", "0")
-  assert not jobs.join_multihost_from_env() and calls == []
+  assert not cli.join_multihost_from_env() and calls == []
   monkeypatch.setenv("BLOCKSPEC_JAX_MULTIHOST", "1")
-  assert jobs.join_multihost_from_env() and calls == [{}]
+  assert cli.join_multihost_from_env() and calls == [{}]
   monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "gpu-0:8476")
   monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
   monkeypatch.setenv("JAX_PROCESS_ID", "1")
-  assert jobs.join_multihost_from_env()
+  assert cli.join_multihost_from_env()
   assert calls[-1] == dict(coordinator_address="gpu-0:8476", num_processes=2, process_id=1)
   monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
-  with pytest.raises(jobs.UsageError, match="JAX_NUM_PROCESSES must be an integer"):
-    jobs.join_multihost_from_env()
+  with pytest.raises(checks_lib.UsageError, match="JAX_NUM_PROCESSES must be an integer"):
+    cli.join_multihost_from_env()
   monkeypatch.setenv("BLOCKSPEC_JAX_MULTIHOST", "yes")
-  with pytest.raises(jobs.UsageError, match="must be 0 or 1"):
-    jobs.join_multihost_from_env()
-  assert jobs.is_main_process()
+  with pytest.raises(checks_lib.UsageError, match="must be 0 or 1"):
+    cli.join_multihost_from_env()
+  assert runtime.is_main_process()

@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from blockspec_jax import jobs, sampling, theory, verify
+from blockspec_jax import sampling, theory, verify
+from blockspec_jax import checks
+from blockspec_jax import methods
 from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.drafters.sprinter import SprinterDrafter, head_probs
 from blockspec_jax.models import decoder as dec
@@ -192,11 +194,11 @@ def test_bad_settings_are_clear_errors():
 
 
 def test_jobs_know_the_lossy_rules():
-  assert jobs.parse_method("sprinter") == ("sprinter", "sprinter")
-  assert jobs.parse_method("mtad@model") == ("mtad", "model")
-  assert jobs.method_gamma("sprinter", 4, {"sprinter": {"cap": 7}}) == 7
-  assert jobs.method_gamma("block", 4, {"sprinter": {"cap": 7}}) == 4
+  assert methods.parse_method("sprinter") == ("sprinter", "sprinter")
+  assert methods.parse_method("mtad@model") == ("mtad", "model")
+  assert methods.method_gamma("sprinter", 4, {"sprinter": {"cap": 7}}) == 7
+  assert methods.method_gamma("block", 4, {"sprinter": {"cap": 7}}) == 4
   for name in ("sprinter", "mtad", "lenient"):
     assert not verify.get_verifier(name).lossless_under(T1)
-  with pytest.raises(jobs.UsageError, match="needs a trained verifier head"):
-    jobs.drafter_params(SprinterDrafter(dec.DecoderConfig.tiny()), None, None)
+  with pytest.raises(checks.UsageError, match="needs a trained verifier head"):
+    methods.drafter_params(SprinterDrafter(dec.DecoderConfig.tiny()), None, None)

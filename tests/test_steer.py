@@ -20,8 +20,10 @@ import numpy as np
 import optax
 import pytest
 
-from blockspec_jax import jobs, sampling, theory, verify
-from blockspec_jax.decoding import contracts
+from blockspec_jax import sampling, theory, verify
+from blockspec_jax import checks
+from blockspec_jax import methods
+from blockspec_jax import contracts
 from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.drafters import ModelDrafter
 from blockspec_jax.drafters.steer import (SteeredDrafter, default_target_layers, init_steer, steer_dims,
@@ -363,9 +365,9 @@ def test_paired_acceptance_replays_a_steered_drafter_history(tmp_path):
                                                     "steered_layers": list(range(drafter_cfg.num_layers)),
                                                     "drafter_layers": drafter_cfg.num_layers,
                                                     "ffn_dim": drafter_cfg.ffn_dim})
-  with pytest.raises(jobs.UsageError, match="replay must be an integer >= 0"):
+  with pytest.raises(checks.UsageError, match="replay must be an integer >= 0"):
     paired._paired_drafter(f"steered:{tmp_path}?replay=-2", None, argparse.Namespace(replay_stride=8))
-  with pytest.raises(jobs.UsageError, match="SD² steering map directory results/train/none does not exist"):
+  with pytest.raises(checks.UsageError, match="SD² steering map directory results/train/none does not exist"):
     paired._paired_drafter("steered:results/train/none?replay=2", None, argparse.Namespace(replay_stride=8))
   assert paired._shown("steer_qwen", 8) == "steer_qwen (replay 8)" and paired._shown("base", None) == "base"
   assert paired._shown("steer_qwen", 0) == "steer_qwen (prefilled as prompt)"
@@ -583,10 +585,10 @@ def test_save_load_round_trip_and_errors(tmp_path):
     steer_lib.load_steer(workdir, drafter_config=dataclasses.replace(drafter, ffn_dim=16))
   with pytest.raises(ValueError, match="trained on target layers"):
     steer_lib.load_steer(workdir, target_layers=(0, 1, 2))
-  with pytest.raises(jobs.UsageError, match="needs a trained steering map"):
-    jobs.drafter_params(SteeredDrafter(drafter), model(drafter, dp), model(target, tp))
-  with pytest.raises(jobs.UsageError, match="does not exist"):
-    jobs.drafter_params(SteeredDrafter(drafter, steer=str(tmp_path / "nowhere")), model(drafter, dp),
+  with pytest.raises(checks.UsageError, match="needs a trained steering map"):
+    methods.drafter_params(SteeredDrafter(drafter), model(drafter, dp), model(target, tp))
+  with pytest.raises(checks.UsageError, match="does not exist"):
+    methods.drafter_params(SteeredDrafter(drafter, steer=str(tmp_path / "nowhere")), model(drafter, dp),
                         model(target, tp))
   npz = workdir / steer_lib.STEER_NPZ
   data = bytearray(npz.read_bytes())
@@ -594,8 +596,8 @@ def test_save_load_round_trip_and_errors(tmp_path):
   npz.write_bytes(bytes(data))
   with pytest.raises(ValueError, match="corrupted: its SHA-256"):
     steer_lib.load_steer(workdir)
-  with pytest.raises(jobs.UsageError, match="corrupted"):
-    jobs.drafter_params(d, model(drafter, dp), model(target, tp))
+  with pytest.raises(checks.UsageError, match="corrupted"):
+    methods.drafter_params(d, model(drafter, dp), model(target, tp))
   record = json.loads((tmp_path / "rank_4" / steer_lib.STEER_JSON).read_text())
   record["width"] = 64
   (tmp_path / "rank_4" / steer_lib.STEER_JSON).write_text(json.dumps(record))
@@ -648,10 +650,10 @@ def test_smoke_job_trains_with_the_blocks_scheme(tmp_path):
   try:
     gin.parse_config_file(os.path.join(REPO, "gin/train/steer_smoke.gin"))
     summary = steer_job(tmp_path, num_steps=40, checkpoint_every=20, progress=False, scheme="blocks")
-    with pytest.raises(jobs.UsageError, match="scheme must be one of"):
+    with pytest.raises(checks.UsageError, match="scheme must be one of"):
       steer_job(tmp_path / "bad", num_steps=2, progress=False, scheme="tiles")
     reused = steer_job(tmp_path / "reused", num_steps=12, progress=False, reuse_samples=str(tmp_path))
-    with pytest.raises(jobs.UsageError, match=r"reuse_samples: .*other settings \(max_new_tokens differ\)"):
+    with pytest.raises(checks.UsageError, match=r"reuse_samples: .*other settings \(max_new_tokens differ\)"):
       steer_job(tmp_path / "other", num_steps=12, progress=False, reuse_samples=str(tmp_path),
                 max_new_tokens=gin.query_parameter("steer_job.max_new_tokens") + 1)
   finally:
@@ -731,7 +733,7 @@ def test_joint_training_settings_are_checked(tmp_path):
   run = tmp_path / "distilled"  # a drafter training run: joint training tunes a base model, not a run
   run.mkdir()
   recipe_lib.save_recipe(run, recipe_lib.DrafterRecipe("smollm2-135m", lora_rank=2))
-  with pytest.raises(jobs.UsageError, match="finetune_drafter tunes a base model; steer_job.drafter = .* is a training"):
+  with pytest.raises(checks.UsageError, match="finetune_drafter tunes a base model; steer_job.drafter = .* is a training"):
     steer_job(tmp_path / "never_written", target="smollm2-135m", drafter=str(run), finetune_drafter={"lora_rank": 2},
               progress=False)
   assert not (tmp_path / "never_written").exists()
@@ -745,7 +747,7 @@ def test_joint_training_settings_are_checked(tmp_path):
                          ({"drafter_optimizer": {"learning_rate": 1e-3}}, "the drafter is frozen"),
                          ({"finetune_drafter": {"lora_rank": 2}, "drafter_optimizer": {"total_steps": 3}},
                           "drafter_optimizer must not set total_steps")):
-      with pytest.raises(jobs.UsageError, match=message):
+      with pytest.raises(checks.UsageError, match=message):
         steer_job("/nonexistent/never_written", num_steps=2, progress=False, **bad)
   finally:
     gin.clear_config()

@@ -9,8 +9,10 @@ import jax
 import numpy as np
 import pytest
 
-from blockspec_jax import jobs, run
-from blockspec_jax.eval import prompts as prompts_lib
+from blockspec_jax import run
+from blockspec_jax import checks
+from blockspec_jax import sources
+from blockspec_jax.data import prompts as prompts_lib
 from blockspec_jax.models import hub
 from blockspec_jax.train import recipe as recipe_lib
 from blockspec_jax.train.steer_job import steer_job
@@ -51,7 +53,7 @@ def test_joint_run_records_and_loads_back_as_drafter_and_map(joint_run):
     assert 0 < summary[key] < 1
   assert summary["heldout_tv_before"] == summary["heldout_tv_plain"] and summary["steered_layers"] == [0, 1, 2, 3]
   assert recipe_lib.read_recipe(workdir).base == MODEL and recipe_lib.checkpoint_subtree(workdir) == "drafter"
-  tuned = jobs.load_model(str(workdir))
+  tuned = sources.load_model(str(workdir))
   assert tuned.spec.name == f"{workdir.resolve()}@3" and tuned.config.num_layers == 4
   base = hub.load_model(MODEL, progress=False)
   layer = lambda m, i: m.params["params"][f"layers_{i}"]
@@ -72,5 +74,5 @@ def test_joint_run_decodes_losslessly_and_refuses_other_drafters(joint_run):
   assert len(set(report["sample_text"].values())) == 1  # greedy with the tuned, steered drafter = the target's
   for drafter, message in ((MODEL, "steers a drafter of 4 layers"),  # the base: another shape
                            (f"{workdir}@init", "trained jointly with its drafter's step 3")):  # its shape, untuned
-    with pytest.raises(jobs.UsageError, match=message):
+    with pytest.raises(checks.UsageError, match=message):
       run.run_job(drafter=drafter, methods=("greedy@steered",), **common)

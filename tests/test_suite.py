@@ -10,8 +10,11 @@ import gin
 import numpy as np
 import pytest
 
-from blockspec_jax import jobs
-from blockspec_jax.eval import prompts as prompts_lib
+from blockspec_jax import checks
+from blockspec_jax.eval import harness
+from blockspec_jax import methods as methods_lib
+from blockspec_jax import sources
+from blockspec_jax.data import prompts as prompts_lib
 from blockspec_jax.eval import suite
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -24,9 +27,9 @@ def test_every_suite_file_parses_and_names_real_methods(path, monkeypatch):
   gin.clear_config()
   try:
     gin.parse_config_file(str(path))
-    methods = gin.query_parameter("suite.methods") if path.stem != "qwen_pair" else jobs.METHODS
+    methods = gin.query_parameter("suite.methods") if path.stem != "qwen_pair" else methods_lib.METHODS
     for method in methods:
-      jobs.parse_method(method)
+      methods_lib.parse_method(method)
     assert gin.query_parameter("suite.target") and gin.query_parameter("suite.drafter")
   finally:
     gin.clear_config()
@@ -67,7 +70,7 @@ def test_pooled_rows_and_speedups_are_exact():
 def test_bucket_width():
   assert [suite.bucket_width(w, 64) for w in (1, 64, 65, 130)] == [64, 64, 128, 192]
   assert suite.bucket_width(37, 1) == 37
-  with pytest.raises(jobs.UsageError, match="width_bucket"):
+  with pytest.raises(checks.UsageError, match="width_bucket"):
     suite.bucket_width(10, 0)
 
 
@@ -86,7 +89,7 @@ def test_bucket_width():
     ("suite.prompts = '/nonexistent/prompts.jsonl'", "not found"),
 ])
 def test_bad_settings_fail_in_one_line_before_any_model_loads(param, message, capsys, monkeypatch):
-  monkeypatch.setattr(jobs, "load_models", lambda *a, **k: pytest.fail("a model was loaded"))
+  monkeypatch.setattr(sources, "load_models", lambda *a, **k: pytest.fail("a model was loaded"))
   gin.clear_config()
   try:
     with pytest.raises(SystemExit) as exc:
@@ -156,9 +159,9 @@ def test_the_grid_runs_each_method_at_its_gammas_and_autoregressive_once(tmp_pat
   import types
   calls = []
   model = types.SimpleNamespace(stop_ids=(0,))
-  monkeypatch.setattr(jobs, "load_models", lambda *a, **k: (model, [model], 0.0))
-  monkeypatch.setattr(jobs, "encode_prompts", lambda m, rows, chat: [[1] * (10 + len(r["text"]) % 50) for r in rows])
-  monkeypatch.setattr(jobs, "check_methods_fit", lambda *a, **k: 0)
+  monkeypatch.setattr(sources, "load_models", lambda *a, **k: (model, [model], 0.0))
+  monkeypatch.setattr(harness, "encode_prompts", lambda m, rows, chat: [[1] * (10 + len(r["text"]) % 50) for r in rows])
+  monkeypatch.setattr(methods_lib, "check_methods_fit", lambda *a, **k: 0)
 
   def run_method(method, target, drafter, ids, width, *, gamma, temperature, warm, **kw):
     calls.append((method, gamma, temperature, warm, width))
@@ -171,7 +174,7 @@ def test_the_grid_runs_each_method_at_its_gammas_and_autoregressive_once(tmp_pat
                  draft_nodes=gamma)
     return row, []
 
-  monkeypatch.setattr(jobs, "run_method", run_method)
+  monkeypatch.setattr(harness, "run_method", run_method)
   report = suite.suite_job(prompts="default", methods=("autoregressive", "token", "block"), gammas=(2, 4),
                            method_gammas={"block": (8,)}, temperatures=(1.0, 0.0), out_dir=str(tmp_path / "run"),
                            plots=False, progress=False, target="smollm2-135m", drafter="smollm2-135m")
@@ -193,9 +196,9 @@ def test_a_lossy_grid_measures_fidelity_and_plots_speed_against_it(tmp_path, mon
   measures nothing unless asked."""
   import types
   model = types.SimpleNamespace(stop_ids=(0,))
-  monkeypatch.setattr(jobs, "load_models", lambda *a, **k: (model, [model], 0.0))
-  monkeypatch.setattr(jobs, "encode_prompts", lambda m, rows, chat: [[1] * 5 for _ in rows])
-  monkeypatch.setattr(jobs, "check_methods_fit", lambda *a, **k: 0)
+  monkeypatch.setattr(sources, "load_models", lambda *a, **k: (model, [model], 0.0))
+  monkeypatch.setattr(harness, "encode_prompts", lambda m, rows, chat: [[1] * 5 for _ in rows])
+  monkeypatch.setattr(methods_lib, "check_methods_fit", lambda *a, **k: 0)
   logp = {"autoregressive": -1.0, "block": -1.1, "mtad": -0.5}
   shapes = set()
 
@@ -214,7 +217,7 @@ def test_a_lossy_grid_measures_fidelity_and_plots_speed_against_it(tmp_path, mon
     n = sum(map(len, outputs))
     return logp[outputs[0][0]] * n, n, []
 
-  monkeypatch.setattr(jobs, "run_method", run_method)
+  monkeypatch.setattr(harness, "run_method", run_method)
   monkeypatch.setattr(suite.fidelity_lib, "target_loglik", loglik)
   run = tmp_path / "run"
   report = suite.suite_job(prompts="default", prompts_per_task=None, methods=("autoregressive", "block", "mtad"),

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 import pytest
 
-from blockspec_jax.eval import prompts as prompts_lib
+from blockspec_jax.data import prompts as prompts_lib
 from blockspec_jax.models import decoder as dec
 from blockspec_jax.train import distill, divergences, params as params_lib, recipe as recipe_lib, trainer
 from blockspec_jax.train import __main__ as train_main

@@ -6,17 +6,17 @@ Layout of a row (t5x-style padding slots, so ragged rows never need an early exi
     cache slots                   valid for positions < length − 1; the last committed token is fed next
     S = max_prompt_len + max_new_tokens + N + 1: a finished row keeps computing on its padding without committing
 
-The loop talks to models only through the contracts of :mod:`blockspec_jax.decoding.contracts`: a ``target``
-(:class:`~blockspec_jax.decoding.contracts.TargetScorer`; a ``DecoderConfig`` is wrapped in
+The loop talks to models only through the contracts of :mod:`blockspec_jax.contracts`: a ``target``
+(:class:`~blockspec_jax.contracts.TargetScorer`; a ``DecoderConfig`` is wrapped in
 :class:`~blockspec_jax.models.scorer.DecoderScorer`) and a ``drafter``
-(:class:`~blockspec_jax.decoding.contracts.Drafter`).
+(:class:`~blockspec_jax.contracts.Drafter`).
 
-One speculative iteration: the drafter proposes a :class:`~blockspec_jax.decoding.contracts.Draft` of ``N`` nodes
+One speculative iteration: the drafter proposes a :class:`~blockspec_jax.contracts.Draft` of ``N`` nodes
 of depth ``≤ γ`` (a chain: ``N = γ``), the target scores ``[last, node_0..node_{N−1}]`` in one pass under the tree
 mask (a chain: the causal mask; ``N + 1`` rows ``p``), the verifier (vmapped over rows) returns the accepted path
 (``τ`` nodes) and ``Y``, each row commits the path's tokens and ``Y`` cut at its first stop token and then at its
 token budget, the accepted path's cache entries move into place (trees only), and the drafter gets a
-:class:`~blockspec_jax.decoding.contracts.Commit`. Rollback is moving ``length``: stale cache entries beyond it are
+:class:`~blockspec_jax.contracts.Commit`. Rollback is moving ``length``: stale cache entries beyond it are
 overwritten before they are attended to.
 
 Randomness: row ``b`` uses ``fold_in(keys_B[b], iteration)`` only, so a row's output does not depend on its batch
@@ -26,7 +26,7 @@ neighbours, on padding or on the device count. The autoregressive sampler is the
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,10 +34,13 @@ from flax import struct
 
 from blockspec_jax import sampling
 from blockspec_jax.checks import check_int
-from blockspec_jax.decoding import contracts
-from blockspec_jax.decoding.contracts import Commit, Draft, Drafter, TargetScorer
-from blockspec_jax.models import decoder as decoder_lib
+from blockspec_jax import contracts
+from blockspec_jax.contracts import Commit, Draft, Drafter
 from blockspec_jax.models.scorer import as_scorer
+from blockspec_jax.decoding import sprinter
+from blockspec_jax.decoding.state import (DecodeMetrics, DecodeOutput, DecodeState, check_common, check_prompt_values,
+                                          check_state, commit_block, constrain_caches, decode_output, init_buffer,
+                                          iteration_keys, prepare_prompts, score_causal)
 from blockspec_jax.verify import Verifier, distribution_errors, get_verifier, warn_if_inexact
 
 __all__ = ["DecodeMetrics", "DecodeState", "DecodeOutput", "prepare_prompts", "autoregressive_prefill",
@@ -46,181 +49,6 @@ __all__ = ["DecodeMetrics", "DecodeState", "DecodeOutput", "prepare_prompts", "a
            "decode_autoregressive", "prefill_speculative", "decode_speculative", "draft_and_score",
            "AUTOREGRESSIVE_STATIC", "AUTOREGRESSIVE_PREFILL_STATIC", "SPECULATIVE_STATIC",
            "SPECULATIVE_PREFILL_STATIC", "summarize_metrics", "check_prompt_values", "ScoredDraft"]
-
-
-@struct.dataclass
-class DecodeMetrics:
-  """Per-row counters (names of docs/ALGORITHMS.md §7). All int32 ``[B]`` unless noted."""
-  num_drafts: jax.Array                 # iterations in which the row was active (= target calls for the row)
-  num_draft_tokens: jax.Array           # draft nodes scored per draft (N; γ for a chain)
-  num_accepted_tokens: jax.Array        # Σ τ (before stop / budget cuts: what the verifier accepted)
-  accepted_per_position_BxG: jax.Array  # int32 [B, γ]: number of drafts with τ ≥ i (accepted path reached depth i)
-  num_emitted_tokens: jax.Array         # tokens committed after the prompt
-  expected_accepted: jax.Array          # f32 [B]: Σ over drafts of Σ_i P(τ ≥ i | X^i) (Rao–Blackwellised; chain
-                                        #   rules only, NaN for tree rules, which do not provide it)
-  invalid_prob_rows: jax.Array          # rows of p or q that were not distributions (should stay 0)
-
-  @classmethod
-  def zeros(cls, batch: int, gamma: int) -> "DecodeMetrics":
-    z = jnp.zeros((batch,), jnp.int32)
-    return cls(z, z, z, jnp.zeros((batch, max(gamma, 1)), jnp.int32), z, jnp.zeros((batch,), jnp.float32), z)
-
-
-@struct.dataclass
-class DecodeState:
-  tokens_BxS: jax.Array   # int32 [B, S]
-  length_B: jax.Array     # int32 [B]  committed tokens (prompt + generated)
-  done_B: jax.Array       # bool  [B]
-  target_cache: Any       # decoder KVCache
-  drafter_state: Any      # drafter-specific (None for autoregressive)
-  iteration: jax.Array    # int32 []
-  metrics: DecodeMetrics
-  prompt_len_B: jax.Array  # int32 [B]  prompt lengths (fixed: generated = length_B − prompt_len_B)
-  prompt_width: int = struct.field(pytree_node=False, default=0)  # P: static, lets a decode phase check its state
-
-
-@struct.dataclass
-class DecodeOutput:
-  tokens_BxN: jax.Array       # int32 [B, max_new_tokens], generated tokens, ``pad_id`` after a row's end
-  num_tokens_B: jax.Array     # int32 [B]
-  stopped_B: jax.Array        # bool [B]: ended on a stop token (else on the budget)
-  iterations: jax.Array       # int32 []: loop iterations (target calls of the longest row)
-  metrics: DecodeMetrics
-  extra: Any = None           # rule-specific per-row counters (SPRINTER: decoding.sprinter.SprinterCounters)
-
-
-def prepare_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0):
-  """Ragged Python prompts → ``(tokens_BxP int32, prompt_len_B int32)``, right-padded with ``pad_id``."""
-  if len(prompts) == 0:
-    raise ValueError("no prompts given")
-  lengths = [len(p) for p in prompts]
-  if min(lengths) < 1:
-    raise ValueError(f"every prompt needs at least one token (e.g. BOS); prompt lengths {lengths}")
-  width = max(lengths)
-  rows = [list(p) + [pad_id] * (width - len(p)) for p in prompts]
-  return jnp.asarray(rows, jnp.int32), jnp.asarray(lengths, jnp.int32)
-
-
-def check_prompt_values(tokens_BxP, prompt_len_B, vocab_size: int) -> None:
-  """Eager value checks of concrete prompts (skipped for tracers, whose values are unknown at trace time): every
-  length in ``[1, P]`` and every prompt id (before each row's length) in ``[0, V)``. Raises ValueError naming the rows.
-
-  Under ``jit`` the loop cannot raise on values; an out-of-vocabulary id there gives NaN logits, which the loop's
-  ``invalid_prob_rows`` counter reports.
-  """
-  if isinstance(tokens_BxP, jax.core.Tracer) or isinstance(prompt_len_B, jax.core.Tracer):
-    return
-  import numpy as np  # host-side check
-  tokens_BxP, lens_B = np.asarray(tokens_BxP), np.asarray(prompt_len_B)
-  if tokens_BxP.ndim != 2 or lens_B.shape != tokens_BxP.shape[:1]:
-    return  # shape errors are reported by the trace-time checks, with the shapes
-  width = tokens_BxP.shape[1]
-  bad_len = np.flatnonzero((lens_B < 1) | (lens_B > width))
-  if bad_len.size:
-    raise ValueError(f"prompt_len_B must be in [1, prompt width {width}]; rows {bad_len[:8].tolist()} have lengths "
-                     f"{lens_B[bad_len[:8]].tolist()}")
-  in_prompt_BxP = np.arange(width)[None, :] < lens_B[:, None]
-  bad_BxP = in_prompt_BxP & ((tokens_BxP < 0) | (tokens_BxP >= vocab_size))
-  if bad_BxP.any():
-    rows, cols = np.nonzero(bad_BxP)
-    raise ValueError(f"prompt ids must be in [0, V = {vocab_size}); row {rows[0]} position {cols[0]} holds "
-                     f"{tokens_BxP[rows[0], cols[0]]} ({bad_BxP.sum()} bad ids in {len(set(rows.tolist()))} rows)")
-
-
-def _check_common(target: TargetScorer, tokens_BxP, prompt_len_B, max_new_tokens, cache_len):
-  if tokens_BxP.ndim != 2:
-    raise ValueError(f"prompt tokens must be [B, P], got shape {tokens_BxP.shape}")
-  if prompt_len_B.shape != (tokens_BxP.shape[0],):
-    raise ValueError(f"prompt_len_B must be [B] = [{tokens_BxP.shape[0]}], got {prompt_len_B.shape}")
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-  if cache_len > target.max_len:
-    raise ValueError(
-        f"prompt too long for the cache: longest prompt {tokens_BxP.shape[1]} + max_new_tokens {max_new_tokens} + "
-        f"draft slots needs {cache_len} positions, model max_len is {target.max_len}")
-
-
-def _commit(state_tokens_BxS, length_B, done_B, block_BxK, num_valid_B, generated_B, max_new_tokens: int,
-            stop_ids: tuple[int, ...]):
-  """Write ``block_BxK[:, :n]`` at each row's ``length`` where n = tokens kept after the stop and budget cuts.
-
-  A stop token inside the block ends the row there (the stop token is kept); then the budget is applied. Finished
-  rows commit nothing. Returns ``(tokens_BxS, length_B, done_B, num_kept_B, stopped_B)``.
-  """
-  k = block_BxK.shape[1]
-  index_K = jnp.arange(k)
-  in_block_BxK = index_K[None, :] < num_valid_B[:, None]
-  if stop_ids:
-    is_stop_BxK = jnp.isin(block_BxK, jnp.asarray(stop_ids, jnp.int32)) & in_block_BxK
-    has_stop_B = jnp.any(is_stop_BxK, axis=1)
-    first_stop_B = jnp.argmax(is_stop_BxK, axis=1)
-    num_kept_B = jnp.where(has_stop_B, first_stop_B + 1, num_valid_B)
-  else:
-    has_stop_B = jnp.zeros_like(done_B)
-    num_kept_B = num_valid_B
-  budget_left_B = max_new_tokens - generated_B
-  stopped_B = has_stop_B & (num_kept_B <= budget_left_B) & ~done_B
-  num_kept_B = jnp.where(done_B, 0, jnp.minimum(num_kept_B, budget_left_B))
-  rows_B = jnp.arange(block_BxK.shape[0])
-  slots_BxK = length_B[:, None] + index_K[None, :]
-  write_BxK = index_K[None, :] < num_kept_B[:, None]
-  current_BxK = state_tokens_BxS[rows_B[:, None], jnp.minimum(slots_BxK, state_tokens_BxS.shape[1] - 1)]
-  tokens_BxS = state_tokens_BxS.at[rows_B[:, None], jnp.minimum(slots_BxK, state_tokens_BxS.shape[1] - 1)].set(
-      jnp.where(write_BxK, block_BxK, current_BxK))
-  new_generated_B = generated_B + num_kept_B
-  done_B = done_B | stopped_B | (new_generated_B >= max_new_tokens)
-  return tokens_BxS, length_B + num_kept_B, done_B, num_kept_B, stopped_B
-
-
-def constrain_caches(tree, cache_sharding):
-  """Pin every KV cache in ``tree`` to ``cache_sharding`` (a NamedSharding from blockspec_jax.parallel, or None)."""
-  if cache_sharding is None:
-    return tree
-  return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, cache_sharding) if x.ndim == 5 else x, tree)
-
-
-def _score_causal(target: TargetScorer, params, tokens_BxT, positions_BxT, cache, cache_len: int):
-  """A pass whose slots are its positions under the causal mask (prefill, autoregressive steps, chains)."""
-  return target.score(params, tokens_BxT, positions_BxT, positions_BxT,
-                      decoder_lib.causal_mask(positions_BxT, cache_len), cache)
-
-
-def _init(target: TargetScorer, target_params, tokens_BxP, prompt_len_B, cache_len, cache_sharding=None):
-  """The token buffer and the target's prefill pass over the prompt width: ``(tokens_BxS, Scored)``."""
-  batch, width = tokens_BxP.shape
-  tokens_BxS = jnp.zeros((batch, cache_len), jnp.int32).at[:, :width].set(tokens_BxP)
-  cache = constrain_caches(target.init_cache(batch, cache_len), cache_sharding)
-  positions_BxP = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-  return tokens_BxS, _score_causal(target, target_params, tokens_BxP, positions_BxP, cache, cache_len)
-
-
-def _output(state: DecodeState, max_new_tokens: int, pad_id: int, stopped_B) -> DecodeOutput:
-  prompt_len_B = state.prompt_len_B
-  rows_B = jnp.arange(state.tokens_BxS.shape[0])
-  index_N = jnp.arange(max_new_tokens)
-  slots_BxN = jnp.minimum(prompt_len_B[:, None] + index_N[None, :], state.tokens_BxS.shape[1] - 1)
-  num_B = state.length_B - prompt_len_B
-  tokens_BxN = jnp.where(index_N[None, :] < num_B[:, None], state.tokens_BxS[rows_B[:, None], slots_BxN], pad_id)
-  return DecodeOutput(tokens_BxN, num_B, stopped_B, state.iteration, state.metrics)
-
-
-def _check_state(state: DecodeState, keys_B, max_new_tokens: int, draft_slots: int, gamma) -> None:
-  """A decode phase must get the state its own prefill made: a cache sized for the same ``max_new_tokens`` and γ
-  (a bigger budget would run past the cache) and a metrics block for the same γ. (The prompts' lengths travel in
-  the state, so they cannot disagree with the prefill.) One key per row."""
-  rows = state.length_B.shape
-  typed = jax.dtypes.issubdtype(keys_B.dtype, jax.dtypes.prng_key)
-  if (keys_B.shape if typed else keys_B.shape[:1]) != rows or (not typed and keys_B.ndim != 2):
-    raise ValueError(f"keys_B must hold one key per row: shape {rows} (typed keys) or {rows + (2,)} (raw uint32 "
-                     f"keys); got {keys_B.shape}")
-  cache_len = state.tokens_BxS.shape[1]
-  if state.prompt_width + max_new_tokens + draft_slots != cache_len:
-    raise ValueError(f"state has {cache_len} slots for prompt width {state.prompt_width}: it was prefilled for "
-                     f"{cache_len - state.prompt_width - draft_slots} new tokens, decoding asks for {max_new_tokens} "
-                     "(prefill and decode need the same max_new_tokens and gamma)")
-  if gamma is not None and state.metrics.accepted_per_position_BxG.shape[1] != gamma:
-    raise ValueError(f"state was prefilled for gamma = {state.metrics.accepted_per_position_BxG.shape[1]}, "
-                     f"decoding with gamma = {gamma}")
 
 
 AUTOREGRESSIVE_STATIC = ("target", "max_new_tokens", "sampler", "stop_ids", "pad_id", "cache_sharding")
@@ -233,9 +61,9 @@ def autoregressive_prefill(target_params, tokens_BxP, prompt_len_B, *, target, m
   ``S = P + max_new_tokens + 1`` slots. Returns the loop's initial state (``length_B = prompt_len_B``)."""
   target = as_scorer(target)
   cache_len = tokens_BxP.shape[1] + max_new_tokens + 1
-  _check_common(target, tokens_BxP, prompt_len_B, max_new_tokens, cache_len)
+  check_common(target, tokens_BxP, prompt_len_B, max_new_tokens, cache_len)
   batch = tokens_BxP.shape[0]
-  tokens_BxS, scored = _init(target, target_params, tokens_BxP, prompt_len_B, cache_len, cache_sharding)
+  tokens_BxS, scored = init_buffer(target, target_params, tokens_BxP, prompt_len_B, cache_len, cache_sharding)
   return DecodeState(tokens_BxS, prompt_len_B, jnp.zeros((batch,), bool), scored.cache, None, jnp.int32(0),
                      DecodeMetrics.zeros(batch, 0), prompt_len_B, prompt_width=tokens_BxP.shape[1])
 
@@ -247,21 +75,21 @@ def autoregressive_decode(target_params, keys_B, state: DecodeState, *, target, 
   del cache_sharding  # the caches in ``state`` already carry their layout
   target = as_scorer(target)
   batch, cache_len = state.tokens_BxS.shape
-  _check_state(state, keys_B, max_new_tokens, 1, None)
+  check_state(state, keys_B, max_new_tokens, 1, None)
   rows_B = jnp.arange(batch)
 
   def body(carry):
     state, stopped_B = carry
     position_B = state.length_B - 1
     last_B = state.tokens_BxS[rows_B, position_B]
-    scored = _score_causal(target, target_params, last_B[:, None], position_B[:, None], state.target_cache,
+    scored = score_causal(target, target_params, last_B[:, None], position_B[:, None], state.target_cache,
                            cache_len)
     cache = scored.cache
     probs_BxV = sampler.probs(scored.logits_BxTxV[:, 0])
     step_keys_B = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_B, state.iteration)
     next_B = jax.vmap(sampling.sample)(step_keys_B, probs_BxV)
     generated_B = state.length_B - state.prompt_len_B
-    tokens_BxS, length_B, done_B, kept_B, stop_B = _commit(
+    tokens_BxS, length_B, done_B, kept_B, stop_B = commit_block(
         state.tokens_BxS, state.length_B, state.done_B, next_B[:, None], jnp.ones((batch,), jnp.int32),
         generated_B, max_new_tokens, stop_ids)
     m = state.metrics
@@ -272,7 +100,7 @@ def autoregressive_decode(target_params, keys_B, state: DecodeState, *, target, 
     return new_state, stopped_B | stop_B
 
   state, stopped_B = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done_B), body, (state, jnp.zeros((batch,), bool)))
-  return _output(state, max_new_tokens, pad_id, stopped_B)
+  return decode_output(state, max_new_tokens, pad_id, stopped_B)
 
 
 def autoregressive_program(target_params, keys_B, tokens_BxP, prompt_len_B, *, target, max_new_tokens: int,
@@ -331,7 +159,7 @@ def speculative_prefill(target_params, drafter_params, tokens_BxP, prompt_len_B,
 
   ``history_B`` (int32 ``[B]``, optional): the last ``history_B[b]`` tokens of row ``b``'s prompt were committed by
   decoding, not given as a prompt (an evaluation that starts drafting inside a continuation). A drafter whose state
-  depends on how tokens were committed (:func:`~blockspec_jax.decoding.contracts.replays_history`, SD²) is brought to
+  depends on how tokens were committed (:func:`~blockspec_jax.contracts.replays_history`, SD²) is brought to
   the state decoding leaves after committing them in rounds of ``replay_stride`` tokens; for every other drafter the
   plain prefill already is that state, and ``history_B`` changes nothing."""
   draft_slots = _draft_slots(drafter, gamma)
@@ -340,12 +168,12 @@ def speculative_prefill(target_params, drafter_params, tokens_BxP, prompt_len_B,
     raise ValueError(f"vocabulary mismatch between drafter (V = {drafter.vocab_size}) and target "
                      f"(V = {target.vocab_size}); both models must share one tokenizer")
   cache_len = tokens_BxP.shape[1] + max_new_tokens + draft_slots
-  _check_common(target, tokens_BxP, prompt_len_B, max_new_tokens, cache_len)
+  check_common(target, tokens_BxP, prompt_len_B, max_new_tokens, cache_len)
   if drafter.max_len is not None and cache_len > drafter.max_len:
     raise ValueError(f"prompt too long for the drafter's cache: needs {cache_len} positions, drafter max_len is "
                      f"{drafter.max_len}")
   batch = tokens_BxP.shape[0]
-  tokens_BxS, scored = _init(target, target_params, tokens_BxP, prompt_len_B, cache_len, cache_sharding)
+  tokens_BxS, scored = init_buffer(target, target_params, tokens_BxP, prompt_len_B, cache_len, cache_sharding)
   drafter_state = constrain_caches(drafter.init_state(drafter_params, tokens_BxP, prompt_len_B, cache_len),
                                    cache_sharding)
   if history_B is not None and contracts.replays_history(drafter):
@@ -365,7 +193,7 @@ class ScoredDraft:
   """The first half of an iteration (:func:`draft_and_score`), before verification.
 
   ``drafter_state``   the drafter's state after proposing
-  ``draft``           :class:`~blockspec_jax.decoding.contracts.Draft` (``N`` nodes per row)
+  ``draft``           :class:`~blockspec_jax.contracts.Draft` (``N`` nodes per row)
   ``p_BxN1xV``        f32 ``[B, N + 1, V]``: row 0 = the target's law after the committed tokens, row ``n + 1`` =
                       after node ``n`` (its root-to-node path), after ``sampler``
   ``hidden_BxN1xD``   the target's last-layer hidden states at the same ``N + 1`` queries
@@ -385,7 +213,7 @@ class ScoredDraft:
 def draft_and_score(target_params, drafter_params, state: DecodeState, key_B, *, target, drafter: Drafter,
                     gamma: int, sampler: sampling.Sampler) -> ScoredDraft:
   """The drafter proposes a draft after each row's committed tokens, then the target scores
-  ``[last committed, nodes]`` in one pass (tree layout of :mod:`blockspec_jax.decoding.contracts`; a chain's nodes
+  ``[last committed, nodes]`` in one pass (tree layout of :mod:`blockspec_jax.contracts`; a chain's nodes
   sit at their own positions under the causal mask). Pure: ``state`` is not consumed, so several drafts can be
   scored from one state (``blockspec_jax.eval.paired``).
   """
@@ -410,7 +238,7 @@ def draft_and_score(target_params, drafter_params, state: DecodeState, key_B, *,
   if draft.is_chain:
     depth_BxN = jnp.broadcast_to(jnp.arange(1, n_nodes + 1, dtype=jnp.int32), (batch, n_nodes))
     positions_BxN1 = state.length_B[:, None] - 1 + jnp.arange(n_nodes + 1, dtype=jnp.int32)[None, :]
-    scored = _score_causal(target, target_params, inputs_BxN1, positions_BxN1, state.target_cache, cache_len)
+    scored = score_causal(target, target_params, inputs_BxN1, positions_BxN1, state.target_cache, cache_len)
   else:
     ancestors_BxNxN = contracts.ancestors(draft.parents_BxN)
     depth_BxN = contracts.node_depths(ancestors_BxNxN)
@@ -419,13 +247,6 @@ def draft_and_score(target_params, drafter_params, state: DecodeState, key_B, *,
     scored = target.score(target_params, inputs_BxN1, positions_BxN1, slots_BxN1, mask_BxN1xS, state.target_cache)
   return ScoredDraft(drafter_state, draft, sampler.probs(scored.logits_BxTxV), scored.hidden_BxTxD, depth_BxN,
                      scored.cache, scored.taps_BxTxLxD)
-
-
-def _iteration_keys(keys_B, iteration):
-  """``(draft_key_B, verify_key_B)`` of one iteration: ``fold_in(row key, iteration)`` split in two."""
-  iter_keys_B = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_B, iteration)
-  split_Bx2 = jax.vmap(jax.random.split)(iter_keys_B)
-  return split_Bx2[:, 0], split_Bx2[:, 1]
 
 
 def _emitted_block(draft: Draft, verdict, batch: int, gamma: int):
@@ -460,16 +281,16 @@ def speculative_decode(target_params, drafter_params, keys_B, state: DecodeState
   verifier.check_drafter(type(drafter).__name__, drafter)
   warn_if_inexact(verifier, sampler)
   if verifier.skips_target:  # the rule decides when the target is called: its own loop (SPRINTER)
-    return verifier.decode(target_params, drafter_params, keys_B, state, target=target, drafter=drafter,
-                           gamma=gamma, max_new_tokens=max_new_tokens, sampler=sampler, stop_ids=stop_ids,
-                           pad_id=pad_id)
+    return sprinter.sprinter_decode(target_params, drafter_params, keys_B, state, target=target, drafter=drafter,
+                                    gamma=gamma, max_new_tokens=max_new_tokens, verifier=verifier, sampler=sampler,
+                                    stop_ids=stop_ids, pad_id=pad_id)
   batch = state.tokens_BxS.shape[0]
   n_nodes = draft_slots - 1
-  _check_state(state, keys_B, max_new_tokens, draft_slots, gamma)
+  check_state(state, keys_B, max_new_tokens, draft_slots, gamma)
 
   def body(carry):
     state, stopped_B = carry
-    draft_key_B, verify_key_B = _iteration_keys(keys_B, state.iteration)
+    draft_key_B, verify_key_B = iteration_keys(keys_B, state.iteration)
     scored = draft_and_score(target_params, drafter_params, state, draft_key_B, target=target, drafter=drafter,
                              gamma=gamma, sampler=sampler)
     draft = scored.draft
@@ -477,7 +298,7 @@ def speculative_decode(target_params, drafter_params, keys_B, state: DecodeState
     tau_B = verdict.num_accepted_B
     block_BxG1 = _emitted_block(draft, verdict, batch, gamma)
     generated_B = state.length_B - state.prompt_len_B
-    tokens_BxS, length_B, done_B, kept_B, stop_B = _commit(
+    tokens_BxS, length_B, done_B, kept_B, stop_B = commit_block(
         state.tokens_BxS, state.length_B, state.done_B, block_BxG1, tau_B + 1, generated_B, max_new_tokens,
         stop_ids)
     cache = scored.target_cache
@@ -508,7 +329,7 @@ def speculative_decode(target_params, drafter_params, keys_B, state: DecodeState
     return new_state, stopped_B | stop_B
 
   state, stopped_B = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done_B), body, (state, jnp.zeros((batch,), bool)))
-  return _output(state, max_new_tokens, pad_id, stopped_B)
+  return decode_output(state, max_new_tokens, pad_id, stopped_B)
 
 
 def speculative_program(target_params, drafter_params, keys_B, tokens_BxP, prompt_len_B, *, target,

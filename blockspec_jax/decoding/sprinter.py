@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from blockspec_jax import sampling
-from blockspec_jax.decoding import speculative as spec
+from blockspec_jax.decoding import state as loop
 from blockspec_jax.models.scorer import as_scorer
 from blockspec_jax.verify import distribution_errors, rules
 
@@ -79,7 +79,7 @@ def segment_buckets(cap: int) -> tuple[int, ...]:
   return tuple(sizes) + (cap,)
 
 
-def _draft_segment(drafter, drafter_params, state: spec.DecodeState, key_B, *, cap: int, threshold: float,
+def _draft_segment(drafter, drafter_params, state: loop.DecodeState, key_B, *, cap: int, threshold: float,
                    sampler: sampling.Sampler) -> _Segment:
   batch = state.tokens_BxS.shape[0]
   drafter_state, q_BxV, hidden_BxD = drafter.begin(drafter_params, state.drafter_state, state.tokens_BxS,
@@ -110,7 +110,7 @@ def _draft_segment(drafter, drafter_params, state: spec.DecodeState, key_B, *, c
   return jax.lax.while_loop(lambda s: (s.step < cap) & jnp.any(s.length_B == 0), body, start)
 
 
-def _score_segments(target, target_params, state: spec.DecodeState, seg: _Segment, *, cap: int,
+def _score_segments(target, target_params, state: loop.DecodeState, seg: _Segment, *, cap: int,
                     sampler: sampling.Sampler):
   """The target's law at every row's flagged token (f32 ``[B, V]``) and the cache after one pass over
   ``[last committed, x_0 … x_{L−2}]``, bucketed by the batch's longest segment."""
@@ -123,7 +123,7 @@ def _score_segments(target, target_params, state: spec.DecodeState, seg: _Segmen
 
   def branch(width: int):
     def run(cache):
-      scored = spec._score_causal(target, target_params, inputs_BxC[:, :width], positions_BxC[:, :width], cache,
+      scored = loop.score_causal(target, target_params, inputs_BxC[:, :width], positions_BxC[:, :width], cache,
                                   cache_len)
       query_B = jnp.clip(seg.length_B - 1, 0, width - 1)
       logits_BxV = jnp.take_along_axis(scored.logits_BxTxV, query_B[:, None, None], axis=1)[:, 0]
@@ -140,9 +140,9 @@ def _sd_test(key, token, q_V, p_V):
   return jnp.where(res.num_accepted == 1, token, res.next_token).astype(jnp.int32), res.num_accepted == 0
 
 
-def sprinter_decode(target_params, drafter_params, keys_B, state: spec.DecodeState, *, target, drafter, gamma: int,
+def sprinter_decode(target_params, drafter_params, keys_B, state: loop.DecodeState, *, target, drafter, gamma: int,
                     max_new_tokens: int, verifier, sampler: sampling.Sampler = sampling.Sampler(),
-                    stop_ids: tuple[int, ...] = (), pad_id: int = 0) -> spec.DecodeOutput:
+                    stop_ids: tuple[int, ...] = (), pad_id: int = 0) -> loop.DecodeOutput:
   """The SPRINTER loop (module docstring) from a state made by ``speculative_prefill`` with ``gamma = verifier.cap``.
 
   ``verifier``: a :class:`~blockspec_jax.verify.SprinterVerifier` (``threshold``, ``cap``); ``drafter`` must offer
@@ -159,11 +159,11 @@ def sprinter_decode(target_params, drafter_params, keys_B, state: spec.DecodeSta
     raise ValueError(f"SPRINTER needs a drafter that drafts one token at a time and has a verifier head; "
                      f"{type(drafter).__name__} lacks {', '.join(missing)}")
   batch = state.tokens_BxS.shape[0]
-  spec._check_state(state, keys_B, max_new_tokens, drafter.num_nodes(cap) + 1, cap)
+  loop.check_state(state, keys_B, max_new_tokens, drafter.num_nodes(cap) + 1, cap)
 
   def body(carry):
     state, stopped_B, counters = carry
-    draft_key_B, verify_key_B = spec._iteration_keys(keys_B, state.iteration)
+    draft_key_B, verify_key_B = loop.iteration_keys(keys_B, state.iteration)
     seg = _draft_segment(drafter, drafter_params, state, draft_key_B, cap=cap, threshold=verifier.threshold,
                          sampler=sampler)
     p_BxV, cache = _score_segments(target, target_params, state, seg, cap=cap, sampler=sampler)
@@ -172,7 +172,7 @@ def sprinter_decode(target_params, drafter_params, keys_B, state: spec.DecodeSta
     emitted_B, rejected_B = jax.vmap(_sd_test)(verify_key_B, flagged_B, seg.flag_q_BxV, p_BxV)
     block_BxC = seg.tokens_BxC.at[rows_B, seg.length_B - 1].set(emitted_B)
     generated_B = state.length_B - state.prompt_len_B
-    tokens_BxS, length_B, done_B, kept_B, stop_B = spec._commit(
+    tokens_BxS, length_B, done_B, kept_B, stop_B = loop.commit_block(
         state.tokens_BxS, state.length_B, state.done_B, block_BxC, seg.length_B, generated_B, max_new_tokens,
         stop_ids)
     active_B = ~state.done_B
@@ -201,5 +201,5 @@ def sprinter_decode(target_params, drafter_params, keys_B, state: spec.DecodeSta
 
   state, stopped_B, counters = jax.lax.while_loop(
       lambda c: ~jnp.all(c[0].done_B), body, (state, jnp.zeros((batch,), bool), SprinterCounters.zeros(batch)))
-  out = spec._output(state, max_new_tokens, pad_id, stopped_B)
+  out = loop.decode_output(state, max_new_tokens, pad_id, stopped_B)
   return out.replace(extra=counters)

@@ -1,4 +1,4 @@
-"""Drafters on the engine's contract (:class:`blockspec_jax.decoding.contracts.Drafter`), and their registry.
+"""Drafters on the engine's contract (:class:`blockspec_jax.contracts.Drafter`), and their registry.
 
 ``DRAFTERS``: ``"model"`` (one chain from a small model), ``"k_chains"`` (SpecTr: k i.i.d. chains), ``"rsd_c"``
 (RSD-C trees without replacement), ``"rsd_s"`` (RSD-S stochastic beam trees), ``"ngram"`` (prompt lookup, no model),
@@ -15,7 +15,7 @@ settings for one before any model loads (what does not depend on the models, and
 
 from __future__ import annotations
 
-from blockspec_jax.decoding.contracts import Drafter
+from blockspec_jax.contracts import Drafter
 from blockspec_jax.drafters.base import ModelDrafter, feed
 from blockspec_jax.drafters.beam import BeamDrafter
 from blockspec_jax.drafters.heads import HeadsDrafter
@@ -50,7 +50,7 @@ def check_settings(name: str, settings: dict) -> None:
   """Check a job's settings for drafter ``name`` before any model loads; ValueError naming the problem.
 
   ``name``: a registered drafter, or a variant of one (``"heads/ngram"``: the drafter ``heads``; the part before
-  ``/``, as ``jobs.drafter_kind``). ``settings``: a dict of its settings. Checked: every key is a setting of the
+  ``/``, as ``methods.drafter_kind``). ``settings``: a dict of its settings. Checked: every key is a setting of the
   drafter, every value meets the constraints that do not depend on the models (those that do, such as sizes against
   ``V`` or layer counts, are checked when the drafter is built on the loaded models), and a drafter with a trained
   run (``heads``, ``sprinter``, ``steered``) names one whose directory holds its record (the JSON alone)."""

@@ -1,7 +1,7 @@
-"""The model chain drafter (the protocol itself is :class:`blockspec_jax.decoding.contracts.Drafter`).
+"""The model chain drafter (the protocol itself is :class:`blockspec_jax.contracts.Drafter`).
 
 A chain drafter proposes γ tokens per iteration together with the full rows ``q`` they were drawn from. Cache
-convention shared with the target (see :mod:`blockspec_jax.decoding.contracts`): at the start of an iteration a row
+convention shared with the target (see :mod:`blockspec_jax.contracts`): at the start of an iteration a row
 has ``length`` committed tokens and its model caches hold valid keys/values for positions ``< length − 1`` at least;
 the last committed token has not been fed yet. Rollback is therefore nothing but the row's ``length``: entries at or
 beyond it are stale and are overwritten before anything attends to them.
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from blockspec_jax import sampling
-from blockspec_jax.decoding.contracts import SAMPLING_CHAIN, Commit, Drafter, chain_draft
+from blockspec_jax.contracts import SAMPLING_CHAIN, Commit, Drafter, chain_draft
 from blockspec_jax.drafters.settings import Settings
 from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.models.scorer import ConfigBacked

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from blockspec_jax import sampling
-from blockspec_jax.decoding.contracts import SAMPLING_BEAM, chain_draft
+from blockspec_jax.contracts import SAMPLING_BEAM, chain_draft
 from blockspec_jax.drafters.base import ModelDrafter, feed
 from blockspec_jax.drafters.settings import check_count
 from blockspec_jax.drafters.trees import conditioned_scores  # shared with RSD-S

@@ -49,15 +49,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pathlib
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
-from blockspec_jax import sampling
+from blockspec_jax import artifacts, sampling
 from blockspec_jax.checks import check_int
-from blockspec_jax.decoding.contracts import SAMPLING_CHAIN, Commit, chain_draft
+from blockspec_jax.contracts import SAMPLING_CHAIN, Commit, chain_draft
 from blockspec_jax.drafters import lattice
 from blockspec_jax.drafters.base import ModelDrafter
 from blockspec_jax.drafters.settings import Settings, check_count, check_directory, is_int, read_record
@@ -161,7 +163,7 @@ class HeadsDrafter(Settings):
 
   name = "heads"
   job_fields = ("target", "lm_config")  # the job builds the drafter on the loaded target and drafter models
-  run_setting = "heads"  # the field naming the training run (jobs.trained_drafter_spec)
+  run_setting = "heads"  # the field naming the training run (methods.trained_drafter_spec)
   run_what = "trained BPD heads"
   run_train = "train them with `python -m blockspec_jax.train --gin_file gin/train/heads_qwen.gin`"
   reads_target = True
@@ -202,8 +204,7 @@ class HeadsDrafter(Settings):
 
   @classmethod
   def _run_record(cls, directory) -> dict:
-    from blockspec_jax.train import heads as heads_train  # host-side loading only
-    return heads_train._HEADS.read_record(directory, convert={"num_heads": int, "d_model": int})
+    return HEADS.read_record(directory, convert={"num_heads": int, "d_model": int})
 
   @classmethod
   def check_run(cls, settings) -> dict:
@@ -395,12 +396,11 @@ class HeadsDrafter(Settings):
     ``hub.LoadedModel``s."""
     if self.heads is None:
       raise ValueError(self.run_needed())
-    from blockspec_jax.train import heads as heads_train  # host-side loading only
     target_config = target_model.config
     if target_config.vocab_size != self.vocab_size or target_config.d_model != self.target.d_model:
       raise ValueError(f"the drafter was built for a target of V = {self.vocab_size}, D = {self.target.d_model}; "
                        f"the target has V = {target_config.vocab_size}, D = {target_config.d_model}")
-    heads, _ = heads_train.load_heads(self.heads, d_model=self.target.d_model, num_heads=self.num_heads)
+    heads, _ = load_heads(self.heads, d_model=self.target.d_model, num_heads=self.num_heads)
     params = {"heads": heads, "lm_head": lm_head_weight(self.target, target_model.params["params"])}
     if self.uses_neural:
       if drafter_model.config.vocab_size != self.vocab_size:
@@ -415,3 +415,51 @@ class HeadsDrafter(Settings):
 def _candidate_logp(q_BxV, cand_BxK):
   """f32 ``[B, K]``: log of the LM's T = 1 probabilities at the candidates (floored, so never −inf)."""
   return jnp.log(jnp.maximum(jnp.take_along_axis(q_BxV, cand_BxK, axis=1), _LOG_FLOOR))
+
+
+# --- trained artifact: the heads' files (written by blockspec_jax.train.heads, read here) --------------------
+
+HEADS_JSON, HEADS_NPZ = "heads.json", "heads.npz"
+HEADS = artifacts.Artifact(
+    HEADS_NPZ, HEADS_JSON, what="BPD heads",
+    absent="is not the work directory of a finished BPD heads training run (python -m blockspec_jax.train "
+    "--gin_file gin/train/heads_*.gin)", remedy="rerun the heads' training job")
+
+
+def save_heads(workdir, heads, info: dict | None = None) -> pathlib.Path:
+  """Write the heads to ``<workdir>/heads.npz`` and ``<workdir>/heads.json`` (``info``, JSON-able, plus
+  ``num_heads``, ``d_model``, the npz's name and SHA-256, checked on load), atomically, the npz first. Returns the
+  json's path."""
+  arrays = {k: np.asarray(jax.device_get(v), np.float32) for k, v in heads.items()}
+  num_heads, d_model = check_heads(arrays)
+  if not all(np.all(np.isfinite(v)) for v in arrays.values()):
+    raise ValueError("save_heads: the heads hold NaN or infinite values")
+  return HEADS.save(workdir, arrays, info, {"num_heads": num_heads, "d_model": d_model})
+
+
+def load_heads(workdir, d_model: int | None = None, num_heads: int | None = None):
+  """``(heads, info)`` saved by :func:`save_heads`: the heads pytree (jax f32 arrays) and the json's dict.
+
+  ``d_model``: the target's width (a mismatch is a ValueError). ``num_heads``: how many heads the caller uses: the
+  first ``num_heads`` are returned (ValueError when the checkpoint has fewer). FileNotFoundError for a missing
+  directory or file; ValueError for a corrupted or tampered file (SHA-256 checked)."""
+  workdir = pathlib.Path(workdir).expanduser()
+  heads, info = HEADS.load(workdir, convert={"num_heads": int, "d_model": int}, dtype=np.float32)
+  saved_heads, saved_width = info["num_heads"], info["d_model"]
+  path, npz_path = HEADS.paths(workdir, info)
+  try:
+    found_heads, found_width = check_heads(heads)
+  except ValueError as e:
+    raise ValueError(f"{npz_path}: {e}") from None
+  if (found_heads, found_width) != (saved_heads, saved_width):
+    raise ValueError(f"{npz_path} holds {found_heads} heads of D = {found_width}; {path} says {saved_heads} of "
+                     f"D = {saved_width}")
+  if d_model is not None and int(d_model) != found_width:
+    raise ValueError(f"the BPD heads in {workdir} were trained on hidden states of D = {found_width} (target "
+                     f"{info.get('target', '?')}); this target has D = {d_model}")
+  if num_heads is not None:
+    check_int(num_heads, "num_heads")
+    if num_heads > found_heads:
+      raise ValueError(f"the checkpoint in {workdir} has {found_heads} heads; the drafter asks for {num_heads}")
+    heads = {k: v[:num_heads] for k, v in heads.items()}
+  return {k: jnp.asarray(v) for k, v in heads.items()}, info

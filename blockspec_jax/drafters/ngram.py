@@ -21,7 +21,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from blockspec_jax.decoding.contracts import SAMPLING_CHAIN, Commit, chain_draft
+from blockspec_jax.contracts import SAMPLING_CHAIN, Commit, chain_draft
 from blockspec_jax.drafters.settings import Settings, is_int
 
 __all__ = ["NGramDrafter", "lookup"]

@@ -18,8 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from blockspec_jax import artifacts
 
 from blockspec_jax.drafters.base import ModelDrafter
 from blockspec_jax.drafters.settings import check_directory
@@ -59,7 +64,7 @@ class SprinterDrafter(ModelDrafter):
     return super().forward(params["model"], state, tokens_BxT, positions_BxT)
 
   name = "sprinter"
-  run_setting = "head"  # the field naming the training run (jobs.trained_drafter_spec)
+  run_setting = "head"  # the field naming the training run (methods.trained_drafter_spec)
   run_what = "a trained verifier head"
   run_train = "train one with `python -m blockspec_jax.train --gin_file gin/train/sprinter_qwen.gin`"
 
@@ -70,8 +75,7 @@ class SprinterDrafter(ModelDrafter):
 
   @classmethod
   def _run_record(cls, directory) -> dict:
-    from blockspec_jax.train import sprinter as sprinter_train  # host-side loading only
-    return sprinter_train._HEAD.read_record(directory, convert={"d_model": int})
+    return HEAD.read_record(directory, convert={"d_model": int})
 
   def load_params(self, drafter_model, target_model):
     """``{"model": the drafter's parameters, "head": the trained head}`` (host side): the head from the ``head``
@@ -80,10 +84,52 @@ class SprinterDrafter(ModelDrafter):
     del target_model
     if self.head is None:
       raise ValueError(self.run_needed())
-    from blockspec_jax.train import sprinter as sprinter_train  # host-side loading only
-    head, _ = sprinter_train.load_head(self.head, d_model=drafter_model.config.d_model)
+    head, _ = load_head(self.head, d_model=drafter_model.config.d_model)
     return {"model": drafter_model.params["params"], "head": head}
 
   def acceptable_probs(self, params, hidden_BxD: jax.Array) -> jax.Array:
     """f32 ``[B]``: the head's probability that the token drawn at each row's context is acceptable."""
     return head_probs(params["head"], hidden_BxD)
+
+
+# --- trained artifact: the head's files (written by blockspec_jax.train.sprinter, read here) ------------------
+
+HEAD_JSON, HEAD_NPZ = "head.json", "head.npz"
+HEAD = artifacts.Artifact(
+    HEAD_NPZ, HEAD_JSON, what="SPRINTER head",
+    absent="is not the work directory of a finished SPRINTER head training run (python -m blockspec_jax.train "
+    "--gin_file gin/train/sprinter_*.gin)", remedy="rerun the head's training job")
+
+def _check_head(w_D: np.ndarray, b: np.ndarray, where: str) -> None:
+  if w_D.ndim != 1 or w_D.shape[0] < 1 or np.shape(b) != ():
+    raise ValueError(f"{where}: a head is w_D [D] and b [], got shapes {w_D.shape} and {np.shape(b)}")
+  if not (np.all(np.isfinite(w_D)) and np.isfinite(b)):
+    raise ValueError(f"{where}: the head holds NaN or infinite values")
+
+
+def save_head(workdir, head, info: dict | None = None) -> pathlib.Path:
+  """Write the head to ``<workdir>/head.npz`` (``w_D`` f32 [D], ``b`` f32 []) and ``<workdir>/head.json``: ``info``
+  (JSON-able: drafter, target, temperature, the held-out report, …) plus ``d_model``, ``b``, ``w_norm``, the npz's
+  name and SHA-256 (checked on load). Both written atomically, the npz first. Returns the json's path."""
+  w_D, b = np.asarray(head["w_D"], np.float32), np.asarray(head["b"], np.float32)
+  _check_head(w_D, b, "save_head")
+  return HEAD.save(workdir, {"w_D": w_D, "b": b}, info,
+                    {"d_model": int(w_D.shape[0]), "b": float(b),
+                     "w_norm": float(np.linalg.norm(w_D.astype(np.float64)))})
+
+
+def load_head(workdir, d_model: int | None = None):
+  """``(head, info)`` saved by :func:`save_head`: ``head = {"w_D": f32 [D], "b": f32 []}`` (jax arrays) and the
+  json's dict. FileNotFoundError for a missing directory or file, ValueError for a corrupted or tampered file (the
+  SHA-256 recorded in the json must match the npz) or, with ``d_model``, a head of another width."""
+  workdir = pathlib.Path(workdir).expanduser()
+  arrays, info = HEAD.load(workdir, convert={"d_model": int}, names=("w_D", "b"), dtype=np.float32)
+  w_D, b, width = arrays["w_D"], arrays["b"], info["d_model"]
+  path, npz_path = HEAD.paths(workdir, info)
+  _check_head(w_D, b, str(npz_path))
+  if w_D.shape[0] != width:
+    raise ValueError(f"{npz_path} holds a head of D = {w_D.shape[0]}, {path} says d_model = {width}")
+  if d_model is not None and int(d_model) != width:
+    raise ValueError(f"the SPRINTER head in {workdir} was trained on hidden states of D = {width} (drafter "
+                     f"{info.get('drafter', '?')}); this drafter has D = {d_model}")
+  return {"w_D": jnp.asarray(w_D), "b": jnp.asarray(b)}, info

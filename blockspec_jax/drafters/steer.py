@@ -2,7 +2,7 @@
 arXiv 2511.09844).
 
 After every verification the target's residual stream at the last accepted position (the query whose law produced
-the last committed token, :meth:`blockspec_jax.decoding.contracts.Commit.last_states`) is read at ``K`` depths
+the last committed token, :meth:`blockspec_jax.contracts.Commit.last_states`) is read at ``K`` depths
 (default :func:`default_target_layers`: low / middle / high = layers ``(2, L/2, L − 3)`` of the target's ``L``) and
 mapped to one bias per steered drafter layer, added inside that layer's MLP::
 
@@ -25,7 +25,7 @@ which :class:`~blockspec_jax.models.decoder.Decoder` takes as ``mlp_delta_LxBxTx
 drafter's cache and the current biases ``delta_LxBx1xF``; :meth:`SteeredDrafter.commit` recomputes them from the
 commit's taps, and every forward of the next draft (the re-fed last two committed tokens and each drafted token)
 uses them. Keys and values written under an earlier vector stay in the cache. The prompt is fed plain
-(``init_state``); the prefill's :func:`~blockspec_jax.decoding.contracts.prompt_commit` sets the first biases.
+(``init_state``); the prefill's :func:`~blockspec_jax.contracts.prompt_commit` sets the first biases.
 
 Lossless: the biases depend only on the target's states at committed positions, fixed before the draft is drawn, and
 each drafted token is sampled from exactly the row ``q = sampler.probs(steered logits)`` the draft reports, so the
@@ -41,14 +41,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Sequence
+import pathlib
+from typing import Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
+from blockspec_jax import artifacts
 from blockspec_jax.checks import check_int
-from blockspec_jax.decoding.contracts import Commit
+from blockspec_jax.contracts import Commit
 from blockspec_jax.drafters.base import ModelDrafter, feed
 from blockspec_jax.drafters.settings import check_directory
 from blockspec_jax.models import decoder as decoder_lib
@@ -215,7 +218,7 @@ class SteeredDrafter(ModelDrafter):
   steer: Optional[str] = None
   reads_target = True
   name = "steered"
-  run_setting = "steer"  # the field naming the training run (jobs.trained_drafter_spec)
+  run_setting = "steer"  # the field naming the training run (methods.trained_drafter_spec)
   run_what = "a trained steering map"
   run_train = "train one with `python -m blockspec_jax.train --gin_file gin/train/steer_qwen.gin`"
 
@@ -244,8 +247,7 @@ class SteeredDrafter(ModelDrafter):
 
   @classmethod
   def _run_record(cls, directory) -> dict:
-    from blockspec_jax.train import steer as steer_train  # host-side loading only
-    return steer_train.read_steer_info(directory)
+    return read_steer_info(directory)
 
   @property
   def layers(self) -> tuple[int, ...]:
@@ -309,8 +311,7 @@ class SteeredDrafter(ModelDrafter):
     ``target_model``: ``hub.LoadedModel``s."""
     if self.steer is None:
       raise ValueError(self.run_needed())
-    from blockspec_jax.train import steer as steer_train  # host-side loading only
-    steer, info = steer_train.load_steer(self.steer, target_config=target_model.config,
+    steer, info = load_steer(self.steer, target_config=target_model.config,
                                          drafter_config=drafter_model.config, target_layers=self.target_layers or None,
                                          steered_layers=self.layers)
     check_trained_on(info, drafter_model, self.steer)
@@ -362,9 +363,129 @@ def check_trained_on(info: dict, drafter_model, workdir) -> None:
 def _recorded_layers(workdir):
   """``(target_layers, steered_layers)`` from a training run's record, or None when it cannot be read (then
   :meth:`SteeredDrafter.load_params` reports the problem)."""
-  from blockspec_jax.train import steer as steer_train  # host-side, at construction
   try:
-    info = steer_train.read_steer_info(workdir)
+    info = read_steer_info(workdir)
     return tuple(info["target_layers"]), tuple(info["steered_layers"])
   except (OSError, ValueError, KeyError, TypeError):
     return None
+
+
+# --- trained artifact: the map's files (written by blockspec_jax.train.steer, read here) ---------------------
+
+STEER_JSON, STEER_NPZ = "steer.json", "steer.npz"
+STEER = artifacts.Artifact(
+    STEER_NPZ, STEER_JSON, what="SD² steering map",
+    absent="is not the work directory of a finished SD² training run (python -m blockspec_jax.train --gin_file "
+    "gin/train/steer_*.gin)", remedy="rerun the SD² training job")
+
+def _flatten(tree, prefix: str = "") -> dict:
+  flat = {}
+  for key in sorted(tree):
+    value = tree[key]
+    path = f"{prefix}{key}"
+    if isinstance(value, Mapping):
+      flat.update(_flatten(value, path + "/"))
+    else:
+      flat[path] = value
+  return flat
+
+
+def _unflatten(flat: Mapping) -> dict:
+  tree: dict = {}
+  for path, value in flat.items():
+    node = tree
+    *parents, leaf = path.split("/")
+    for name in parents:
+      node = node.setdefault(name, {})
+    node[leaf] = value
+  return tree
+
+
+def save_steer(workdir, steer, info: Optional[dict] = None) -> pathlib.Path:
+  """Write the map to ``<workdir>/steer.npz`` (float32 leaves by path, e.g. ``guide/weight``) and
+  ``<workdir>/steer.json``: ``info`` (JSON-able; must name ``target_layers``, ``steered_layers`` and the drafter's
+  ``drafter_layers`` / ``ffn_dim``) plus the map's dimensions, the npz's name and SHA-256 (checked on load). Both
+  written atomically, the npz first. Returns the json's path."""
+  info = dict(info or {})
+  missing = [k for k in ("target_layers", "steered_layers", "drafter_layers", "ffn_dim") if k not in info]
+  if missing:
+    raise ValueError(f"save_steer: info must name {missing} (the layers and drafter shape the map belongs to)")
+  dims = steer_dims(steer)
+  flat = {path: np.asarray(value, np.float32) for path, value in _flatten(steer).items()}
+  if not all(np.all(np.isfinite(v)) for v in flat.values()):
+    raise ValueError("save_steer: the map holds NaN or infinite values")
+  _check_record({**info, **dims}, "save_steer")
+  return STEER.save(workdir, flat, {**info, **dims},
+                     {"target_layers": [int(i) for i in info["target_layers"]],
+                      "steered_layers": [int(i) for i in info["steered_layers"]]})
+
+
+def _check_record(record: Mapping, where: str) -> None:
+  """The record's layers agree with the map's dimensions: K taps, n·F outputs."""
+  if len(record["target_layers"]) != record["num_taps"]:
+    raise ValueError(f"{where}: {len(record['target_layers'])} target layers {list(record['target_layers'])} but "
+                     f"the map reads K = {record['num_taps']} taps")
+  if len(record["steered_layers"]) * int(record["ffn_dim"]) != record["width"]:
+    raise ValueError(f"{where}: {len(record['steered_layers'])} steered layers of F = {record['ffn_dim']} need "
+                     f"{len(record['steered_layers']) * int(record['ffn_dim'])} outputs, the map has "
+                     f"{record['width']}")
+  if any(not 0 <= int(i) < int(record["drafter_layers"]) for i in record["steered_layers"]):
+    raise ValueError(f"{where}: steered layers {list(record['steered_layers'])} outside the drafter's "
+                     f"{record['drafter_layers']} layers")
+
+
+def read_steer_info(workdir) -> dict:
+  """The record (``steer.json``) of a finished SD² training run; FileNotFoundError when absent, ValueError when it is
+  not a readable record."""
+  return STEER.read_record(workdir, required=("drafter_layers", "ffn_dim", "target_d_model", "num_taps", "width"),
+                            convert={"target_layers": _int_tuple, "steered_layers": _int_tuple})
+
+
+def _int_tuple(values) -> tuple:
+  return tuple(int(i) for i in values)
+
+
+def load_steer(workdir, *, target_config: Optional[decoder_lib.DecoderConfig] = None,
+               drafter_config: Optional[decoder_lib.DecoderConfig] = None, target_layers=None, steered_layers=None):
+  """``(steer, info)`` saved by :func:`save_steer`: the map as a nested dict of f32 jax arrays, and its record.
+
+  FileNotFoundError for a missing directory or file; ValueError for a corrupted or tampered file (the npz's SHA-256
+  must match the record's), a map whose shapes disagree with its record, or one that does not fit the given models
+  (``target_config``: its width ``Dt`` and layer count; ``drafter_config``: its layers and MLP width) or layers
+  (``target_layers`` / ``steered_layers``: must equal those it was trained with).
+  """
+  info = read_steer_info(workdir)
+  workdir = pathlib.Path(workdir).expanduser()
+  json_path, npz_path = STEER.paths(workdir, info)
+  flat = STEER.read_arrays(workdir, info, dtype=np.float32)
+  steer = _unflatten(flat)
+  try:
+    dims = steer_dims(steer)
+  except ValueError as e:
+    raise ValueError(f"{npz_path}: {e}") from None
+  if not all(np.all(np.isfinite(v)) for v in flat.values()):
+    raise ValueError(f"{npz_path}: the map holds NaN or infinite values")
+  for key, value in dims.items():
+    if info.get(key) != value:
+      raise ValueError(f"{npz_path} holds a map with {key} = {value}, {json_path} says {info.get(key)}")
+  _check_record(info, str(json_path))
+  trained_on = f"(trained for target {info.get('target', '?')}, drafter {info.get('drafter', '?')})"
+  if target_config is not None:
+    if target_config.d_model != dims["target_d_model"]:
+      raise ValueError(f"the SD² map in {workdir} reads target states of Dt = {dims['target_d_model']} "
+                       f"{trained_on}; this target has d_model = {target_config.d_model}")
+    if max(info["target_layers"]) >= target_config.num_layers:
+      raise ValueError(f"the SD² map in {workdir} reads target layers {list(info['target_layers'])} {trained_on}; "
+                       f"this target has {target_config.num_layers} layers")
+  if drafter_config is not None:
+    if drafter_config.num_layers != int(info["drafter_layers"]) or drafter_config.ffn_dim != int(info["ffn_dim"]):
+      raise ValueError(f"the SD² map in {workdir} steers a drafter of {info['drafter_layers']} layers and MLP width "
+                       f"F = {info['ffn_dim']} {trained_on}; this drafter has {drafter_config.num_layers} layers "
+                       f"and F = {drafter_config.ffn_dim}")
+  if target_layers is not None and tuple(target_layers) != info["target_layers"]:
+    raise ValueError(f"the SD² map in {workdir} was trained on target layers {list(info['target_layers'])}, the "
+                     f"drafter asks for {list(target_layers)}")
+  if steered_layers is not None and tuple(steered_layers) != info["steered_layers"]:
+    raise ValueError(f"the SD² map in {workdir} steers drafter layers {list(info['steered_layers'])}, the drafter "
+                     f"asks for {list(steered_layers)}")
+  return jax.tree.map(jnp.asarray, steer), info

@@ -1,12 +1,12 @@
 """Tree drafters on one small model: SpecTr's k i.i.d. chains, RSD-C (constant branching, Gumbel-top-k without
-replacement) and RSD-S (stochastic beam search), all on the :class:`~blockspec_jax.decoding.contracts.Drafter`
+replacement) and RSD-S (stochastic beam search), all on the :class:`~blockspec_jax.contracts.Drafter`
 contract.
 
 Layout (every drafter): nodes depth-major, ``w_d`` nodes at depth ``d`` stored at indices ``off_d .. off_d + w_d − 1``,
 each depth's nodes grouped by parent and, within a parent, in draw order (so siblings are consecutive and parents
 come first: the layout :func:`blockspec_jax.verify.tree_verify` requires). One drafter forward per depth feeds that
 depth's nodes at once (rotary position ``length − 1 + d``, cache slot ``length + n``, attending to the committed slots
-and to its own root-to-node path: :mod:`blockspec_jax.decoding.contracts`), except the deepest, whose rows nobody
+and to its own root-to-node path: :mod:`blockspec_jax.contracts`), except the deepest, whose rows nobody
 needs; where every depth has the same width the depths run in a ``lax.scan`` (one forward compiled). ``q`` row of
 node ``n`` = the law of its parent's context (after ``sampler``), the row its siblings were drawn from. ``commit`` moves the accepted path's entries into contiguous slots (the path commit) so the drafter's cache is
 the one an autoregressive pass over the committed tokens would leave, up to the deepest accepted node when it is a
@@ -35,10 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from blockspec_jax import sampling
-from blockspec_jax.decoding.contracts import Commit, Draft, path_slots
+from blockspec_jax.contracts import WITH_REPLACEMENT, WITHOUT_REPLACEMENT, Commit, Draft, path_slots
 from blockspec_jax.drafters.base import ModelDrafter, feed
 from blockspec_jax.drafters.settings import check_count, is_int
-from blockspec_jax.verify.tree import WITH_REPLACEMENT, WITHOUT_REPLACEMENT  # the modes tree rules declare
 
 __all__ = ["KChainDrafter", "RSDConstantDrafter", "RSDStochasticBeamDrafter", "gumbel_top_k", "shape_for_budget"]
 

@@ -31,8 +31,13 @@ import time
 import gin
 import numpy as np
 
-from blockspec_jax import jobs
-from blockspec_jax.eval import prompts as prompts_lib
+from blockspec_jax import checks
+from blockspec_jax import cli
+from blockspec_jax.eval import harness
+from blockspec_jax import methods as methods_lib
+from blockspec_jax import runtime
+from blockspec_jax import sources
+from blockspec_jax.data import prompts as prompts_lib
 from blockspec_jax.eval.fidelity import target_loglik
 
 __all__ = ["method_specs", "tabular_pair", "same_draft_table", "tabular_fidelity", "target_loglik", "format_table", "bench_lossy_job",
@@ -42,7 +47,7 @@ __all__ = ["method_specs", "tabular_pair", "same_draft_table", "tabular_fidelity
 def method_specs(thresholds, taus, cap: int, lossless=("token", "block")) -> list[dict]:
   """The rows of one run: ``{"label", "method", "verifier_settings"}`` for autoregressive, the lossless rules, SPRINTER
   at every threshold (cap ``cap``) and MTAD at every τ."""
-  specs = [dict(label="autoregressive", method=jobs.AUTOREGRESSIVE, verifier_settings={})]
+  specs = [dict(label="autoregressive", method=methods_lib.AUTOREGRESSIVE, verifier_settings={})]
   specs += [dict(label=rule, method=rule, verifier_settings={}) for rule in lossless]
   specs += [dict(label=f"sprinter θ={t:g}", method="sprinter",
                  verifier_settings={"sprinter": {"threshold": float(t), "cap": int(cap)}}) for t in thresholds]
@@ -94,7 +99,7 @@ def tabular_fidelity(specs, *, gamma: int, width: int, n: int = 3, vocab_size: i
   out = {}
   for s in specs:
     rule = s["method"]
-    if rule == jobs.AUTOREGRESSIVE:
+    if rule == methods_lib.AUTOREGRESSIVE:
       out[s["label"]] = 0.0
     elif rule in ("token", "block"):
       law = exact.emitted_prefix_law(exact.exact_outcome_law(rule, drafter, target, context, gamma), target, context,
@@ -160,7 +165,7 @@ def _plot(rows, path: pathlib.Path, title: str) -> bool:
 
 
 @gin.configurable("bench_lossy")
-def bench_lossy_job(target: str = jobs.DEFAULT_TARGET, drafter: str = jobs.DEFAULT_DRAFTER,
+def bench_lossy_job(target: str = methods_lib.DEFAULT_TARGET, drafter: str = methods_lib.DEFAULT_DRAFTER,
                     sprinter_head: str | None = "results/train/sprinter_qwen",
                     prompts_path: str = str(prompts_lib.DEFAULT_PROMPTS), num_prompts: int | None = None,
                     temperature: float = 1.0, gamma: int = 4, max_new_tokens: int = 96,
@@ -173,21 +178,21 @@ def bench_lossy_job(target: str = jobs.DEFAULT_TARGET, drafter: str = jobs.DEFAU
                     humaneval_unsafe_no_sandbox: bool = False) -> dict:
   """The bench (module docstring). Every setting is checked before a model is loaded. ``share_prefills``: rows
   that run the same prefill (token and block; SPRINTER at every threshold; MTAD at every τ) compute each prompt's
-  prefill once and each count its measured time, as in the main job (``jobs.PrefillCache``).
+  prefill once and each count its measured time, as in the main job (``harness.PrefillCache``).
   ``humaneval_unsafe_no_sandbox``: where this machine cannot contain generated code (no user namespaces, no seccomp,
   not Linux), run the HumanEval completions anyway, uncontained, as this user (``unsafe_no_sandbox`` of
   :func:`blockspec_jax.eval.humaneval.score_completions`; ``docs/SANDBOX.md``); by default scoring them raises
   ``SandboxUnavailable`` there."""
   from blockspec_jax.eval import humaneval
   specs = method_specs(thresholds, taus, cap)
-  jobs.check_settings(gamma=gamma, methods=[s["method"] for s in specs], temperatures=(temperature,),
+  methods_lib.check_settings(gamma=gamma, methods=[s["method"] for s in specs], temperatures=(temperature,),
                       max_new_tokens=max_new_tokens, num_prompts=num_prompts, dtype=dtype, models=(target, drafter))
   for s in specs:
-    jobs.check_verifier_settings(s["verifier_settings"])
+    methods_lib.check_verifier_settings(s["verifier_settings"])
   if not isinstance(share_prefills, bool):
-    raise jobs.UsageError(f"bench_lossy.share_prefills must be True or False, got {share_prefills!r}")
+    raise checks.UsageError(f"bench_lossy.share_prefills must be True or False, got {share_prefills!r}")
   if not thresholds or not taus:
-    raise jobs.UsageError("bench_lossy needs at least one SPRINTER threshold and one MTAD tau")
+    raise checks.UsageError("bench_lossy needs at least one SPRINTER threshold and one MTAD tau")
   drafter_settings = {"sprinter": {"head": sprinter_head}, "beam": {"width": beam_width, "sample": beam_sample}}
   start = time.perf_counter()
   tabular = tabular_fidelity(specs, gamma=gamma, width=beam_width, n=tabular_n, seed=seed)
@@ -195,24 +200,24 @@ def bench_lossy_job(target: str = jobs.DEFAULT_TARGET, drafter: str = jobs.DEFAU
   print(f"tabular pair (V = 4, γ = {gamma}), the same sampled drafts under each rule, exactly: "
         + "; ".join(f"{r['rule']} E[τ] {r['expected_accepted']:.4f} TV {r['tv']:.4f}" for r in same), flush=True)
   rows = prompts_lib.load_prompts(prompts_path, limit=num_prompts)
-  compile_dir = jobs.enable_compilation_cache(compilation_cache)
-  target_model = jobs.load_model(target, dtype, cache_dir, scan_layers=True)
-  drafter_model = jobs.load_model(drafter, dtype, cache_dir, scan_layers=True)
-  jobs.check_pair(target_model, drafter_model)
+  compile_dir = runtime.enable_compilation_cache(compilation_cache)
+  target_model = sources.load_model(target, dtype, cache_dir, scan_layers=True)
+  drafter_model = sources.load_model(drafter, dtype, cache_dir, scan_layers=True)
+  sources.check_pair(target_model, drafter_model)
   print(f"loaded {drafter} → {target} ({dtype}); {len(rows)} prompts; T = {temperature:g}; compilation cache "
         f"{compile_dir or 'off'}", flush=True)
-  prompt_ids = jobs.encode_prompts(target_model, rows, chat)
+  prompt_ids = prompts_lib.encode_prompts(target_model, rows, chat)
   width = max(len(p) for p in prompt_ids)
-  needed = max(jobs.method_gamma(s["method"], gamma, s["verifier_settings"]) for s in specs)
-  jobs.check_cache_room(width, max_new_tokens, needed, target_model.config, drafter_model.config)
+  needed = max(methods_lib.method_gamma(s["method"], gamma, s["verifier_settings"]) for s in specs)
+  methods_lib.check_cache_room(width, max_new_tokens, needed, target_model.config, drafter_model.config)
   problems = None
   code_rows = [r for r in rows if r["id"].startswith("HumanEval/")]
   if code_rows:
     problems = humaneval.load_problems([r["id"] for r in code_rows])
   results, baseline, ar_per_seq = [], None, None
-  prefills = jobs.PrefillCache() if share_prefills else None
+  prefills = harness.PrefillCache() if share_prefills else None
   for s in specs:
-    summary, outputs = jobs.run_method(s["method"], target_model, drafter_model, prompt_ids, width, gamma=gamma,
+    summary, outputs = harness.run_method(s["method"], target_model, drafter_model, prompt_ids, width, gamma=gamma,
                                        max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                        stop_ids=target_model.stop_ids, drafter_settings=drafter_settings,
                                        verifier_settings=s["verifier_settings"], prefills=prefills)
@@ -241,7 +246,7 @@ def bench_lossy_job(target: str = jobs.DEFAULT_TARGET, drafter: str = jobs.DEFAU
                                                       f"{summary['humaneval_num']}" if code_rows else ""), flush=True)
   print()
   print(format_table(results))
-  rss_gb = jobs.peak_rss_gb()
+  rss_gb = runtime.peak_rss_gb()
   print(f"\npeak resident memory of this job: {rss_gb:.2f} GB (10^9 bytes)")
   report = dict(target=target, drafter=drafter, sprinter_head=sprinter_head, dtype=dtype, temperature=temperature,
                 gamma=gamma, cap=cap, beam_width=beam_width, beam_sample=beam_sample, max_new_tokens=max_new_tokens,
@@ -249,7 +254,7 @@ def bench_lossy_job(target: str = jobs.DEFAULT_TARGET, drafter: str = jobs.DEFAU
                 prompts=[dict(id=r["id"], task=r["task"]) for r in rows], tabular_tv=tabular,
                 tabular_same_drafts=same, results=results)
   if output_json:
-    print(f"wrote {jobs.write_report(output_json, report)}")
+    print(f"wrote {runtime.write_report(output_json, report)}")
   if plot and _plot(results, pathlib.Path(plot), f"{drafter} → {target}, T = {temperature:g}, {len(rows)} prompts × "
                     f"{max_new_tokens} tokens"):
     print(f"wrote {plot}")
@@ -257,7 +262,7 @@ def bench_lossy_job(target: str = jobs.DEFAULT_TARGET, drafter: str = jobs.DEFAU
 
 
 def main(argv=None) -> int:
-  return jobs.gin_main("python -m blockspec_jax.eval.bench_lossy", __doc__, bench_lossy_job, argv)
+  return cli.gin_main("python -m blockspec_jax.eval.bench_lossy", __doc__, bench_lossy_job, argv)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ is its own. The parent collects the JSON files, prints one table and the target 
 Workers:
 
 * ``ours`` (``--dtype float32``, and ``bfloat16`` for the bf16 row): loads the pair with ``hub.load_model`` and decodes
-  with :func:`blockspec_jax.jobs.run_method` (the main job's own function: prompts chat-templated and padded to one
+  with :func:`blockspec_jax.harness.run_method` (the main job's own function: prompts chat-templated and padded to one
   width, prefill and decode phase compiled and timed apart, compiled on prompt 0 before timing). Per T:
   autoregressive, then token- and block-verified speculative decoding for each γ, then autoregressive again (the
   faster of the two baselines is used, so drift of the machine over the sweep cannot inflate a speedup; both are
@@ -107,12 +107,12 @@ def _floats(s):
 
 def build_parser() -> argparse.ArgumentParser:
   """The command line (also the gin job ``bench_peer``'s settings and defaults, ``blockspec_jax.main``)."""
-  from blockspec_jax import jobs
-  from blockspec_jax.eval import prompts as prompts_lib
+  from blockspec_jax import methods as methods_lib
+  from blockspec_jax.data import prompts as prompts_lib
   p = argparse.ArgumentParser(prog="python -m blockspec_jax.eval.bench_peer", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--target", default=jobs.DEFAULT_TARGET)
-  p.add_argument("--drafter", default=jobs.DEFAULT_DRAFTER)
+  p.add_argument("--target", default=methods_lib.DEFAULT_TARGET)
+  p.add_argument("--drafter", default=methods_lib.DEFAULT_DRAFTER)
   p.add_argument("--prompts", default=str(prompts_lib.DEFAULT_PROMPTS))
   p.add_argument("--num-prompts", type=int, default=3, help="round-robin over tasks: 3 = one code, chat, math")
   p.add_argument("--max-new-tokens", type=int, default=32)

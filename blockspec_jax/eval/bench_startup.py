@@ -41,7 +41,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blockspec_jax import jobs
+from blockspec_jax import checks
+from blockspec_jax import cli
+from blockspec_jax import methods
+from blockspec_jax import runtime
+from blockspec_jax import sources
 
 __all__ = ["bench_startup_job", "matmul_gflops", "memory_gbps", "linear_params", "decode_weight_bytes", "main"]
 
@@ -121,7 +125,7 @@ def _compile_and_time(prefill_fn, decode_fn, prefill_args, decode_args_of, repea
 
 
 @gin.configurable("bench_startup")
-def bench_startup_job(target: str = jobs.DEFAULT_TARGET, drafter: str | None = jobs.DEFAULT_DRAFTER,
+def bench_startup_job(target: str = methods.DEFAULT_TARGET, drafter: str | None = methods.DEFAULT_DRAFTER,
                       gamma: int = 4, dtypes=("float32", "bfloat16"), layouts=("scanned", "unrolled"),
                       prompt_width: int = 256, batch: int = 1,
                       max_new_tokens: int = 32, matmul_size: int = 2048, bandwidth_mib: int = 1024,
@@ -136,15 +140,15 @@ def bench_startup_job(target: str = jobs.DEFAULT_TARGET, drafter: str | None = j
   from blockspec_jax.decoding import speculative as spec
   for name, value in (("prompt_width", prompt_width), ("batch", batch), ("max_new_tokens", max_new_tokens),
                       ("matmul_size", matmul_size), ("bandwidth_mib", bandwidth_mib), ("repeats", repeats)):
-    jobs._check_positive_int(value, name)
-  jobs.check_gamma(gamma)
-  jobs.check_settings(models=(target,) + ((drafter,) if drafter else ()))
+    methods._check_positive_int(value, name)
+  methods.check_gamma(gamma)
+  methods.check_settings(models=(target,) + ((drafter,) if drafter else ()))
   for dtype in dtypes:
-    jobs.check_settings(dtype=dtype)
+    methods.check_settings(dtype=dtype)
   bad = [layout for layout in layouts if layout not in ("scanned", "unrolled")]
   if bad or not layouts:
-    raise jobs.UsageError(f"bench_startup.layouts must name 'scanned' and / or 'unrolled', got {list(layouts)}")
-  jobs.enable_compilation_cache("off")  # compile times must be compile times, not cache loads
+    raise checks.UsageError(f"bench_startup.layouts must name 'scanned' and / or 'unrolled', got {list(layouts)}")
+  runtime.enable_compilation_cache("off")  # compile times must be compile times, not cache loads
   sampler = sampling.Sampler(temperature=1.0)
   bandwidth = memory_gbps(bandwidth_mib, repeats)
   print(f"memory bandwidth (jitted sum over {bandwidth_mib} MiB): {bandwidth:.1f} GB/s", flush=True)
@@ -153,10 +157,10 @@ def bench_startup_job(target: str = jobs.DEFAULT_TARGET, drafter: str | None = j
     scan = layout == "scanned"
     peak = matmul_gflops(matmul_size, jnp.dtype(dtype), repeats)
     start = time.perf_counter()
-    model = jobs.load_model(target, dtype, cache_dir, progress=False, scan_layers=scan)
+    model = sources.load_model(target, dtype, cache_dir, progress=False, scan_layers=scan)
     load_s = time.perf_counter() - start
     tp, config = model.params["params"], model.config
-    jobs.check_cache_room(prompt_width, max_new_tokens, gamma if drafter else 0, config)
+    methods.check_cache_room(prompt_width, max_new_tokens, gamma if drafter else 0, config)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, config.vocab_size, (batch, prompt_width), dtype=np.int32)
     lens = np.full((batch,), prompt_width, np.int32)
@@ -187,8 +191,8 @@ def bench_startup_job(target: str = jobs.DEFAULT_TARGET, drafter: str | None = j
             f"that {row['decode_bytes_per_token'] / 1e9:.2f} GB of weights per token allow at {bandwidth:.1f} GB/s)")
     if drafter:
       start = time.perf_counter()
-      dmodel = jobs.load_model(drafter, dtype, cache_dir, progress=False, scan_layers=scan)
-      jobs.check_pair(model, dmodel)
+      dmodel = sources.load_model(drafter, dtype, cache_dir, progress=False, scan_layers=scan)
+      sources.check_pair(model, dmodel)
       row["drafter_load_s"] = time.perf_counter() - start
       dp = dmodel.params["params"]
       sstatic = dict(static, drafter=drafters_lib.ModelDrafter(dmodel.config), gamma=gamma)
@@ -220,9 +224,9 @@ def bench_startup_job(target: str = jobs.DEFAULT_TARGET, drafter: str | None = j
   report = dict(target=target, drafter=drafter, gamma=gamma, prompt_width=prompt_width, batch=batch,
                 max_new_tokens=max_new_tokens, matmul_size=matmul_size, repeats=repeats, memory_gbps=bandwidth,
                 bandwidth_mib=bandwidth_mib, jax=jax.__version__,
-                platform=jax.devices()[0].platform, peak_rss_gb=jobs.peak_rss_gb(), rows=rows)
-  if output_json and jobs.is_main_process():
-    print(f"wrote {jobs.write_report(output_json, report)}")
+                platform=jax.devices()[0].platform, peak_rss_gb=runtime.peak_rss_gb(), rows=rows)
+  if output_json and runtime.is_main_process():
+    print(f"wrote {runtime.write_report(output_json, report)}")
   return report
 
 
@@ -237,7 +241,7 @@ class _Bound:
 
 
 def main(argv=None) -> int:
-  return jobs.gin_main("python -m blockspec_jax.eval.bench_startup", __doc__, bench_startup_job, argv)
+  return cli.gin_main("python -m blockspec_jax.eval.bench_startup", __doc__, bench_startup_job, argv)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ costs a wider target pass and more drafter work than an 8-token chain).
 Arms: autoregressive decoding of the target; chain-block at γ ∈ {4, 8}; and, for every tree rule, the arm with the
 highest block efficiency in the paired measurement at that temperature (``--paired``, made by
 ``python -m blockspec_jax.eval.paired --trees``; without it, every tree arm at 8 and 16 nodes). Each arm decodes the
-same prompts at batch 1 with :func:`blockspec_jax.jobs.run_method` (prefill and decode compiled and timed apart), in
+same prompts at batch 1 with :func:`blockspec_jax.harness.run_method` (prefill and decode compiled and timed apart), in
 one process, one after the other.
 """
 
@@ -45,11 +45,11 @@ def _arms(paired_path, temperature: float):
 
 def build_parser() -> argparse.ArgumentParser:
   """The command line (also the gin job ``bench_trees``'s settings and defaults, ``blockspec_jax.main``)."""
-  from blockspec_jax import jobs
+  from blockspec_jax import methods
   ap = argparse.ArgumentParser(prog="python -m blockspec_jax.eval.bench_trees", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--target", default=jobs.DEFAULT_TARGET)
-  ap.add_argument("--drafter", default=jobs.DEFAULT_DRAFTER)
+  ap.add_argument("--target", default=methods.DEFAULT_TARGET)
+  ap.add_argument("--drafter", default=methods.DEFAULT_DRAFTER)
   ap.add_argument("--paired", default="results/paired_trees.json")
   ap.add_argument("--temperature", type=float, default=1.0)
   ap.add_argument("--num-prompts", type=int, default=3)
@@ -60,33 +60,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-  from blockspec_jax import jobs
-  from blockspec_jax.eval import prompts as prompts_lib
+  from blockspec_jax import cli
+  from blockspec_jax.eval import harness
+  from blockspec_jax import methods
+  from blockspec_jax import runtime
+  from blockspec_jax import sources
+  from blockspec_jax.data import prompts as prompts_lib
 
   ap = build_parser()
   args = ap.parse_args(argv)
-  with jobs.cli_errors(ap.prog):
-    jobs.check_settings(temperatures=(args.temperature,), num_prompts=args.num_prompts,
+  with cli.cli_errors(ap.prog):
+    methods.check_settings(temperatures=(args.temperature,), num_prompts=args.num_prompts,
                         max_new_tokens=args.max_new_tokens, models=(args.target, args.drafter))
     arms = _arms(args.paired, args.temperature)
     for method, _, _, _ in arms:
-      jobs.parse_method(method)
+      methods.parse_method(method)
   start = time.perf_counter()
-  target = jobs.load_model(args.target, scan_layers=True)
-  drafter = jobs.load_model(args.drafter, scan_layers=True)
-  jobs.check_pair(target, drafter)
+  target = sources.load_model(args.target, scan_layers=True)
+  drafter = sources.load_model(args.drafter, scan_layers=True)
+  sources.check_pair(target, drafter)
   rows = prompts_lib.load_prompts(prompts_lib.DEFAULT_PROMPTS, limit=args.num_prompts)
-  prompt_ids = jobs.encode_prompts(target, rows)
+  prompt_ids = prompts_lib.encode_prompts(target, rows)
   width = max(len(p) for p in prompt_ids)
-  nodes = max(jobs.build_drafter(jobs.parse_method(m)[1], target, drafter, s, g).num_nodes(g) for m, g, s, _ in arms)
-  jobs.check_cache_room(width, args.max_new_tokens, nodes, target.config, drafter.config)
+  nodes = max(methods.build_drafter(methods.parse_method(m)[1], target, drafter, s, g).num_nodes(g) for m, g, s, _ in arms)
+  methods.check_cache_room(width, args.max_new_tokens, nodes, target.config, drafter.config)
   common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                 stop_ids=target.stop_ids)
-  baseline, _ = jobs.run_method(jobs.AUTOREGRESSIVE, target, drafter, prompt_ids, width, gamma=1, **common)
+  baseline, _ = harness.run_method(methods.AUTOREGRESSIVE, target, drafter, prompt_ids, width, gamma=1, **common)
   baseline["label"] = "autoregressive"
   results = [baseline]
   for method, gamma, settings, label in arms:
-    summary, _ = jobs.run_method(method, target, drafter, prompt_ids, width, gamma=gamma, drafter_settings=settings,
+    summary, _ = harness.run_method(method, target, drafter, prompt_ids, width, gamma=gamma, drafter_settings=settings,
                                  **common)
     summary["label"] = label
     results.append(summary)
@@ -98,7 +102,7 @@ def main(argv=None) -> int:
     print(f"{r['method']:<20} {r['label']:<22} {r.get('draft_nodes', '-')!s:>3} {be} {r['tokens_per_s']:>7.2f} "
           f"{r['decode_tokens_per_s']:>9.2f} {r['decode_tokens_per_s'] / baseline['decode_tokens_per_s']:>6.2f}x")
   print(f"T = {args.temperature:g}, {len(prompt_ids)} prompts × {args.max_new_tokens} tokens at batch 1; "
-        f"{time.perf_counter() - start:.0f} s; peak RSS {jobs.peak_rss_gb():.1f} GB")
+        f"{time.perf_counter() - start:.0f} s; peak RSS {runtime.peak_rss_gb():.1f} GB")
   if args.json:
     path = pathlib.Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)

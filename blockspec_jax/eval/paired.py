@@ -51,10 +51,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blockspec_jax import sampling
+from blockspec_jax import contracts, sampling
 from blockspec_jax.checks import check_int
-from blockspec_jax.decoding import contracts, speculative as spec
-from blockspec_jax.decoding.contracts import Drafter
+from blockspec_jax.theory.stats import mean_stderr
+from blockspec_jax.contracts import Drafter
+from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.drafters import ModelDrafter
 from blockspec_jax.verify import get_verifier
 
@@ -147,14 +148,6 @@ def paired_acceptance(target_params, drafter_params, contexts: Sequence[Sequence
   return table_DxBxRxG
 
 
-def mean_stderr(values_B) -> tuple[float, float]:
-  """``(mean, standard error)`` of per-context values: ``std(ddof=1) / sqrt(n)``, NaN for a single context. Every
-  paired comparison (rules, trees, drafters) reports its spread over contexts this way."""
-  values_B = np.asarray(values_B, np.float64)
-  n = len(values_B)
-  return float(values_B.mean()), float(values_B.std(ddof=1) / np.sqrt(n)) if n > 1 else float("nan")
-
-
 def summarize_paired(table_DxBxRxG: np.ndarray, verifiers: tuple[str, ...] = ("token", "block")) -> list[dict]:
   """Per γ: block efficiency (1 + mean E[τ]) per rule, and the last rule minus the first (gain, its standard error
   over contexts, and the relative gain in block efficiency)."""
@@ -190,10 +183,10 @@ def build_contexts(prompt_ids: Sequence[Sequence[int]], samples: Sequence[Sequen
 def sampled_contexts(target, prompt_ids, temperature: float, args, owners: list | None = None,
                      offsets: list | None = None) -> list:
   """Prompts extended by prefixes of one target sample each at ``temperature`` (see :func:`build_contexts`)."""
-  from blockspec_jax import jobs
+  from blockspec_jax import runtime
   tokens_BxP, prompt_len_B = spec.prepare_prompts(prompt_ids)
   keys_B = jax.random.split(jax.random.key(args.seed + 1), len(prompt_ids))
-  with jobs.compiling(f"the target's sampling loop at T = {temperature:g} (compiled and run once)"):
+  with runtime.compiling(f"the target's sampling loop at T = {temperature:g} (compiled and run once)"):
     out = spec.generate_autoregressive(target.params["params"], keys_B, tokens_BxP, prompt_len_B,
                                        target=target.config, max_new_tokens=args.sample_tokens,
                                        sampler=sampling.Sampler(temperature=temperature), stop_ids=target.stop_ids)
@@ -203,7 +196,8 @@ def sampled_contexts(target, prompt_ids, temperature: float, args, owners: list 
 
 def _trees_main(args, target, drafter_model, prompt_ids, start) -> int:
   """``--trees``: every arm of ``paired_trees.arms_for_budget`` at every budget and temperature; resumable."""
-  from blockspec_jax import jobs
+  from blockspec_jax import methods
+  from blockspec_jax import runtime
   from blockspec_jax.eval import paired_trees as pt
   path = pathlib.Path(args.json)
   done = json.loads(path.read_text())["results"] if path.exists() else []
@@ -217,9 +211,9 @@ def _trees_main(args, target, drafter_model, prompt_ids, start) -> int:
       for arm in pt.arms_for_budget(budget):
         if (temperature, budget, arm.label) in have:
           continue
-        drafter = jobs.build_drafter(arm.drafter, target, drafter_model, {arm.drafter: dict(arm.settings)}, arm.gamma)
+        drafter = methods.build_drafter(arm.drafter, target, drafter_model, {arm.drafter: dict(arm.settings)}, arm.gamma)
         t0 = time.perf_counter()
-        with jobs.compiling(f"T = {temperature:g}, {budget} nodes, {arm.label} ({len(contexts)} contexts)"):
+        with runtime.compiling(f"T = {temperature:g}, {budget} nodes, {arm.label} ({len(contexts)} contexts)"):
           table = pt.run_arm(target.params["params"], drafter_model.params["params"], contexts, arm,
                              target=target.config, drafter=drafter, draws=args.draws, temperature=temperature,
                              seed=args.seed, verify_draws=args.verify_draws)
@@ -243,33 +237,35 @@ def _trees_main(args, target, drafter_model, prompt_ids, start) -> int:
 def _trained_entry(name, args) -> tuple[str, dict, int] | None:
   """``(drafter, settings, replay stride)`` of a ``--drafters`` entry naming a drafter with trained parts (checked,
   with its run's record, before any model loads), None for an entry that names a model."""
-  from blockspec_jax import jobs
-  spec_ = jobs.trained_drafter_spec(name, job_settings=("replay",))
+  from blockspec_jax import checks as checks_lib
+  from blockspec_jax import methods
+  spec_ = methods.trained_drafter_spec(name, job_settings=("replay",))
   if spec_ is None:
     return None
   kind, settings = spec_
   stride = settings.pop("replay", args.replay_stride)
   stride = check_int(stride, f"{name!r}: replay", 0, hint=" (0: contexts prefilled as prompts)",
-                     error=jobs.UsageError)
+                     error=checks_lib.UsageError)
   return kind, settings, stride
 
 
 def _paired_drafter(name, target, args):
   """``(drafter, its parameters, replay stride)`` for one ``--drafters`` entry: a model (name, path, training run) as
-  a chain drafter, or ``<drafter>:<run dir>[?settings]`` (:func:`blockspec_jax.jobs.trained_drafter_spec`: BPD heads,
+  a chain drafter, or ``<drafter>:<run dir>[?settings]`` (:func:`blockspec_jax.methods.trained_drafter_spec`: BPD heads,
   SD²) built on ``--drafter``'s model (the steered base, the heads' neural rescorer). The stride is the entry's
   ``replay`` setting (``steered:DIR?replay=1``), else ``--replay-stride``; None for drafters that do not replay."""
-  from blockspec_jax import jobs
+  from blockspec_jax import methods
+  from blockspec_jax import sources
   entry = _trained_entry(name, args)
   if entry is None:
-    drafter = jobs.load_model(name, args.dtype, progress=False, scan_layers=True)
-    jobs.check_pair(target, drafter)
+    drafter = sources.load_model(name, args.dtype, progress=False, scan_layers=True)
+    sources.check_pair(target, drafter)
     return ModelDrafter(drafter.config), drafter.params["params"], None
   kind, settings, stride = entry
-  base = jobs.load_model(args.drafter, args.dtype, progress=False, scan_layers=True)
-  jobs.check_pair(target, base)
-  drafter = jobs.build_drafter(kind, target, base, {kind: settings}, args.gamma)
-  return (drafter, jobs.drafter_params(drafter, base, target),
+  base = sources.load_model(args.drafter, args.dtype, progress=False, scan_layers=True)
+  sources.check_pair(target, base)
+  drafter = methods.build_drafter(kind, target, base, {kind: settings}, args.gamma)
+  return (drafter, methods.drafter_params(drafter, base, target),
           stride if contracts.replays_history(drafter) else None)
 
 
@@ -282,7 +278,9 @@ _CONTEXT_SETTINGS = ("target", "drafter", "prompts", "num_prompts", "sample_toke
 def _drafters_main(args, target, prompt_rows, prompt_ids, start) -> int:
   """``--drafters A,B,…``: every drafter on the same contexts at every temperature; resumable (``--json``), and a
   finished comparison takes more drafters appended to its list (only theirs are measured)."""
-  from blockspec_jax import jobs
+  from blockspec_jax import checks as checks_lib
+  from blockspec_jax import methods
+  from blockspec_jax import runtime
   from blockspec_jax.eval import paired_drafters as pd
   path = pathlib.Path(args.json)
   saved = json.loads(path.read_text()) if path.exists() else {}
@@ -290,18 +288,18 @@ def _drafters_main(args, target, prompt_rows, prompt_ids, start) -> int:
   if done:
     before = saved.get("drafters") or []
     if args.drafter_list[:len(before)] != before:
-      raise jobs.UsageError(f"{path} holds results for the drafters {','.join(before)}; give them first (more may "
+      raise checks_lib.UsageError(f"{path} holds results for the drafters {','.join(before)}; give them first (more may "
                             "follow: they are measured on the same contexts), or pass another --json")
     changed = ["--" + k.replace("_", "-") for k in _CONTEXT_SETTINGS
                if saved.get("config", {}).get(k) != vars(args)[k]]
     if changed:
-      raise jobs.UsageError(f"{path} was measured with other settings ({', '.join(changed)}), so its contexts or "
+      raise checks_lib.UsageError(f"{path} was measured with other settings ({', '.join(changed)}), so its contexts or "
                             "drafts differ; pass another --json or remove it")
   have = {(r["temperature"], r["drafter"]) for r in done}
   if done:
     print(f"resuming from {path}: {len(done)} (temperature, drafter) tables already measured", flush=True)
   results = list(done)
-  labels = jobs.drafter_labels(args.drafter_list)
+  labels = methods.drafter_labels(args.drafter_list)
   rules = ("token", "block")
   for temperature in args.temperature_list:
     contexts = tasks = None
@@ -315,7 +313,7 @@ def _drafters_main(args, target, prompt_rows, prompt_ids, start) -> int:
       drafter_obj, drafter_params, stride = _paired_drafter(name, target, args)
       draws = 1 if temperature == 0 else args.draws  # greedy drafts are the same in every draw
       t0 = time.perf_counter()
-      with jobs.compiling(f"T = {temperature:g}, drafter {label} ({len(contexts)} contexts × {draws} drafts)"):
+      with runtime.compiling(f"T = {temperature:g}, drafter {label} ({len(contexts)} contexts × {draws} drafts)"):
         table = paired_acceptance(target.params["params"], drafter_params, contexts,
                                   target=target.config, drafter=drafter_obj, gamma=args.gamma,
                                   temperature=temperature, draws=draws, seed=args.seed, verifiers=rules,
@@ -395,12 +393,12 @@ def format_trees(results, temperatures) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
   """The command line (also the gin job ``paired``'s settings and defaults, ``blockspec_jax.main``)."""
-  from blockspec_jax import jobs
-  from blockspec_jax.eval import prompts as prompts_lib
+  from blockspec_jax import methods
+  from blockspec_jax.data import prompts as prompts_lib
   ap = argparse.ArgumentParser(prog="python -m blockspec_jax.eval.paired", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--target", default=jobs.DEFAULT_TARGET)
-  ap.add_argument("--drafter", default=jobs.DEFAULT_DRAFTER)
+  ap.add_argument("--target", default=methods.DEFAULT_TARGET)
+  ap.add_argument("--drafter", default=methods.DEFAULT_DRAFTER)
   ap.add_argument("--prompts", default=str(prompts_lib.DEFAULT_PROMPTS))
   ap.add_argument("--num-prompts", type=int, default=3)
   ap.add_argument("--sample-tokens", type=int, default=32)
@@ -435,42 +433,45 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _numbers(text: str, option: str, parse) -> list:
   """The comma-separated values of ``option`` parsed with ``parse`` (a UsageError naming a value that does not)."""
-  from blockspec_jax import jobs
+  from blockspec_jax import checks as checks_lib
   try:
     return [parse(item) for item in text.split(",") if item.strip()]
   except ValueError:
-    raise jobs.UsageError(f"{option} takes comma-separated numbers, got {text!r}") from None
+    raise checks_lib.UsageError(f"{option} takes comma-separated numbers, got {text!r}") from None
 
 
 def _check_args(args) -> None:
   """Every option checked before a model loads (a UsageError naming the first that cannot work); fills in
   ``args.temperature_list`` and ``args.budget_list`` and checks the trained drafters' runs."""
-  from blockspec_jax import jobs
+  from blockspec_jax import checks as checks_lib
+  from blockspec_jax import methods
+  from blockspec_jax import runtime
   for option, value in (("--positions", args.positions), ("--sample-tokens", args.sample_tokens),
                         ("--buckets", args.buckets), ("--draws", args.draws), ("--verify-draws", args.verify_draws)):
-    check_int(value, option, error=jobs.UsageError)
+    check_int(value, option, error=checks_lib.UsageError)
   check_int(args.replay_stride, "--replay-stride", 0, hint=" (0: every context prefilled as a prompt)",
-                 error=jobs.UsageError)
-  jobs.check_settings(gamma=args.gamma, temperatures=(args.temperature,), num_prompts=args.num_prompts,
+                 error=checks_lib.UsageError)
+  methods.check_settings(gamma=args.gamma, temperatures=(args.temperature,), num_prompts=args.num_prompts,
                       dtype=args.dtype, models=(args.target, args.drafter, *args.drafter_list))
   if args.drafters is not None and args.trees:
-    raise jobs.UsageError("--drafters and --trees are separate measurements; give one")
+    raise checks_lib.UsageError("--drafters and --trees are separate measurements; give one")
   if args.drafters is None and not args.trees and args.temperature_given:
-    raise jobs.UsageError("--temperatures is for --trees and --drafters; the plain comparison takes --temperature")
+    raise checks_lib.UsageError("--temperatures is for --trees and --drafters; the plain comparison takes --temperature")
   args.temperature_list = _numbers(args.temperatures, "--temperatures", float)
-  jobs.check_settings(temperatures=args.temperature_list)
-  args.budget_list = [jobs.check_gamma(b, "every budget") for b in _numbers(args.budgets, "--budgets", int)]
+  methods.check_settings(temperatures=args.temperature_list)
+  args.budget_list = [methods.check_gamma(b, "every budget") for b in _numbers(args.budgets, "--budgets", int)]
   if args.drafters is not None:
     if not args.drafter_list:
-      raise jobs.UsageError("--drafters: give at least one drafter")
+      raise checks_lib.UsageError("--drafters: give at least one drafter")
     for entry in args.drafter_list:
       _trained_entry(entry, args)  # a trained drafter's run and settings, before any model loads
-  jobs.check_output_file(args.json, "the report (--json)")
+  runtime.check_output_file(args.json, "the report (--json)")
 
 
 def main(argv=None) -> int:
-  from blockspec_jax import jobs
-  from blockspec_jax.eval import prompts as prompts_lib
+  from blockspec_jax import cli
+  from blockspec_jax import sources
+  from blockspec_jax.data import prompts as prompts_lib
   ap = build_parser()
   args = ap.parse_args(argv)
   if args.json is None:
@@ -482,33 +483,34 @@ def main(argv=None) -> int:
   args.drafter_list = [d for d in (args.drafters or "").split(",") if d]
   if args.replay_stride is None:
     args.replay_stride = args.gamma
-  with jobs.cli_errors(ap.prog):  # a mistake in the options, the prompts or a user's checkpoint: one line
+  with cli.cli_errors(ap.prog):  # a mistake in the options, the prompts or a user's checkpoint: one line
     _check_args(args)
     prompts_lib.load_prompts(args.prompts, limit=args.num_prompts)
     if args.drafters is not None:
       start = time.perf_counter()
-      target = jobs.load_model(args.target, args.dtype, scan_layers=True)
+      target = sources.load_model(args.target, args.dtype, scan_layers=True)
       rows = prompts_lib.load_prompts(args.prompts, limit=args.num_prompts)
-      return _drafters_main(args, target, rows, jobs.encode_prompts(target, rows, chat=True), start)
+      return _drafters_main(args, target, rows, prompts_lib.encode_prompts(target, rows, chat=True), start)
     return _pair_main(args)
 
 
 def _pair_main(args) -> int:
   """Token vs block verification of one drafter (``--trees``: trees and chains at equal budgets) on one target."""
-  from blockspec_jax import jobs
-  from blockspec_jax.eval import prompts as prompts_lib
+  from blockspec_jax import runtime
+  from blockspec_jax import sources
+  from blockspec_jax.data import prompts as prompts_lib
   start = time.perf_counter()
-  target = jobs.load_model(args.target, args.dtype, scan_layers=True)
-  drafter = jobs.load_model(args.drafter, args.dtype, scan_layers=True)
-  jobs.check_pair(target, drafter)
-  prompt_ids = jobs.encode_prompts(target, prompts_lib.load_prompts(args.prompts, limit=args.num_prompts), chat=True)
+  target = sources.load_model(args.target, args.dtype, scan_layers=True)
+  drafter = sources.load_model(args.drafter, args.dtype, scan_layers=True)
+  sources.check_pair(target, drafter)
+  prompt_ids = prompts_lib.encode_prompts(target, prompts_lib.load_prompts(args.prompts, limit=args.num_prompts), chat=True)
   if args.trees:
     return _trees_main(args, target, drafter, prompt_ids, start)
   contexts = sampled_contexts(target, prompt_ids, args.temperature, args)
   print(f"paired: {args.drafter} → {args.target}, T = {args.temperature:g}; {len(contexts)} contexts "
         f"({len(prompt_ids)} prompts × {args.positions} positions in a target sample), {args.draws} drafts of "
         f"γ = {args.gamma} each", flush=True)
-  with jobs.compiling(f"the paired scoring program ({len(contexts)} contexts, compiled and run)"):
+  with runtime.compiling(f"the paired scoring program ({len(contexts)} contexts, compiled and run)"):
     table = paired_acceptance(target.params["params"], drafter.params["params"], contexts, target=target.config,
                               drafter=ModelDrafter(drafter.config), gamma=args.gamma, temperature=args.temperature,
                               draws=args.draws, seed=args.seed, buckets=args.buckets)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from blockspec_jax.checks import check_int
-from blockspec_jax.eval.paired import mean_stderr
+from blockspec_jax.theory.stats import mean_stderr
 
 __all__ = ["summarize_drafters", "format_drafters", "offset_bins", "prompt_split", "summarize_within",
            "format_within"]

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blockspec_jax.eval.paired import mean_stderr
+from blockspec_jax.theory.stats import mean_stderr
 
 from blockspec_jax import sampling
 from blockspec_jax.decoding import speculative as spec

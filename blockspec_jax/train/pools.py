@@ -3,7 +3,7 @@
 disjoint training pool, kept in the workdir and encoded into padded arrays), model labels for reports and the reader
 of cached collected data. No gin here: the jobs register themselves.
 
-Errors: a job's settings (``job`` given) raise :class:`blockspec_jax.jobs.UsageError` naming ``<job>.<setting>``;
+Errors: a job's settings (``job`` given) raise :class:`blockspec_jax.checks_lib.UsageError` naming ``<job>.<setting>``;
 library arguments (no ``job``) raise ``ValueError`` naming the argument.
 """
 
@@ -16,8 +16,9 @@ from typing import Callable
 
 import numpy as np
 
-from blockspec_jax import artifacts, checks, jobs
-from blockspec_jax.eval import prompts as prompts_lib
+from blockspec_jax import artifacts, checks
+from blockspec_jax import checks as checks_lib
+from blockspec_jax.data import prompts as prompts_lib
 
 __all__ = ["check_int", "check_collection", "check_number", "prompt_rows", "encode_pool", "model_name", "read_cached",
            "collect_missing", "DEFAULT_HELDOUT", "DEFAULT_MAX_PROMPT_LEN", "samples_path", "samples_meta"]
@@ -36,7 +37,7 @@ def check_int(value, name: str, low: int = 1, *, job: str | None = None) -> int:
   integer allowed."""
   if job is None:
     return checks.check_int(value, name, low)
-  return checks.check_int(value, f"{job}.{name}", low, error=jobs.UsageError, numpy=False)  # NumPy ints: not JSON
+  return checks.check_int(value, f"{job}.{name}", low, error=checks_lib.UsageError, numpy=False)  # NumPy ints: not JSON
 
 
 def check_collection(tokens_BxP, prompt_len_B, rows, *, max_new_tokens: int, batch_size: int, configs: tuple):
@@ -70,7 +71,7 @@ def check_number(value, name: str, low: float = 0.0, strict: bool = False, *, jo
   if not ok or value < low or (strict and value == low):
     message = f"must be a finite number {'>' if strict else '>='} {low}, got {value!r}"
     if job is not None:
-      raise jobs.UsageError(f"{job}.{name} {message}")
+      raise checks_lib.UsageError(f"{job}.{name} {message}")
     raise ValueError(f"{name} {message}")
   return float(value)
 
@@ -96,12 +97,12 @@ def encode_pool(model, heldout_rows, train_rows, max_prompt_len: int, chat: bool
   into ``(prompts_NxP int32, prompt_len_N, (train_idx, heldout_idx), by_task, dropped)``: training prompts longer
   than ``max_prompt_len`` tokens are left out (``dropped`` of them; ``by_task`` counts the kept ones per task), a
   held-out one that long is a UsageError naming ``<job>.max_prompt_len``."""
-  held_ids = jobs.encode_prompts(model, heldout_rows, chat)
+  held_ids = prompts_lib.encode_prompts(model, heldout_rows, chat)
   too_long = [r["id"] for r, ids in zip(heldout_rows, held_ids) if len(ids) > max_prompt_len]
   if too_long:
-    raise jobs.UsageError(f"held-out prompts {too_long} are longer than {job}.max_prompt_len = {max_prompt_len} "
+    raise checks_lib.UsageError(f"held-out prompts {too_long} are longer than {job}.max_prompt_len = {max_prompt_len} "
                           "tokens; raise it")
-  train_ids = jobs.encode_prompts(model, train_rows, chat)
+  train_ids = prompts_lib.encode_prompts(model, train_rows, chat)
   kept = [i for i, ids in enumerate(train_ids) if len(ids) <= max_prompt_len]
   by_task: dict[str, int] = {}
   for i in kept:
@@ -132,7 +133,7 @@ def read_cached(path: pathlib.Path, meta: dict, load: Callable, *, redo: str, co
   try:
     return artifacts.read_matching(path, meta, load, redo=f"delete {redo}", compare_saved_keys=compare_saved_keys)
   except ValueError as e:
-    raise jobs.UsageError(str(e)) from None
+    raise checks_lib.UsageError(str(e)) from None
 
 
 def collect_missing(data: dict, split_rows, collect: Callable, save: Callable) -> dict:
@@ -145,7 +146,7 @@ def collect_missing(data: dict, split_rows, collect: Callable, save: Callable) -
     try:
       data[split] = collect(split, np.asarray(rows, np.int64))
     except ValueError as e:
-      raise jobs.UsageError(str(e)) from None
+      raise checks_lib.UsageError(str(e)) from None
     save(split, data[split])
   return data
 

@@ -19,7 +19,7 @@ there which subtree of its checkpoints is the drafter's (``checkpoint_subtree``)
 :func:`load_trained` rebuilds the drafter from both (``step="init"``: the untrained drafter, i.e. the recipe applied
 to the base model alone) and returns a :class:`~blockspec_jax.models.hub.LoadedModel` whose parameters have the
 adapters merged into the weights, so a trained drafter decodes at exactly the base model's cost. The job helper
-``blockspec_jax.jobs.load_model`` sends a workdir there, so ``run_job.drafter``, ``eval.paired --drafters`` and gin
+``blockspec_jax.sources.load_model`` sends a workdir there, so ``run_job.drafter``, ``eval.paired --drafters`` and gin
 take a trained drafter by its path.
 """
 

@@ -41,8 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blockspec_jax import artifacts, sampling
-from blockspec_jax.drafters.sprinter import head_logits, head_probs, init_head
+from blockspec_jax import artifacts, runtime, sampling
+from blockspec_jax.drafters.sprinter import HEAD_JSON, HEAD_NPZ, head_logits, head_probs, init_head, load_head, save_head
 from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.train import distill, pools, trainer
 from blockspec_jax.train.trainer import batch_indices
@@ -53,11 +53,6 @@ __all__ = ["LABEL_FIELDS", "REPORT_FIELDS", "HEAD_JSON", "HEAD_NPZ", "collect_la
 
 LABEL_FIELDS = ("features_NxD", "labels_N", "q_tok_N", "p_tok_N", "token_N", "row_N", "position_N")
 REPORT_FIELDS = ("threshold", "accuracy", "eta_fp", "eta_fn", "accept_rate", "positive_rate", "num")
-HEAD_JSON, HEAD_NPZ = "head.json", "head.npz"
-_HEAD = artifacts.Artifact(
-    HEAD_NPZ, HEAD_JSON, what="SPRINTER head",
-    absent="is not the work directory of a finished SPRINTER head training run (python -m blockspec_jax.train "
-    "--gin_file gin/train/sprinter_*.gin)", remedy="rerun the head's training job")
 
 
 # --- labels ---------------------------------------------------------------------------------------------------------
@@ -94,7 +89,6 @@ def collect_labels(target_config: decoder_lib.DecoderConfig, target_params, draf
   ``position_N`` int32 (``t``, the index of ``x`` in prompt + continuation: ``prompt_len`` for the first generated
   token).
   """
-  from blockspec_jax import jobs  # the "compiling …" announcements
   distill.check_pair(target_config, drafter_config)
   sampling.Sampler(temperature)  # validates it (T = 0: greedy continuations, one-hot laws)
   tokens_BxP, prompt_len_B, rows, _ = pools.check_collection(
@@ -114,14 +108,14 @@ def collect_labels(target_config: decoder_lib.DecoderConfig, target_params, draf
     sample = lambda: distill.sample_sequences(drafter_config, drafter_params, tokens_BxP[local_B],
                                               prompt_len_B[local_B], keys_B, max_new_tokens=max_new_tokens,
                                               temperature=temperature, stop_ids=tuple(stop_ids), pad_id=pad_id)
-    with jobs.compiling("drafter sampling", when=i == 0):
+    with runtime.compiling("drafter sampling", when=i == 0):
       tokens_BxT, mask_BxT = sample()
     positions_BxN, mask_BxN = distill.loss_window(mask_BxT, prompt_len_B[local_B], max_new_tokens)
     keep_BxN = (mask_BxN > 0) & (flat_B < num)[:, None]
     score = lambda: jax.device_get(_label_pass(target_params, drafter_params, jnp.asarray(tokens_BxT),
                                                jnp.asarray(positions_BxN), target=target_config,
                                                drafter=drafter_config, temperature=float(temperature)))
-    with jobs.compiling("label pass (target and drafter)", when=i == 0):
+    with runtime.compiling("label pass (target and drafter)", when=i == 0):
       hidden_BxNxD, q_tok_BxN, p_tok_BxN = score()
     token_BxN = np.take_along_axis(tokens_BxT, np.minimum(positions_BxN + 1, tokens_BxT.shape[1] - 1), axis=1)
     chunks["features_NxD"].append(np.asarray(hidden_BxNxD, np.float32)[keep_BxN])
@@ -315,40 +309,3 @@ def head_report(head, features_NxD, labels_N, thresholds: Sequence[float] = (0.3
         "positive_rate": pos / num if num else None,
         "num": int(num)})
   return rows
-
-
-# --- storage --------------------------------------------------------------------------------------------------------
-
-def _check_head(w_D: np.ndarray, b: np.ndarray, where: str) -> None:
-  if w_D.ndim != 1 or w_D.shape[0] < 1 or np.shape(b) != ():
-    raise ValueError(f"{where}: a head is w_D [D] and b [], got shapes {w_D.shape} and {np.shape(b)}")
-  if not (np.all(np.isfinite(w_D)) and np.isfinite(b)):
-    raise ValueError(f"{where}: the head holds NaN or infinite values")
-
-
-def save_head(workdir, head, info: dict | None = None) -> pathlib.Path:
-  """Write the head to ``<workdir>/head.npz`` (``w_D`` f32 [D], ``b`` f32 []) and ``<workdir>/head.json``: ``info``
-  (JSON-able: drafter, target, temperature, the held-out report, …) plus ``d_model``, ``b``, ``w_norm``, the npz's
-  name and SHA-256 (checked on load). Both written atomically, the npz first. Returns the json's path."""
-  w_D, b = np.asarray(head["w_D"], np.float32), np.asarray(head["b"], np.float32)
-  _check_head(w_D, b, "save_head")
-  return _HEAD.save(workdir, {"w_D": w_D, "b": b}, info,
-                    {"d_model": int(w_D.shape[0]), "b": float(b),
-                     "w_norm": float(np.linalg.norm(w_D.astype(np.float64)))})
-
-
-def load_head(workdir, d_model: int | None = None):
-  """``(head, info)`` saved by :func:`save_head`: ``head = {"w_D": f32 [D], "b": f32 []}`` (jax arrays) and the
-  json's dict. FileNotFoundError for a missing directory or file, ValueError for a corrupted or tampered file (the
-  SHA-256 recorded in the json must match the npz) or, with ``d_model``, a head of another width."""
-  workdir = pathlib.Path(workdir).expanduser()
-  arrays, info = _HEAD.load(workdir, convert={"d_model": int}, names=("w_D", "b"), dtype=np.float32)
-  w_D, b, width = arrays["w_D"], arrays["b"], info["d_model"]
-  path, npz_path = _HEAD.paths(workdir, info)
-  _check_head(w_D, b, str(npz_path))
-  if w_D.shape[0] != width:
-    raise ValueError(f"{npz_path} holds a head of D = {w_D.shape[0]}, {path} says d_model = {width}")
-  if d_model is not None and int(d_model) != width:
-    raise ValueError(f"the SPRINTER head in {workdir} was trained on hidden states of D = {width} (drafter "
-                     f"{info.get('drafter', '?')}); this drafter has D = {d_model}")
-  return {"w_D": jnp.asarray(w_D), "b": jnp.asarray(b)}, info

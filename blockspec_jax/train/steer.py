@@ -42,16 +42,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import pathlib
 from typing import Callable, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blockspec_jax import artifacts, sampling
+from blockspec_jax import runtime, sampling
 from blockspec_jax.checks import check_int
-from blockspec_jax.drafters.steer import check_layers, steer_dims, steering_vectors, to_layers
+from blockspec_jax.drafters.steer import (STEER_JSON, STEER_NPZ, check_layers, load_steer, read_steer_info, save_steer,
+                                         steering_vectors, to_layers)
 from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.train import distill, divergences
 
@@ -59,14 +59,9 @@ __all__ = ["STEER_JSON", "STEER_NPZ", "SCHEMES", "SteerLoss", "window_sources", 
            "make_steer_data", "make_batch_fn", "heldout_tv", "save_steer", "load_steer", "read_steer_info",
            "check_steer_setup"]
 
-STEER_JSON, STEER_NPZ = "steer.json", "steer.npz"
 #: Where a training position's bias comes from (:class:`SteerLoss`): the authors' one offset per step, or blocks of
 #: γ positions sharing one vector, as decoding drafts them.
 SCHEMES = ("regular", "blocks")
-_STEER = artifacts.Artifact(
-    STEER_NPZ, STEER_JSON, what="SD² steering map",
-    absent="is not the work directory of a finished SD² training run (python -m blockspec_jax.train --gin_file "
-    "gin/train/steer_*.gin)", remedy="rerun the SD² training job")
 
 
 def check_steer_setup(target: decoder_lib.DecoderConfig, drafter: decoder_lib.DecoderConfig, target_layers,
@@ -319,8 +314,7 @@ def heldout_tv(data: distill.DistillData, target_params, drafter_params, steers:
   bar = None
   if progress:
     from tqdm import tqdm
-    from blockspec_jax import jobs  # the "compiling …" announcement
-    with jobs.compiling(f"held-out TV pass ({len(names)} drafter variants)"):
+    with runtime.compiling(f"held-out TV pass ({len(names)} drafter variants)"):
       results = [one(starts[0])]
     bar = tqdm(total=len(starts), initial=1, desc="held-out TV", unit="batch", dynamic_ncols=True)
   else:
@@ -339,118 +333,3 @@ def heldout_tv(data: distill.DistillData, target_params, drafter_params, steers:
     out[name] = {"tv": float(totals[i].sum() / max(counts.sum(), 1.0)),
                  "by_offset": [float(s / c) if c else None for s, c in zip(totals[i], counts)]}
   return out
-
-
-# --- storage --------------------------------------------------------------------------------------------------------
-
-def _flatten(tree, prefix: str = "") -> dict:
-  flat = {}
-  for key in sorted(tree):
-    value = tree[key]
-    path = f"{prefix}{key}"
-    if isinstance(value, Mapping):
-      flat.update(_flatten(value, path + "/"))
-    else:
-      flat[path] = value
-  return flat
-
-
-def _unflatten(flat: Mapping) -> dict:
-  tree: dict = {}
-  for path, value in flat.items():
-    node = tree
-    *parents, leaf = path.split("/")
-    for name in parents:
-      node = node.setdefault(name, {})
-    node[leaf] = value
-  return tree
-
-
-def save_steer(workdir, steer, info: Optional[dict] = None) -> pathlib.Path:
-  """Write the map to ``<workdir>/steer.npz`` (float32 leaves by path, e.g. ``guide/weight``) and
-  ``<workdir>/steer.json``: ``info`` (JSON-able; must name ``target_layers``, ``steered_layers`` and the drafter's
-  ``drafter_layers`` / ``ffn_dim``) plus the map's dimensions, the npz's name and SHA-256 (checked on load). Both
-  written atomically, the npz first. Returns the json's path."""
-  info = dict(info or {})
-  missing = [k for k in ("target_layers", "steered_layers", "drafter_layers", "ffn_dim") if k not in info]
-  if missing:
-    raise ValueError(f"save_steer: info must name {missing} (the layers and drafter shape the map belongs to)")
-  dims = steer_dims(steer)
-  flat = {path: np.asarray(value, np.float32) for path, value in _flatten(steer).items()}
-  if not all(np.all(np.isfinite(v)) for v in flat.values()):
-    raise ValueError("save_steer: the map holds NaN or infinite values")
-  _check_record({**info, **dims}, "save_steer")
-  return _STEER.save(workdir, flat, {**info, **dims},
-                     {"target_layers": [int(i) for i in info["target_layers"]],
-                      "steered_layers": [int(i) for i in info["steered_layers"]]})
-
-
-def _check_record(record: Mapping, where: str) -> None:
-  """The record's layers agree with the map's dimensions: K taps, n·F outputs."""
-  if len(record["target_layers"]) != record["num_taps"]:
-    raise ValueError(f"{where}: {len(record['target_layers'])} target layers {list(record['target_layers'])} but "
-                     f"the map reads K = {record['num_taps']} taps")
-  if len(record["steered_layers"]) * int(record["ffn_dim"]) != record["width"]:
-    raise ValueError(f"{where}: {len(record['steered_layers'])} steered layers of F = {record['ffn_dim']} need "
-                     f"{len(record['steered_layers']) * int(record['ffn_dim'])} outputs, the map has "
-                     f"{record['width']}")
-  if any(not 0 <= int(i) < int(record["drafter_layers"]) for i in record["steered_layers"]):
-    raise ValueError(f"{where}: steered layers {list(record['steered_layers'])} outside the drafter's "
-                     f"{record['drafter_layers']} layers")
-
-
-def read_steer_info(workdir) -> dict:
-  """The record (``steer.json``) of a finished SD² training run; FileNotFoundError when absent, ValueError when it is
-  not a readable record."""
-  return _STEER.read_record(workdir, required=("drafter_layers", "ffn_dim", "target_d_model", "num_taps", "width"),
-                            convert={"target_layers": _int_tuple, "steered_layers": _int_tuple})
-
-
-def _int_tuple(values) -> tuple:
-  return tuple(int(i) for i in values)
-
-
-def load_steer(workdir, *, target_config: Optional[decoder_lib.DecoderConfig] = None,
-               drafter_config: Optional[decoder_lib.DecoderConfig] = None, target_layers=None, steered_layers=None):
-  """``(steer, info)`` saved by :func:`save_steer`: the map as a nested dict of f32 jax arrays, and its record.
-
-  FileNotFoundError for a missing directory or file; ValueError for a corrupted or tampered file (the npz's SHA-256
-  must match the record's), a map whose shapes disagree with its record, or one that does not fit the given models
-  (``target_config``: its width ``Dt`` and layer count; ``drafter_config``: its layers and MLP width) or layers
-  (``target_layers`` / ``steered_layers``: must equal those it was trained with).
-  """
-  info = read_steer_info(workdir)
-  workdir = pathlib.Path(workdir).expanduser()
-  json_path, npz_path = _STEER.paths(workdir, info)
-  flat = _STEER.read_arrays(workdir, info, dtype=np.float32)
-  steer = _unflatten(flat)
-  try:
-    dims = steer_dims(steer)
-  except ValueError as e:
-    raise ValueError(f"{npz_path}: {e}") from None
-  if not all(np.all(np.isfinite(v)) for v in flat.values()):
-    raise ValueError(f"{npz_path}: the map holds NaN or infinite values")
-  for key, value in dims.items():
-    if info.get(key) != value:
-      raise ValueError(f"{npz_path} holds a map with {key} = {value}, {json_path} says {info.get(key)}")
-  _check_record(info, str(json_path))
-  trained_on = f"(trained for target {info.get('target', '?')}, drafter {info.get('drafter', '?')})"
-  if target_config is not None:
-    if target_config.d_model != dims["target_d_model"]:
-      raise ValueError(f"the SD² map in {workdir} reads target states of Dt = {dims['target_d_model']} "
-                       f"{trained_on}; this target has d_model = {target_config.d_model}")
-    if max(info["target_layers"]) >= target_config.num_layers:
-      raise ValueError(f"the SD² map in {workdir} reads target layers {list(info['target_layers'])} {trained_on}; "
-                       f"this target has {target_config.num_layers} layers")
-  if drafter_config is not None:
-    if drafter_config.num_layers != int(info["drafter_layers"]) or drafter_config.ffn_dim != int(info["ffn_dim"]):
-      raise ValueError(f"the SD² map in {workdir} steers a drafter of {info['drafter_layers']} layers and MLP width "
-                       f"F = {info['ffn_dim']} {trained_on}; this drafter has {drafter_config.num_layers} layers "
-                       f"and F = {drafter_config.ffn_dim}")
-  if target_layers is not None and tuple(target_layers) != info["target_layers"]:
-    raise ValueError(f"the SD² map in {workdir} was trained on target layers {list(info['target_layers'])}, the "
-                     f"drafter asks for {list(target_layers)}")
-  if steered_layers is not None and tuple(steered_layers) != info["steered_layers"]:
-    raise ValueError(f"the SD² map in {workdir} steers drafter layers {list(info['steered_layers'])}, the drafter "
-                     f"asks for {list(steered_layers)}")
-  return jax.tree.map(jnp.asarray, steer), info

@@ -34,9 +34,13 @@ import time
 import gin
 import jax
 
-from blockspec_jax import jobs, sampling
+from blockspec_jax import sampling
+from blockspec_jax import checks
+from blockspec_jax import methods
+from blockspec_jax import runtime
+from blockspec_jax import sources
 from blockspec_jax.drafters.steer import default_target_layers, init_steer
-from blockspec_jax.eval import prompts as prompts_lib
+from blockspec_jax.data import prompts as prompts_lib
 from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.train import distill, divergences, params as params_lib, pools, recipe as recipe_lib, \
     steer as steer_lib, trainer
@@ -54,8 +58,8 @@ def _as_config(value, name: str) -> decoder_lib.DecoderConfig:
     try:
       return decoder_lib.DecoderConfig.tiny(**value)
     except (TypeError, ValueError) as e:
-      raise jobs.UsageError(f"{JOB}.{name}: {e}") from None
-  raise jobs.UsageError(f"{JOB}.{name} must be a DecoderConfig or a dict of its fields, got {value!r}")
+      raise checks.UsageError(f"{JOB}.{name}: {e}") from None
+  raise checks.UsageError(f"{JOB}.{name} must be a DecoderConfig or a dict of its fields, got {value!r}")
 
 
 def _models(workdir, real, *, target, drafter, target_config, drafter_config, target_seed, drafter_seed, dtype,
@@ -73,9 +77,9 @@ def _models(workdir, real, *, target, drafter, target_config, drafter_config, ta
   heldout_rows, train_rows = pools.prompt_rows(workdir, heldout_prompts, train_prompts_per_task, seed)
   prompts_lib.check_disjoint(train_rows, heldout_rows)
   t0 = time.perf_counter()
-  target_model = jobs.load_model(target, dtype)
-  drafter_model = jobs.load_model(drafter, dtype)
-  jobs.check_pair(target_model, drafter_model)
+  target_model = sources.load_model(target, dtype)
+  drafter_model = sources.load_model(drafter, dtype)
+  sources.check_pair(target_model, drafter_model)
   print(f"loaded {target} (target, {target_model.config.num_layers} layers, D = {target_model.config.d_model}) "
         f"and {drafter} (drafter, {drafter_model.config.num_layers} layers, F = {drafter_model.config.ffn_dim}) in "
         f"{time.perf_counter() - t0:.1f} s", flush=True)
@@ -97,7 +101,7 @@ def _joint_parts(workdir: pathlib.Path, setup: dict, recipe: recipe_lib.DrafterR
     config, params = recipe.derive(setup["drafter_config"], setup["drafter_params"])
     parts = recipe.split(config, params)
   except (TypeError, ValueError) as e:
-    raise jobs.UsageError(f"{JOB}.finetune_drafter: {e}") from None
+    raise checks.UsageError(f"{JOB}.finetune_drafter: {e}") from None
   recipe_lib.save_recipe(workdir, recipe, subtree="drafter")
   kept = "" if recipe.layers is None else f" (keeping layers {list(recipe.layers)})"
   print(f"the drafter tuned with the map: {recipe.base}{kept}, "
@@ -122,7 +126,7 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
 
   Models, as in ``distill_job``: random tiny ones (``target_config`` / ``drafter_config``; random parameters of
   ``target_seed`` / ``drafter_seed``; ``num_prompts`` random prompts of ``prompt_len`` tokens split by
-  ``heldout_fraction``) or real ones (``target`` / ``drafter``: anything ``jobs.load_model`` takes; held-out prompts
+  ``heldout_fraction``) or real ones (``target`` / ``drafter``: anything ``sources.load_model`` takes; held-out prompts
   = ``heldout_prompts``, training prompts = ``train_prompts_per_task`` per category from the same packages, disjoint
   from them, chat-templated when ``chat``, those longer than ``max_prompt_len`` tokens left out).
 
@@ -152,42 +156,42 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
                            ("gamma", gamma, 1)):
     pools.check_int(value, name, low, job=JOB)
   if scheme not in steer_lib.SCHEMES:
-    raise jobs.UsageError(f"{JOB}.scheme must be one of {steer_lib.SCHEMES}, got {scheme!r}")
+    raise checks.UsageError(f"{JOB}.scheme must be one of {steer_lib.SCHEMES}, got {scheme!r}")
   if sample_batch_size is not None:
     pools.check_int(sample_batch_size, "sample_batch_size", job=JOB)
   if stop_after is not None:
     pools.check_int(stop_after, "stop_after", job=JOB)
   if finetune_drafter is not None and not isinstance(finetune_drafter, dict):
-    raise jobs.UsageError(f"{JOB}.finetune_drafter must be None or a dict of drafter recipe fields (e.g. "
+    raise checks.UsageError(f"{JOB}.finetune_drafter must be None or a dict of drafter recipe fields (e.g. "
                           f"{{'lora_rank': 16}}), got {finetune_drafter!r}")
   if finetune_drafter is not None and "base" in finetune_drafter:
-    raise jobs.UsageError(f"{JOB}.finetune_drafter must not set base: the base is {JOB}.drafter")
+    raise checks.UsageError(f"{JOB}.finetune_drafter must not set base: the base is {JOB}.drafter")
   if drafter_optimizer is not None and finetune_drafter is None:
-    raise jobs.UsageError(f"{JOB}.drafter_optimizer is set but the drafter is frozen (set {JOB}.finetune_drafter)")
+    raise checks.UsageError(f"{JOB}.drafter_optimizer is set but the drafter is frozen (set {JOB}.finetune_drafter)")
   if drafter_optimizer is not None and not isinstance(drafter_optimizer, dict):
-    raise jobs.UsageError(f"{JOB}.drafter_optimizer must be a dict of make_optimizer arguments, got "
+    raise checks.UsageError(f"{JOB}.drafter_optimizer must be a dict of make_optimizer arguments, got "
                           f"{drafter_optimizer!r}")
   recipe = None
   if finetune_drafter is not None:
     try:  # the recipe's fields checked before any model loads (its base is set once the drafter is named)
       recipe = recipe_lib.DrafterRecipe(base=str(drafter or "drafter"), **finetune_drafter)
     except (TypeError, ValueError) as e:
-      raise jobs.UsageError(f"{JOB}.finetune_drafter: {e}") from None
+      raise checks.UsageError(f"{JOB}.finetune_drafter: {e}") from None
   if rank is not None:
     pools.check_int(rank, "rank", job=JOB)
   models_given = (target is not None, drafter is not None)
   configs_given = (target_config is not None, drafter_config is not None)
   real = all(models_given)
   if not (real and not any(configs_given)) and not (all(configs_given) and not any(models_given)):
-    raise jobs.UsageError(f"give either {JOB}.target and {JOB}.drafter (model names), or {JOB}.target_config and "
+    raise checks.UsageError(f"give either {JOB}.target and {JOB}.drafter (model names), or {JOB}.target_config and "
                           f"{JOB}.drafter_config (random tiny models), not a mix")
   if real:
     for name, value in (("target", target), ("drafter", drafter)):
       if not isinstance(value, str):
-        raise jobs.UsageError(f"{JOB}.{name} must be a model name or path, got {value!r}")
-    jobs.check_settings(dtype=dtype, models=(target, drafter))
-    if recipe is not None and jobs.trained_run_spec(drafter) is not None:
-      raise jobs.UsageError(f"{JOB}.finetune_drafter tunes a base model; {JOB}.drafter = {drafter!r} is a training "
+        raise checks.UsageError(f"{JOB}.{name} must be a model name or path, got {value!r}")
+    methods.check_settings(dtype=dtype, models=(target, drafter))
+    if recipe is not None and sources.trained_run_spec(drafter) is not None:
+      raise checks.UsageError(f"{JOB}.finetune_drafter tunes a base model; {JOB}.drafter = {drafter!r} is a training "
                             "run (train a map for it frozen, or give its base)")
   optimizer = dict(optimizer or {"name": "adamw", "learning_rate": 1e-3})
   try:
@@ -203,7 +207,7 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
       opt = trainer.by_part({"steer": opt, "drafter": trainer.make_optimizer(**drafter_optimizer,
                                                                                total_steps=num_steps)})
   except (TypeError, ValueError) as e:
-    raise jobs.UsageError(str(e)) from None
+    raise checks.UsageError(str(e)) from None
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   setup = _models(workdir, real, target=target, drafter=drafter, target_config=target_config,
@@ -233,7 +237,7 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
                                      samples_meta=pools.samples_meta(target if real else None, target_seed),
                                      reuse_samples=reuse_samples)
   except ValueError as e:
-    raise jobs.UsageError(str(e)) from None
+    raise checks.UsageError(str(e)) from None
   steer0 = init_steer(target_cfg.d_model, len(target_layers), drafter_cfg, steered_layers, rank=rank, seed=seed)
   target_params, drafter_params = setup["target_params"], setup["drafter_params"]
   settings = dict(target_layers=list(target_layers), steered_layers=list(steered_layers), rank=rank, gamma=gamma,
@@ -305,7 +309,7 @@ def steer_job(workdir, *, target_config=None, drafter_config=None, target=None, 
       "num_train_prompts": int(len(data.train_idx)), "num_heldout_prompts": int(len(data.heldout_idx)),
       "heldout_positions": int(data.fixed_mask_NxT[data.heldout_idx].sum()),
       "steer_params": params_lib.count_params(steer0), "target": setup["target_name"],
-      "drafter": setup["drafter_name"], "peak_rss_gb": jobs.peak_rss_gb(), "device": jax.devices()[0].platform,
+      "drafter": setup["drafter_name"], "peak_rss_gb": runtime.peak_rss_gb(), "device": jax.devices()[0].platform,
       **settings, **setup["info"],
   }
   if joint is not None:

@@ -47,6 +47,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from blockspec_jax import runtime
 from blockspec_jax.checks import check_int
 from blockspec_jax.train import checkpoints as checkpoints_lib
 
@@ -303,7 +304,6 @@ def fit(*, loss_fn: LossFn, optimizer: optax.GradientTransformation, trainable, 
       last one, logged as ``eval_<name>`` in that step's metrics line.
     stop_after: stop (with a checkpoint) once this many steps are done, as if killed: for resume tests.
   """
-  from blockspec_jax import jobs  # the "compiling …" announcement
 
   num_steps = check_int(num_steps, "num_steps")
   if checkpoint_every < 1 or max_to_keep < 1:
@@ -338,7 +338,7 @@ def fit(*, loss_fn: LossFn, optimizer: optax.GradientTransformation, trainable, 
       for step in range(start, end):
         batch = batch_fn(step, state.trainable)
         step_key = jax.random.fold_in(key, step)
-        with jobs.compiling(label, when=step == start):
+        with runtime.compiling(label, when=step == start):
           state, metrics = step_fn(state, frozen, batch, step_key)
           if step == start:
             jax.block_until_ready(state)
@@ -350,7 +350,7 @@ def fit(*, loss_fn: LossFn, optimizer: optax.GradientTransformation, trainable, 
           row.update({f"eval_{k}": float(v) for k, v in eval_fn(done, state.trainable).items()})
         row["seconds"] = time.perf_counter() - t0
         row["seconds_total"] = seconds_before + row["seconds"]
-        row["peak_rss_gb"] = jobs.peak_rss_gb()
+        row["peak_rss_gb"] = runtime.peak_rss_gb()
         log.write(json.dumps(row) + "\n")
         log.flush()
         history.append(row)

@@ -48,14 +48,13 @@ import numpy as np
 from flax import struct
 
 from blockspec_jax import sampling
+from blockspec_jax.contracts import WITH_REPLACEMENT, WITHOUT_REPLACEMENT
 from blockspec_jax.verify.rules import clipped_ratio
 
 __all__ = ["TreeVerifyResult", "TREE_RULES", "WITH_REPLACEMENT", "WITHOUT_REPLACEMENT", "tree_verify",
            "tree_sampling", "check_tree", "chain_parents", "rrs_tree_verify", "rrs_wor_tree_verify",
            "spectr_tree_verify", "spectr_rho"]
 
-WITH_REPLACEMENT = "with_replacement"
-WITHOUT_REPLACEMENT = "without_replacement"
 _SAMPLING_MODES = (WITH_REPLACEMENT, WITHOUT_REPLACEMENT)
 
 _RHO_BISECTION_STEPS = 32  # [1, k] halved 32 times: below one f32 ulp of ρ for any k < 2**8

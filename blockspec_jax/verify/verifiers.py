@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from flax import struct
 
-from blockspec_jax.decoding.contracts import SAMPLING_BEAM, SAMPLING_CHAIN, Draft, accepted_path
+from blockspec_jax.contracts import SAMPLING_BEAM, SAMPLING_CHAIN, Draft, accepted_path
 from blockspec_jax.verify import rules
 from blockspec_jax.verify import traversal as _traversal  # noqa: F401  (registers "traversal" in TREE_RULES)
 from blockspec_jax.verify.tree import TREE_RULES, tree_verify
@@ -111,7 +111,7 @@ class Verifier:
 
   def verify_draft(self, keys_B, draft: Draft, p_BxN1xV, depth_BxN, gamma: int) -> Verdict:
     """Verify every row's draft against the target rows ``p_BxN1xV`` (row 0: after the last committed token, row
-    ``n + 1``: after node ``n``); ``depth_BxN`` from :func:`blockspec_jax.decoding.contracts.node_depths`."""
+    ``n + 1``: after node ``n``); ``depth_BxN`` from :func:`blockspec_jax.contracts.node_depths`."""
     if not draft.is_chain:
       raise ValueError(f"verifier {self.name!r} verifies chains; the draft is a tree")
     res = self.batch(keys_B, draft.tokens_BxN, draft.q_rows(p_BxN1xV.shape[-1]), p_BxN1xV)
@@ -273,11 +273,6 @@ class SprinterVerifier(Verifier):
   def verify_draft(self, keys_B, draft: Draft, p_BxN1xV, depth_BxN, gamma: int) -> Verdict:
     raise ValueError("verifier 'sprinter' skips the target: it runs its own loop (decoding.sprinter), not one "
                      "verification per draft")
-
-  def decode(self, *args, **kwargs):
-    """The SPRINTER loop (:func:`blockspec_jax.decoding.sprinter.sprinter_decode`)."""
-    from blockspec_jax.decoding import sprinter
-    return sprinter.sprinter_decode(*args, verifier=self, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)

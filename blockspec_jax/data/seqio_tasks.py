@@ -1,7 +1,7 @@
 """The prompt sets as seqio Tasks (the optional ``seqio`` extra: ``pip install -e ".[seqio]"``, which brings
 TensorFlow; nothing else in the project imports seqio).
 
-    from blockspec_jax.eval import seqio_tasks
+    from blockspec_jax.data import seqio_tasks
     names = seqio_tasks.register_prompt_tasks()          # blockspec_code, blockspec_chat, …, blockspec_qa
     rows = seqio_tasks.prompts_from_seqio("blockspec_qa")  # rows as eval.prompts.load_prompts returns them
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import pathlib
 
-from blockspec_jax.eval import prompts as prompts_lib
+from blockspec_jax.data import prompts as prompts_lib
 
 __all__ = ["PREFIX", "FIELDS", "register_prompt_tasks", "prompts_from_seqio", "SeqioUnavailable"]
 
@@ -84,7 +84,7 @@ def prompts_from_seqio(name: str, split: str = "validation") -> list[dict]:
     provider = seqio.get_mixture_or_task(name)
   except ValueError as e:
     raise ValueError(f"unknown seqio task or mixture {name!r} ({e}); the prompt sets register with "
-                     "blockspec_jax.eval.seqio_tasks.register_prompt_tasks()") from None
+                     "blockspec_jax.data.seqio_tasks.register_prompt_tasks()") from None
   dataset = provider.get_dataset(sequence_length=None, split=split, shuffle=False)
   rows = []
   for i, example in enumerate(dataset.as_numpy_iterator()):

