@@ -155,6 +155,19 @@ def write_plots(rows: list[dict], out_dir) -> list[pathlib.Path]:
   temperatures = sorted({r["temperature"] for r in rows})
   written = []
 
+  def integer_ticks(ax, values):
+    """Ticks at exactly the integers ``values`` (γ or draft positions), with room either side of a single one:
+    matplotlib would otherwise spread fractional ticks (3.80, 3.85, …) over the axis around one point."""
+    values = sorted({int(v) for v in values})
+    if not values:
+      return
+    if len(values) <= 12:
+      ax.set_xticks(values)
+    else:
+      ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if len(values) == 1:
+      ax.set_xlim(values[0] - 1, values[0] + 1)
+
   def panels(title):
     cols = min(len(tasks), 4)
     rows_of_panels = math.ceil(len(tasks) / cols)
@@ -164,9 +177,10 @@ def write_plots(rows: list[dict], out_dir) -> list[pathlib.Path]:
     fig.suptitle(title)
     return fig, axes.flat
 
-  for field, name, ylabel in (("block_efficiency", "be_vs_gamma.png", "block efficiency (tokens / target call)"),
-                              ("speedup", "speedup_vs_gamma.png", "speedup over autoregressive (tok/s)")):
-    fig, axes = panels(ylabel)
+  for field, name, title, ylabel in (
+      ("block_efficiency", "be_vs_gamma.png", "block efficiency (tokens / target call)", "block efficiency"),
+      ("speedup", "speedup_vs_gamma.png", "speedup over autoregressive (tok/s)", "speedup (×)")):
+    fig, axes = panels(title)
     for ax, task in zip(axes, tasks):
       series: dict[str, list] = {}
       for r in rows:
@@ -179,7 +193,8 @@ def write_plots(rows: list[dict], out_dir) -> list[pathlib.Path]:
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
       ax.set_title(task)
       ax.set_xlabel("γ")
-      ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+      ax.set_ylabel(ylabel)
+      integer_ticks(ax, [g for points in series.values() for g, _ in points])
       ax.grid(alpha=0.3)
       if series:
         ax.legend(fontsize=7)
@@ -201,7 +216,8 @@ def write_plots(rows: list[dict], out_dir) -> list[pathlib.Path]:
       ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{label} γ={r['gamma']}")
     ax.set_title(task)
     ax.set_xlabel("draft position i")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("acceptance P(τ ≥ i)")
+    integer_ticks(ax, [i for r in top.values() for i in range(1, len(r["acceptance_per_position"]) + 1)])
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
     if top:
