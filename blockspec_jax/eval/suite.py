@@ -339,7 +339,7 @@ def suite_job(name: str = "suite", target: str = methods_lib.DEFAULT_TARGET, dra
   ``prompts``: ``"six"`` (the shipped file with all six categories: code, chat, math, summarization, translation,
   qa; 4 prompts each), ``"default"`` (the main job's file: code, chat, math), ``"seqio:<task>[:<split>]"`` (a seqio
   Task, with the seqio extra; ``eval.seqio_tasks`` registers the prompt sets as ``blockspec_<category>``) or the path
-  of a prompt JSONL file (``eval.prompts.load_prompts``: a user's own rows need only ``task`` and ``text``); ``tasks``:
+  of a prompt JSONL file (``data.prompts.load_prompts``: a user's own rows need only ``task`` and ``text``); ``tasks``:
   the categories to run (default: every category in the file, in file order); ``prompts_per_task``: the first N
   prompts of each. ``methods`` / ``gammas`` / ``temperatures`` / ``top_k`` / ``top_p``: the grid and the sampler
   (both models sample through the same transform); ``method_gammas`` overrides ``gammas`` for the methods it names,
