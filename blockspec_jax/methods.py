@@ -117,6 +117,14 @@ def build_drafter(drafter_name: str, target_model, drafter_model, settings: dict
     raise UsageError(f"drafter {drafter_name!r}: {e}") from None
 
 
+def _trained_drafter_kind(entry) -> str | None:
+  """The registered drafter ``"<drafter>:<run dir>…"`` names when that drafter has trained parts, else None (no
+  checks: labels and dispatch only)."""
+  from blockspec_jax import drafters
+  kind, sep, _ = str(entry).partition(":")
+  return kind if sep and hasattr(drafters.DRAFTERS.get(kind), "run_setting") else None
+
+
 def trained_drafter_spec(entry, job_settings: Sequence[str] = ()) -> tuple[str, dict] | None:
   """``"<drafter>:<run dir>[?key=value&…]"`` → ``(drafter, settings)`` for a registered drafter with trained parts
   (``heads:results/train/heads_qwen?rescore=pbest_ngram``, ``steered:results/train/steer_qwen``,
@@ -125,11 +133,11 @@ def trained_drafter_spec(entry, job_settings: Sequence[str] = ()) -> tuple[str, 
   checked before any model loads (``drafters.check_settings``), except ``job_settings``: keys the calling job takes
   for itself (``eval.paired``'s ``replay``), returned with the rest."""
   from blockspec_jax import drafters
-  kind, sep, rest = str(entry).partition(":")
-  cls = drafters.DRAFTERS.get(kind)
-  if not sep or cls is None or not hasattr(cls, "run_setting"):
+  kind = _trained_drafter_kind(entry)
+  if kind is None:
     return None
-  workdir, _, query = rest.partition("?")
+  cls = drafters.DRAFTERS[kind]
+  workdir, _, query = str(entry).partition(":")[2].partition("?")
   if not workdir:
     raise UsageError(f"{entry!r}: give the training run's directory after '{kind}:'")
   settings: dict = {cls.run_setting: workdir}
@@ -313,7 +321,7 @@ def drafter_labels(names) -> list[str]:
   labels = []
   for name in names:
     kind, text = "", str(name)
-    if trained_drafter_spec(text) is not None:
+    if _trained_drafter_kind(text) is not None:  # a label, not a use: the settings are checked where it is used
       kind, _, text = text.partition(":")
       kind += ":"
     base, sep, tail = text.rpartition("@")

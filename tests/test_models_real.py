@@ -236,7 +236,7 @@ def test_pip_download_never_runs_an_sdist_and_checks_the_pin(monkeypatch, tmp_pa
 
 def test_gemma3_arch_is_supported():
   assert "gemma3" in gguf_convert.SUPPORTED_ARCHS
-  with pytest.raises(ValueError, match="gemma3.embedding_length"):  # supported: only the metadata is missing
+  with pytest.raises(ValueError, match="GGUF metadata lacks 'gemma3.block_count'"):  # supported: metadata missing
     gguf_convert.config_from_gguf({}, "gemma3")
 
 
