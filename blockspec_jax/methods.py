@@ -48,16 +48,6 @@ def known_methods() -> tuple[str, ...]:
   return (AUTOREGRESSIVE,) + tuple(verify.VERIFIERS)
 
 
-def _default_drafter(verifier) -> str:
-  """The drafter a bare verifier name runs with: the model chain for chain rules, k i.i.d. chains for tree rules
-  that need siblings drawn with replacement, RSD-C trees for rules that need them drawn without."""
-  if verifier.default_drafter is not None:
-    return verifier.default_drafter
-  if verifier.structure == "chain":
-    return "model"
-  return "k_chains" if verifier.sibling_sampling == "with_replacement" else "rsd_c"
-
-
 def drafter_kind(drafter_name: str) -> str:
   """The registered drafter of a drafter name: ``"heads/ngram"`` → ``"heads"``. A ``/<label>`` suffix names a
   variant: its settings are ``drafter_settings["heads/ngram"]``, so one job can run several variants of one drafter
@@ -67,8 +57,9 @@ def drafter_kind(drafter_name: str) -> str:
 
 def parse_method(method: str) -> tuple[str, str | None]:
   """``"autoregressive"`` → ``("autoregressive", None)``; ``"<verifier>[@<drafter>[/<variant>]]"`` → ``(verifier,
-  drafter)`` with the rule's default drafter filled in (a variant keeps its label: :func:`drafter_kind`). Unknown
-  names and drafters the rule cannot verify losslessly are a :class:`UsageError` listing what is known."""
+  drafter)`` with the rule's declared ``default_drafter`` filled in (a variant keeps its label:
+  :func:`drafter_kind`). Unknown names and drafters the rule cannot verify losslessly are a :class:`UsageError`
+  listing what is known."""
   from blockspec_jax import drafters, verify
   if not isinstance(method, str):
     raise UsageError(f"a method is a string like 'block' or 'rrs_wor@rsd_c', got {method!r}")
@@ -79,7 +70,7 @@ def parse_method(method: str) -> tuple[str, str | None]:
     raise UsageError(f"unknown method {method!r}; known: {', '.join(known_methods())} (a verifier may name its "
                      f"drafter: '<verifier>@<drafter>', drafters: {', '.join(drafters.DRAFTERS)})")
   verifier = verify.get_verifier(rule)
-  drafter_name = drafter_name or _default_drafter(verifier)
+  drafter_name = drafter_name or verifier.default_drafter
   kind = drafter_kind(drafter_name)
   if kind not in drafters.DRAFTERS:
     raise UsageError(f"unknown drafter {kind!r} in method {method!r}; known drafters: "
@@ -94,22 +85,19 @@ def parse_method(method: str) -> tuple[str, str | None]:
 
 def build_drafter(drafter_name: str, target_model, drafter_model, settings: dict | None = None,
                   gamma: int | None = None):
-  """The drafter object of a method: a registered drafter built on ``drafter_model`` (a ``hub.LoadedModel``; model-
-  free drafters take the target's vocabulary; drafters with a ``build`` classmethod, the BPD heads, are built on the
-  target's config and the drafter model's) with ``settings[drafter_name]`` (e.g. ``{"k_chains": {"k": 4}}``).
-  RSD-C without a ``branching`` setting gets ``(2, 1, …, 1)`` of depth ``gamma``. With ``gamma``, the drafter's
-  shape is checked against it (``num_nodes``)."""
+  """The drafter object of a method: a registered drafter built by its class's ``build`` on the loaded models
+  (``hub.LoadedModel``s: by default on ``drafter_model``, sized by the target's vocabulary; the BPD heads on the
+  target's config) with ``settings[drafter_name]`` (e.g. ``{"k_chains": {"k": 4}}``). With ``gamma``, settings it
+  leaves unset come from the class's ``default_settings(gamma)`` (RSD-C: branching ``(2, 1, …, 1)`` of depth
+  ``gamma``) and the drafter's shape is checked against it (``num_nodes``)."""
   from blockspec_jax import drafters
   own = dict((settings or {}).get(drafter_name, {}))
   drafter_name = drafter_kind(drafter_name)
-  if drafter_name == "rsd_c" and "branching" not in own and gamma is not None:
-    own["branching"] = drafters.shape_for_budget("rsd_c", 2 * gamma)[0]["branching"]
   try:
-    if hasattr(drafters.DRAFTERS.get(drafter_name), "build"):  # drafters built on the target (BPD heads)
-      drafter = drafters.DRAFTERS[drafter_name].build(target_model.config, drafter_model.config, **own)
-    else:
-      drafter = drafters.make(drafter_name, config=drafter_model.config, vocab_size=target_model.config.vocab_size,
-                              **own)
+    cls = drafters.drafter_class(drafter_name)
+    if gamma is not None:
+      own = {**cls.default_settings(gamma), **own}
+    drafter = cls.build(target_model.config, drafter_model.config, **own)
     if gamma is not None:
       drafter.num_nodes(gamma)
     return drafter

@@ -1,5 +1,7 @@
 """The engine on trees: one target pass under the tree mask scores every node as an autoregressive pass over its
-root-to-node path would, and the path commit leaves the cache a fresh autoregressive pass would leave."""
+root-to-node path would, and the path commit leaves the cache a fresh autoregressive pass would leave. Then every
+registered rule through the jitted loop with every registered drafter it accepts (helpers.registry_params): the
+target's law at T = 1 and the autoregressive tokens at T = 0, without a test edit for a new rule or drafter."""
 
 import dataclasses
 
@@ -8,15 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from blockspec_jax import sampling
-from blockspec_jax import contracts
+from blockspec_jax import contracts, verify
 from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.models import decoder as dec
 from blockspec_jax.models.scorer import DecoderScorer
 
-from test_speculative import init_params
-
-T1 = sampling.Sampler(temperature=1.0)
+from helpers import (GREEDY, PROMPTS as RAGGED, T1, check_greedy_equals_autoregressive,
+                     check_target_law_through_the_loop, init_params, lossless_rules, model_pair, registry_params,
+                     run_pair)
 
 # Two rows with different trees (same N = 6); siblings consecutive, topological.
 PARENTS = np.array([[-1, -1, 0, 0, 1, 2],     # root → {0, 1}; 0 → {2, 3}; 1 → {4}; 2 → {5}
@@ -138,89 +139,33 @@ def test_a_chain_rule_refuses_a_tree_drafter_and_tree_rules_check_sampling():
   assert out.tokens_BxN.shape == (2, 4)
 
 
-# --- every registered rule through the jitted loop, with a drafter that fits it ----------------------------------
+# --- every registered rule through the jitted loop, with every registered drafter it accepts ---------------------
 
-from blockspec_jax import drafters, theory, verify  # noqa: E402
-
-from test_speculative import PROMPTS as RAGGED, model_pair, run_ar, target_sequence_law  # noqa: E402
-
-GREEDY = sampling.Sampler(temperature=0.0)
-
-
-def drafter_for(rule: str, config, kind: str | None = None):
-  """``(drafter, gamma)``: the registry drafter a rule runs with in these tests (small trees: N ≤ 6)."""
-  v = verify.get_verifier(rule)
-  if kind is None:
-    kind = (v.default_drafter if v.default_drafter is not None else "model" if v.structure == verify.CHAIN else
-            "k_chains" if v.sibling_sampling == "with_replacement" else "rsd_c")
-  settings = {"model": {}, "ngram": {}, "k_chains": {"k": 2}, "rsd_c": {"branching": (2, 1)},
-              "rsd_s": {"width": 2}, "beam": {"width": 2}}[kind]
-  return drafters.make(kind, config=config, vocab_size=config.vocab_size, **settings), 2
-
-
-def run_rule(config, target, drafter_params, prompts, keys, max_new, rule, sampler, kind=None):
-  tokens, lens = spec.prepare_prompts(prompts)
-  drafter, gamma = drafter_for(rule, config, kind)
-  return spec.generate_speculative(target, drafter_params, keys, tokens, lens, target=config, drafter=drafter,
-                                   gamma=gamma, max_new_tokens=max_new, verifier=rule, sampler=sampler)
-
-
-LAW_CASES = ([(name, None) for name in verify.VERIFIERS
-              if verify.get_verifier(name).lossless_under(sampling.Sampler(1.0))]
-             + [("rrs_wor", "rsd_s"), ("traversal", "rsd_s"), ("block", "ngram")])
-
-
-@pytest.mark.parametrize("rule,kind", LAW_CASES)
+@pytest.mark.parametrize("rule,kind", registry_params(T1))
 def test_every_lossless_rule_has_the_target_law_through_the_loop(rule, kind):
-  """T = 1, V = 6: the first 3 emitted tokens have the target's law (χ², 30k seeded rows) for every registered rule
-  that is lossless at T = 1, each with a drafter of the sampling it needs (and RSD-S beams, n-gram point masses)."""
-  config, target, drafter = model_pair(vocab=6, seed=3, noise=1.0)
-  prompt = [1, 4]
-  law = target_sequence_law(config, target, prompt, 3)
-  n = 30_000
-  keys = jax.random.split(jax.random.key(42), n)
-  out = run_rule(config, target, drafter, [prompt] * n, keys, 3, rule, T1, kind)
-  counts = {}
-  for row in map(tuple, np.asarray(out.tokens_BxN).tolist()):
-    counts[row] = counts.get(row, 0) + 1
-  res = theory.chi2_gof(counts, law)
-  m = out.metrics
-  print(f"{rule}@{kind}: χ² p = {res.p_value:.4g} (dof {res.dof}), BE "
-        f"{spec.summarize_metrics(m)['mean_acceptance_length']:.3f}")
-  assert res.p_value > 1e-3
-  assert int(m.invalid_prob_rows.sum()) == 0
-  rate = float(m.num_accepted_tokens.sum() / m.num_draft_tokens.sum())
-  assert 0 < rate < 0.95  # drafts are neither all rejected nor all accepted: the rule's test actually decides
-
-
-GREEDY_CASES = [name for name in verify.VERIFIERS if verify.get_verifier(name).lossless_under(GREEDY)]
+  """Every registered rule lossless at T = 1 with every registered drafter it accepts (``check_drafter``); pairs
+  outside helpers.default_pairs are ``heavy``."""
+  check_target_law_through_the_loop(rule, kind)
 
 
 def test_every_rule_but_sprinter_is_lossless_for_a_greedy_target():
   """SPRINTER's head-accepted tokens are the drafter's even at T = 0 (tests/test_sprinter.py); every other registered
   rule, the lossy ones included, emits the greedy target's tokens."""
-  assert set(verify.VERIFIERS) - set(GREEDY_CASES) == {"sprinter"}
+  assert set(verify.VERIFIERS) - set(lossless_rules(GREEDY)) == {"sprinter"}
 
 
-@pytest.mark.parametrize("rule", GREEDY_CASES + ["block@ngram", "rrs_wor@rsd_s", "mtad@model"])
-def test_greedy_decoding_equals_autoregressive_for_every_rule(rule):
-  """T = 0, ragged prompts: every registered rule that is lossless for a greedy target (greedy, exact-match, lenient
-  and MTAD included) with its drafter emits exactly the autoregressive tokens; trees accept some nodes, so the path
-  commit is exercised."""
-  rule, _, kind = rule.partition("@")
-  config, target, drafter = model_pair()
-  keys = jax.random.split(jax.random.key(0), 4)
-  ar = run_ar(config, target, RAGGED, keys, 14)
-  out = run_rule(config, target, drafter, RAGGED, keys, 14, rule, GREEDY, kind or None)
-  np.testing.assert_array_equal(out.tokens_BxN, ar.tokens_BxN)
-  assert int(out.metrics.num_accepted_tokens.sum()) > 0
+@pytest.mark.parametrize("rule,kind", registry_params(GREEDY))
+def test_greedy_decoding_equals_autoregressive_for_every_rule(rule, kind):
+  """Every registered rule lossless for a greedy target (greedy, exact-match, lenient and MTAD included) with every
+  registered drafter it accepts; pairs outside helpers.default_pairs are ``heavy``."""
+  check_greedy_equals_autoregressive(rule, kind)
 
 
 def test_rows_with_different_trees_stay_independent():
   """RSD-S draws a different tree for every row: a row's output does not depend on its batch neighbours."""
   config, target, drafter = model_pair()
   keys = jax.random.split(jax.random.key(7), 4)
-  full = run_rule(config, target, drafter, RAGGED, keys, 8, "traversal", T1, "rsd_s")
+  full = run_pair(config, target, drafter, RAGGED, keys, 8, "traversal", T1, "rsd_s")
   for b in (0, 3):
-    alone = run_rule(config, target, drafter, [RAGGED[b]], keys[b:b + 1], 8, "traversal", T1, "rsd_s")
+    alone = run_pair(config, target, drafter, [RAGGED[b]], keys[b:b + 1], 8, "traversal", T1, "rsd_s")
     np.testing.assert_array_equal(full.tokens_BxN[b], alone.tokens_BxN[0])

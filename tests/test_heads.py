@@ -25,12 +25,10 @@ from blockspec_jax.train import __main__ as train_main  # registers tiny_decoder
 from blockspec_jax.train import heads as heads_train
 from blockspec_jax.train import heads_job as heads_job_lib
 
-from test_speculative import PROMPTS as RAGGED, model_pair, run_ar, target_sequence_law
+from helpers import GREEDY, PROMPTS as RAGGED, T1, model_pair, run_ar, small_config, target_sequence_law
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(REPO, "gin/train/heads_smoke.gin")
-GREEDY = sampling.Sampler(temperature=0.0)
-T1 = sampling.Sampler(temperature=1.0)
 
 
 def random_heads(config, num_heads, seed=7, scale=1.0):
@@ -144,8 +142,7 @@ def test_greedy_raw_heads_read_the_state_before_the_last_committed_token():
 
 @functools.lru_cache(maxsize=None)
 def _small_lm(vocab, seed=5):
-  config = dec.DecoderConfig.tiny(vocab_size=vocab, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1,
-                                  ffn_dim=32)
+  config = small_config(vocab)
   return config, dec.init_params(config, seed)
 
 
@@ -248,7 +245,7 @@ def test_both_collectors_refuse_bad_inputs_with_the_same_named_errors():
   """BPD's hidden states and SPRINTER's labels check their inputs through one helper (pools.check_collection)."""
   from blockspec_jax.train import sprinter as sprinter_train
   target = dec.DecoderConfig.tiny(vocab_size=64, d_model=32, num_layers=2, max_len=64)
-  drafter = dec.DecoderConfig.tiny(vocab_size=64, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, ffn_dim=32)
+  drafter = small_config(64)
   tp, dp = dec.init_params(target, 0), dec.init_params(drafter, 1)
   tokens_BxP, lens_B = np.ones((3, 4), np.int32), np.full((3,), 4, np.int32)
   for collect in (functools.partial(heads_train.collect_hidden, target, tp),

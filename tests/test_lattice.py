@@ -13,14 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from blockspec_jax import sampling, theory
+from blockspec_jax import theory
 from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.drafters import heads as heads_lib, lattice
 
-from test_speculative import PROMPTS as RAGGED, model_pair, run_ar, target_sequence_law
-
-GREEDY = sampling.Sampler(temperature=0.0)
-T1 = sampling.Sampler(temperature=1.0)
+from helpers import GREEDY, PROMPTS as RAGGED, T1, model_pair, run_ar, target_sequence_law
 
 
 # --- a pure-Python interpolated Kneser–Ney, the reference ------------------------------------------------------------

@@ -1,45 +1,25 @@
-"""Exact laws: every rule against enumeration (blockspec_jax.theory), and the reference loop's emitted sequence
-against the target law. χ² goodness of fit with fixed seeds; thresholds are p > 1e-3 for exact rules (the seeds
-are fixed, so the outcome is deterministic) and p < 1e-6 where a bias must be detected.
+"""Exact laws: every registered chain rule against the law it declares (``theory_law``, enumerated by
+blockspec_jax.theory), and the reference loop's emitted sequence against the target law. The rules come from the
+registry (helpers.lossless_rules): a newly registered lossless chain rule is tested here without an edit. χ² goodness
+of fit with fixed seeds; thresholds are p > 1e-3 for exact rules (the seeds are fixed, so the outcome is
+deterministic) and p < 1e-6 where a bias must be detected.
 """
-
-import functools
-import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from blockspec_jax import sampling, theory, verify
+from blockspec_jax import theory, verify
 from blockspec_jax.decoding import reference as ref
 
-PASS_P = 1e-3
-BIAS_P = 1e-6
+from helpers import (BIAS_P, GREEDY, PASS_P, T1, law_name, lossless_rules, outcome_counts, row_counts,
+                     single_block_law_chi2, single_block_outcomes, stable_seed, top_k_pair)
 
-
-def stable_seed(*parts) -> int:
-  """A seed from names that is the same in every process (``hash()`` of a string is salted per process by
-  PYTHONHASHSEED, so it must never make a seed)."""
-  return zlib.crc32("/".join(map(str, parts)).encode()) % 2**31
-
-
-def sample_outcomes(drafter, target, context, gamma, rule, num_samples, seed):
-  keys = jax.random.split(jax.random.key(seed), num_samples)
-  run = jax.jit(functools.partial(ref.verify_blocks_tabular, gamma=gamma, verifier=rule))
-  draft, res = run(keys, ref.TabularTables.from_lm(drafter), ref.TabularTables.from_lm(target),
-                   jnp.asarray(context, jnp.int32))
-  draft, tau, y = np.asarray(draft), np.asarray(res.num_accepted), np.asarray(res.next_token)
-  return draft, tau, y, np.asarray(res.acceptance_probs)
-
-
-def outcome_counts(draft, tau, y):
-  counts = {}
-  for d, t, last in zip(draft, tau, y):
-    key = tuple(int(v) for v in d[:t]) + (int(last),)
-    counts[key] = counts.get(key, 0) + 1
-  return counts
-
+#: Registered chain rules lossless at T = 1, and those lossless only for a greedy target (the registry's order).
+EXACT_CHAIN_RULES = lossless_rules(T1, verify.CHAIN)
+GREEDY_TARGET_RULES = [rule for rule in lossless_rules(GREEDY, verify.CHAIN) if rule not in EXACT_CHAIN_RULES
+                       and verify.VERIFIERS[rule].requires_greedy_target]
 
 MODELS = {
     "toy": (lambda: theory.paper_toy()[:2], ()),
@@ -48,24 +28,12 @@ MODELS = {
 }
 
 
-def top_k_pair(seed, vocab, depth, k):
-  """Drafter and target after the *same* top-k transform (rows with zeros): losslessness w.r.t. the transformed law."""
-  rng = np.random.default_rng(seed)
-  rows = theory.num_rows_for(vocab, depth)
-  pair = []
-  for scale in (1.0, 2.0):
-    logits = scale * rng.normal(size=(rows, vocab))
-    probs = np.asarray(sampling.probs_from_logits(jnp.asarray(logits, jnp.float32), top_k=k), np.float64)
-    pair.append(theory.TabularLM(probs / probs.sum(-1, keepdims=True), depth))
-  return tuple(pair)
-
-
 def test_toy_monte_carlo_numbers():
   """10/9 (token) and 11/9 (block) accepted tokens per iteration on the paper's toy, by simulation (seeded)."""
   drafter, target, gamma = theory.paper_toy()
   n = 400_000
   for rule, exact in (("token", 10 / 9), ("block", 11 / 9)):
-    _, tau, _, acc = sample_outcomes(drafter, target, (), gamma, rule, n, seed=17)
+    _, tau, _, acc = single_block_outcomes(drafter, target, (), gamma, rule, n, seed=17)
     counted = theory.counting_estimate(tau)
     rb = theory.rao_blackwell_accepted(acc.astype(np.float64))
     print(f"toy {rule}: counted {counted.mean:.4f} ± {counted.stderr:.4f}, RB {rb.mean:.4f} ± {rb.stderr:.4f}, "
@@ -76,30 +44,32 @@ def test_toy_monte_carlo_numbers():
   assert theory.full_information_bound(drafter, target, (), gamma) == pytest.approx(12 / 9, rel=1e-12)
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
-@pytest.mark.parametrize("rule", ["token", "block", "exact_match"])
-def test_single_block_law_matches_enumeration(model, rule):
-  """Law of (X_1..X_τ, Y) from the jitted rule = exact enumeration; 200k seeded samples, χ²."""
+def check_single_block_law(model, rule):
+  """Law of (X_1..X_τ, Y) and of τ from the jitted rule = the exact enumeration of its declared law (200k seeded
+  samples, χ², p > PASS_P); the one law check every registered lossless chain rule goes through."""
   make, context = MODELS[model]
   drafter, target = make()
-  gamma = 3
-  draft, tau, y, _ = sample_outcomes(drafter, target, context, gamma, rule, 200_000, seed=stable_seed(model, rule))
-  law = theory.exact_outcome_law(rule, drafter, target, context, gamma)
-  res = theory.chi2_gof(outcome_counts(draft, tau, y), law)
-  tau_res = theory.chi2_gof(np.bincount(tau, minlength=gamma + 1),
-                            theory.exact_tau_law(rule, drafter, target, context, gamma))
+  res, tau_res = single_block_law_chi2(rule, drafter, target, context, 3, 200_000, seed=stable_seed(model, rule))
   print(f"single-block {rule} {model}: outcome χ² p = {res.p_value:.4g} (dof {res.dof}), τ χ² p = "
         f"{tau_res.p_value:.4g}")
   assert res.p_value > PASS_P and tau_res.p_value > PASS_P
 
 
-def test_single_block_greedy_law():
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("rule", EXACT_CHAIN_RULES)
+def test_single_block_law_matches_enumeration(model, rule):
+  check_single_block_law(model, rule)
+
+
+@pytest.mark.parametrize("rule", GREEDY_TARGET_RULES)
+def test_single_block_greedy_law(rule):
+  """Rules lossless only for a greedy target, against their law on a one-hot target (50k seeded samples)."""
   drafter, _ = MODELS["random_v3_d2"][0]()
   target = theory.TabularLM.random(5, 3, 2, 0.5).one_hot_argmax()
-  draft, tau, y, _ = sample_outcomes(drafter, target, (1,), 3, "greedy", 50_000, seed=3)
-  law = theory.exact_outcome_law("greedy", drafter, target, (1,), 3)
+  draft, tau, y, _ = single_block_outcomes(drafter, target, (1,), 3, rule, 50_000, seed=3)
+  law = theory.exact_outcome_law(law_name(rule), drafter, target, (1,), 3)
   res = theory.chi2_gof(outcome_counts(draft, tau, y), law)
-  print(f"single-block greedy: χ² p = {res.p_value:.4g}")
+  print(f"single-block {rule}: χ² p = {res.p_value:.4g}")
   assert res.p_value > PASS_P
 
 
@@ -113,11 +83,7 @@ def _loop_sequences(drafter, target, prompt, gamma, rule, num_tokens, num_sample
 
 
 def _sequence_chi2(tokens_NxT, target, prompt):
-  n_tok = tokens_NxT.shape[1]
-  counts = {}
-  for row in map(tuple, tokens_NxT.tolist()):
-    counts[row] = counts.get(row, 0) + 1
-  return theory.chi2_gof(counts, theory.sequence_law(target, prompt, n_tok))
+  return theory.chi2_gof(row_counts(tokens_NxT), theory.sequence_law(target, prompt, tokens_NxT.shape[1]))
 
 
 LOOP_CASES = {
@@ -128,7 +94,7 @@ LOOP_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(LOOP_CASES))
-@pytest.mark.parametrize("rule", ["token", "block", "exact_match"])
+@pytest.mark.parametrize("rule", EXACT_CHAIN_RULES)
 def test_reference_loop_first_four_tokens_have_target_law(case, rule):
   """Several iterations of draft → verify → commit: the first 4 emitted tokens follow the target law exactly."""
   make, prompt, gamma = LOOP_CASES[case]
@@ -141,10 +107,11 @@ def test_reference_loop_first_four_tokens_have_target_law(case, rule):
   assert iters > 1.2  # several iterations really happened (the law spans block boundaries)
 
 
-def test_reference_loop_greedy_rule_emits_target_argmax_chain():
+@pytest.mark.parametrize("rule", GREEDY_TARGET_RULES)
+def test_reference_loop_greedy_rule_emits_target_argmax_chain(rule):
   drafter, _ = MODELS["random_v3_d2"][0]()
   target = theory.TabularLM.random(6, 3, 2, 0.5).one_hot_argmax()
-  tokens, state = _loop_sequences(drafter, target, (0,), 3, "greedy", 6, 2_000, seed=0)
+  tokens, state = _loop_sequences(drafter, target, (0,), 3, rule, 6, 2_000, seed=0)
   expected, prefix = [], [0]
   for _ in range(6):
     nxt = int(np.argmax(target.next_probs(tuple(prefix))))

@@ -252,4 +252,4 @@ def test_registry_entry():
   # the numpy theory mirrors the rule's constants
   assert exact.LENIENT_FUNCTIONS == verify.LENIENT_FUNCTIONS
   assert exact.LENIENT_DEFAULT_EPSILON == verify.LenientVerifier().epsilon
-  assert "lenient" in theory.RULES
+  assert verify.VERIFIERS["lenient"].theory_law == "lenient" and "lenient" in theory.LAWS

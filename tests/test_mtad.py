@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from blockspec_jax import drafters, sampling, theory, verify
+from blockspec_jax import drafters, theory, verify
 from blockspec_jax import contracts
 from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.drafters import BeamDrafter, ModelDrafter
@@ -21,13 +21,11 @@ from blockspec_jax.models import decoder as dec
 from blockspec_jax.theory import lossy
 from blockspec_jax.verify import rules
 
-from test_speculative import model_pair, run_ar
+from helpers import GREEDY, T1, model_pair, run_ar
 
 pytestmark = pytest.mark.filterwarnings("ignore:verifier 'mtad'")  # the lossy-rule warning at T = 1
 
 PASS_P = 1e-3
-T1 = sampling.Sampler(temperature=1.0)
-GREEDY = sampling.Sampler(temperature=0.0)
 INF = float("inf")
 
 # --- hand tables: γ = 3, V = 3, draft (0, 1, 2), log τ = log 0.5 = −0.693 --------------------------------------

@@ -5,7 +5,7 @@ import pytest
 
 from blockspec_jax.drafters import ModelDrafter
 from blockspec_jax.eval import paired
-from test_speculative import PROMPTS, model_pair
+from helpers import PROMPTS, model_pair
 
 
 def _table(drafter_noise_params, config, target, gamma=4, draws=16, temperature=1.0, seed=0):

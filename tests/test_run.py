@@ -264,18 +264,25 @@ def test_compiled_programs_are_released_near_the_map_limit(monkeypatch):
   """runtime.release_programs_if_near_map_limit: XLA's CPU executables live in anonymous mappings for as long as the jit
   caches hold them; past half of vm.max_map_count every compiled program is dropped (the mappings go back), below
   it nothing is touched, and the results of a recompiled program are the same."""
+  import chex
   import jax.numpy as jnp
-  fs = [jax.jit(lambda x, i=i: jnp.tanh(x @ x.T + i).sum(0)) for i in range(30)]
+  # The 30 programs share one trace counter (one definition site): traced 30 times in all, once each; a program
+  # called again after its release is traced again, which chex.assert_max_traces turns into an AssertionError.
+  chex.clear_trace_counter()
+  fs = [jax.jit(chex.assert_max_traces(lambda x, i=i: jnp.tanh(x @ x.T + i).sum(0), n=30)) for i in range(30)]
   x = jnp.ones((8, 8))
   before = [np.asarray(f(x)) for f in fs]
   held = runtime.mapped_regions()
   assert held is not None and runtime.max_mapped_regions() is not None
   monkeypatch.setattr(runtime, "max_mapped_regions", lambda: 2 * held + 2)  # just under the threshold: kept
-  assert not runtime.release_programs_if_near_map_limit() and fs[0]._cache_size() == 1
+  assert not runtime.release_programs_if_near_map_limit()
+  fs[0](x)  # kept: not traced again
   monkeypatch.setattr(runtime, "max_mapped_regions", lambda: held)  # held > half of it: released
   assert runtime.release_programs_if_near_map_limit()
-  assert all(f._cache_size() == 0 for f in fs)
   assert runtime.mapped_regions() < held - 2 * len(fs)  # each small program held a few mappings
+  with pytest.raises(AssertionError, match="traced > 30 times"):
+    fs[0](x)  # released: traced (and compiled) again
+  chex.clear_trace_counter()
   np.testing.assert_array_equal(np.stack(before), np.stack([np.asarray(f(x)) for f in fs]))
   with pytest.raises(ValueError, match="fraction"):
     runtime.release_programs_if_near_map_limit(0)

@@ -1,7 +1,5 @@
-"""The decoding engine: greedy equality, exact law at T = 1, ragged rows, stop tokens, budgets, keys, errors."""
-
-import functools
-import itertools
+"""The decoding engine: greedy equality, ragged rows, stop tokens, budgets, keys, errors (the model pair, prompts and
+runs: tests/helpers.py; the law at T = 1 for every registered rule and drafter: tests/test_engine_trees.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -13,45 +11,11 @@ from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.drafters import ModelDrafter
 from blockspec_jax.models import decoder as dec
 
-GREEDY = sampling.Sampler(temperature=0.0)
+from helpers import PROMPTS, init_params, model_pair, run_ar, run_spec
 
 
-init_params = dec.init_params  # the tests' random models (other test files import it from here)
-
-
-def perturbed(params, seed, scale):
-  """A drafter close to the target: its weights plus Gaussian noise (high, imperfect agreement)."""
-  leaves, tree = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.key(seed), len(leaves))
-  return jax.tree.unflatten(tree, [x + scale * jnp.std(x) * jax.random.normal(k, x.shape)
-                                   for x, k in zip(leaves, keys)])
-
-
-@functools.lru_cache(maxsize=None)
-def model_pair(vocab=64, seed=0, noise=0.3, layers=2):
-  config = dec.DecoderConfig.tiny(vocab_size=vocab, num_layers=layers)
-  target = init_params(config, seed)
-  return config, target, perturbed(target, seed + 1, noise)
-
-
-PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
-
-
-def run_ar(config, params, prompts, keys, max_new, sampler=GREEDY, stop_ids=()):
-  tokens, lens = spec.prepare_prompts(prompts)
-  return spec.generate_autoregressive(params, keys, tokens, lens, target=config, max_new_tokens=max_new,
-                                      sampler=sampler, stop_ids=stop_ids)
-
-
-def run_spec(config, target, drafter_params, prompts, keys, max_new, gamma, verifier="block", sampler=GREEDY,
-             stop_ids=(), drafter_config=None):
-  tokens, lens = spec.prepare_prompts(prompts)
-  return spec.generate_speculative(target, drafter_params, keys, tokens, lens, target=config,
-                                   drafter=ModelDrafter(drafter_config or config), gamma=gamma,
-                                   max_new_tokens=max_new, verifier=verifier, sampler=sampler, stop_ids=stop_ids)
-
-
-# γ = 4 for every rule, and the law at T = 1 for every lossless rule: tests/test_engine_trees.py (registry-wide).
+# γ = 2 for every registered rule with every registered drafter, and the law at T = 1 for every lossless rule:
+# tests/test_engine_trees.py (registry-wide).
 @pytest.mark.parametrize("gamma,verifier", [(1, "token"), (8, "block")])
 def test_greedy_speculative_equals_autoregressive(gamma, verifier):
   config, target, drafter = model_pair()
@@ -74,25 +38,6 @@ def test_greedy_with_a_smaller_drafter():
   ar = run_ar(config, target, PROMPTS, keys, 12)
   out = run_spec(config, target, init_params(small, 5), PROMPTS, keys, 12, 3, drafter_config=small)
   np.testing.assert_array_equal(out.tokens_BxN, ar.tokens_BxN)
-
-
-def target_sequence_law(config, params, prompt, n):
-  """Exact law of the next n tokens at T = 1, by enumerating all V^n continuations in one batched forward."""
-  vocab = config.vocab_size
-  conts = np.array(list(itertools.product(range(vocab), repeat=n)), np.int32)
-  seqs = np.concatenate([np.tile(prompt, (len(conts), 1)), conts], axis=1).astype(np.int32)
-  width = seqs.shape[1]
-  positions = jnp.broadcast_to(jnp.arange(width), seqs.shape)
-  cache = dec.init_cache(config, len(seqs), width)
-  logits, _ = dec.Decoder(config).apply({"params": params}, jnp.asarray(seqs), positions, cache,
-                                        dec.causal_mask(positions, width))
-  logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), np.float64)
-  p0 = len(prompt)
-  total = np.zeros(len(conts))
-  for j in range(n):
-    total += logp[np.arange(len(conts)), p0 - 1 + j, conts[:, j]]
-  probs = np.exp(total)
-  return {tuple(c): float(p) for c, p in zip(conts.tolist(), probs / probs.sum())}
 
 
 def test_row_output_does_not_depend_on_the_batch():

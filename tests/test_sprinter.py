@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from blockspec_jax import sampling, theory, verify
+from blockspec_jax import theory, verify
 from blockspec_jax import checks
 from blockspec_jax import methods
 from blockspec_jax.decoding import speculative as spec
@@ -17,10 +17,8 @@ from blockspec_jax.drafters.sprinter import SprinterDrafter, head_probs
 from blockspec_jax.models import decoder as dec
 from blockspec_jax.theory import lossy
 
-from test_speculative import PROMPTS as RAGGED, model_pair, run_ar, target_sequence_law
+from helpers import GREEDY, PROMPTS as RAGGED, T1, model_pair, run_ar, target_sequence_law
 
-T1 = sampling.Sampler(temperature=1.0)
-GREEDY = sampling.Sampler(temperature=0.0)
 PROMPT = [1, 4]
 
 

@@ -1,7 +1,7 @@
 """Exact enumeration theory for tree verification (blockspec_jax.theory.trees) against the target law, the chain
 rules of blockspec_jax.theory.exact, and the jitted rules of blockspec_jax.verify (Monte Carlo, fixed seeds).
 
-Every law test is parametrised over ``verify.TREE_RULES``: a newly registered rule must get an exact transcription in
+Every law test is parametrised over ``verify.TREE_RULES``: a newly registered rule must name an exact transcription in
 ``theory.trees`` (the registry test fails otherwise). χ² thresholds as in tests/test_laws.py (p > 1e-3 where the law
 must match; the seeds are fixed, so the outcome is deterministic); expectations within 5 standard errors.
 """
@@ -15,9 +15,8 @@ import pytest
 
 from blockspec_jax import theory, verify
 from blockspec_jax.theory import trees
-from test_laws import stable_seed, top_k_pair
+from helpers import PASS_P, law_name, stable_seed, top_k_pair
 
-PASS_P = 1e-3
 MC_SAMPLES = 100_000  # one batch size for every jitted call: one compile per rule
 
 MODELS = {  # name -> (drafter, target, context)
@@ -42,10 +41,13 @@ def models(name):
 
 
 def test_registry_matches_the_jax_rules():
-  """Every registered jax tree rule has an exact transcription with the same sampling mode."""
-  assert set(trees.TREE_RULE_SAMPLING) == set(verify.TREE_RULES)
+  """Every registered jax tree rule names an exact transcription (``theory_law``, a tree law) and takes its sibling
+  sampling from it: the law's declaration is the only one, the sampling table is read from it."""
   for rule in verify.TREE_RULES:
-    assert trees.TREE_RULE_SAMPLING[rule] == verify.tree_sampling(rule)
+    law = law_name(rule)
+    assert law in trees.TREE_LAWS
+    assert verify.VERIFIERS[rule].sibling_sampling == verify.tree_sampling(rule) == trees.TREE_LAWS[law].sampling
+  assert dict(trees.TREE_RULE_SAMPLING) == {name: law.sampling for name, law in trees.TREE_LAWS.items()}
 
 
 # --- exact: losslessness and the chain rules -----------------------------------------------------------------------
@@ -57,9 +59,9 @@ def test_emitted_prefix_law_is_the_target_law(rule, model, shape):
   drafter, target, context = models(model)
   parents_N = trees.branching_parents(SHAPES[shape])
   for m in (1, 2, 3):
-    error = trees.tree_lossless_error(rule, drafter, target, context, parents_N, m=m)
+    error = trees.tree_lossless_error(law_name(rule), drafter, target, context, parents_N, m=m)
     assert error < 1e-9, (rule, model, shape, m, error)
-  tau_law = trees.tree_tau_law(rule, drafter, target, context, parents_N)
+  tau_law = trees.tree_tau_law(law_name(rule), drafter, target, context, parents_N)
   assert tau_law.shape == (len(SHAPES[shape]) + 1,) and abs(tau_law.sum() - 1.0) < 1e-12
 
 
@@ -68,9 +70,9 @@ def test_conditional_laws_are_distributions(rule):
   """Every tree's ``P(end node, Y | tree)`` sums to 1; the draw probabilities sum to 1."""
   drafter, target, context = models("top2_v4_d1")
   draws = trees.enumerate_trees(drafter, target, context, trees.branching_parents((2, 2)),
-                                trees.TREE_RULE_SAMPLING[rule])
+                                verify.tree_sampling(rule))
   assert abs(draws.weights_T.sum() - 1.0) < 1e-12
-  law_TxN1xV = trees.tree_conditional_law(rule, draws.tokens_TxN, draws.parents, draws.draft_probs_TxNxV,
+  law_TxN1xV = trees.tree_conditional_law(law_name(rule), draws.tokens_TxN, draws.parents, draws.draft_probs_TxNxV,
                                           draws.target_probs_TxN1xV)
   assert law_TxN1xV.min() >= 0.0
   np.testing.assert_allclose(law_TxN1xV.sum(axis=(1, 2)), 1.0, atol=1e-12)
@@ -80,7 +82,7 @@ def test_conditional_laws_are_distributions(rule):
 CHAIN_EQUIVALENT = {"rrs": "token", "rrs_wor": "token", "spectr": "token", "traversal": "block"}
 
 
-@pytest.mark.parametrize("rule", sorted(verify.TREE_RULES))
+@pytest.mark.parametrize("rule", sorted(CHAIN_EQUIVALENT))
 def test_chain_is_the_single_draft_rule(rule):
   """On chains of γ = 1..3 the outcome law (hence τ's) is the chain rule's: traversal is block verification,
   rrs / rrs_wor / spectr (k = 1, ρ = 1) token verification."""
@@ -89,9 +91,9 @@ def test_chain_is_the_single_draft_rule(rule):
     drafter, target, context = models(model)
     for gamma in (1, 2, 3):
       parents_N = verify.chain_parents(gamma)
-      np.testing.assert_allclose(trees.tree_tau_law(rule, drafter, target, context, parents_N),
+      np.testing.assert_allclose(trees.tree_tau_law(law_name(rule), drafter, target, context, parents_N),
                                  theory.exact_tau_law(chain_rule, drafter, target, context, gamma), atol=1e-12)
-      tree_law = trees.tree_outcome_law(rule, drafter, target, context, parents_N)
+      tree_law = trees.tree_outcome_law(law_name(rule), drafter, target, context, parents_N)
       chain_law = theory.exact_outcome_law(chain_rule, drafter, target, context, gamma)
       for outcome in set(tree_law) | set(chain_law):
         assert abs(tree_law.get(outcome, 0.0) - chain_law.get(outcome, 0.0)) < 1e-12, (model, gamma, outcome)
@@ -105,7 +107,7 @@ def test_known_orderings_of_expected_accepted():
     drafter, target, context = models(model)
     for branching in ((2,), (2, 1), (2, 2)):
       parents_N = trees.branching_parents(branching)
-      e = {rule: trees.tree_expected_accepted(rule, drafter, target, context, parents_N)
+      e = {rule: trees.tree_expected_accepted(law_name(rule), drafter, target, context, parents_N)
            for rule in verify.TREE_RULES}
       print(model, branching, {rule: round(value, 4) for rule, value in e.items()})
       assert e["rrs_wor"] >= e["rrs"] - 1e-12
@@ -217,12 +219,13 @@ def test_exact_laws_match_the_jitted_rule(rule):
                                                MC_SAMPLES, without_replacement)
   end_B, tau_B, y_B = run_jitted(rule, parents_N, stable_seed("mc_verify", rule), tokens_BxN, q_BxNxV, p_BxN1xV)
 
-  tau_law = trees.tree_tau_law(rule, drafter, target, context, parents_N)
-  expected_tau = trees.tree_expected_accepted(rule, drafter, target, context, parents_N)
+  law = law_name(rule)
+  tau_law = trees.tree_tau_law(law, drafter, target, context, parents_N)
+  expected_tau = trees.tree_expected_accepted(law, drafter, target, context, parents_N)
   counted = theory.counting_estimate(tau_B)
   tau_p = theory.chi2_gof(np.bincount(tau_B, minlength=tau_law.shape[0]), tau_law).p_value
-  draws = trees.enumerate_trees(drafter, target, context, parents_N, trees.TREE_RULE_SAMPLING[rule])
-  law_TxN1xV = trees.tree_conditional_law(rule, draws.tokens_TxN, parents_N, draws.draft_probs_TxNxV,
+  draws = trees.enumerate_trees(drafter, target, context, parents_N, verify.tree_sampling(rule))
+  law_TxN1xV = trees.tree_conditional_law(law, draws.tokens_TxN, parents_N, draws.draft_probs_TxNxV,
                                           draws.target_probs_TxN1xV)
   end_law = np.einsum("t,tev->ev", draws.weights_T, law_TxN1xV).reshape(-1)
   end_p = theory.chi2_gof(_end_counts(end_B, y_B, num_nodes, vocab), end_law).p_value
@@ -240,7 +243,7 @@ def test_exact_laws_match_the_jitted_rule(rule):
     paths[n] = paths[u] + (int(tokens_N[n]),)
     p_rows.append(target.next_probs(context + paths[n]))
   q_NxV, p_N1xV = np.stack(q_rows), np.stack(p_rows)
-  exact = trees.tree_conditional_law(rule, tokens_N, parents_N, q_NxV, p_N1xV).reshape(-1)
+  exact = trees.tree_conditional_law(law, tokens_N, parents_N, q_NxV, p_N1xV).reshape(-1)
   end_B, _, y_B = run_jitted(rule, parents_N, stable_seed("mc_fixed_tree", rule),
                              *(np.broadcast_to(x, (MC_SAMPLES,) + x.shape) for x in (tokens_N, q_NxV, p_N1xV)))
   fixed_p = theory.chi2_gof(_end_counts(end_B, y_B, num_nodes, vocab), exact).p_value

@@ -21,9 +21,8 @@ from blockspec_jax import theory
 from blockspec_jax.verify import rules
 from blockspec_jax.verify.traversal import (TreeVerifyResult, traversal_verify, traversal_verify_with_replacement,
                                             tree_postorder)
-from test_laws import stable_seed
+from helpers import PASS_P, stable_seed
 
-PASS_P = 1e-3
 RULES = {True: traversal_verify, False: traversal_verify_with_replacement}  # keyed by "without replacement"
 
 

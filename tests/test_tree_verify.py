@@ -17,10 +17,8 @@ from scipy import optimize
 from blockspec_jax import theory
 from blockspec_jax.decoding import reference as ref
 from blockspec_jax.verify import tree
-from test_laws import stable_seed, top_k_pair
+from helpers import BIAS_P, PASS_P, row_counts, stable_seed, top_k_pair
 
-PASS_P = 1e-3
-BIAS_P = 1e-6
 NUM_SAMPLES = 150_000
 
 
@@ -136,16 +134,6 @@ def run_trees(rule, drafter_lm, target_lm, context, parents_N, num_samples, seed
   tokens, res, emitted = jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs])[:num_samples],
                                       *outputs)
   return tokens, res, emitted
-
-
-def row_counts(rows_NxT) -> dict:
-  """``{tuple(row): count}`` over the rows of a small-valued int array (rows coded as one integer each)."""
-  rows_NxT = np.asarray(rows_NxT, np.int64)
-  low, base = rows_NxT.min(), rows_NxT.max() - rows_NxT.min() + 1
-  powers_T = base ** np.arange(rows_NxT.shape[1] - 1, -1, -1)
-  codes_U, counts_U = np.unique((rows_NxT - low) @ powers_T, return_counts=True)
-  digits_UxT = (codes_U[:, None] // powers_T[None, :]) % base + low
-  return {tuple(int(v) for v in row): int(c) for row, c in zip(digits_UxT, counts_U)}
 
 
 def assert_paths_are_chains(res, parents_N):

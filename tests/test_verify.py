@@ -1,6 +1,8 @@
 """Verification rules: exact tables, invariances, equality cases, numerics and input errors.
 
-Laws against enumeration live in test_laws.py (they need blockspec_jax.theory).
+The numerics, range and input-error tests run every registered single-block (chain) rule, jitted and not
+(``chex.variants``): a newly registered rule is covered without an edit. Laws against enumeration live in
+test_laws.py (they need blockspec_jax.theory).
 """
 
 import chex
@@ -14,8 +16,9 @@ from blockspec_jax.eval.bench_verify import make_inputs
 
 P = jnp.array([1 / 3, 2 / 3])
 Q = jnp.array([2 / 3, 1 / 3])
-RULES = {"token": verify.token_verify, "block": verify.block_verify, "greedy": verify.greedy_verify,
-         "exact_match": verify.exact_match_verify}
+#: Every registered single-block rule at its default settings (a Verifier: ``v(key, tokens, q, p)``).
+RULES = {name: verify.get_verifier(name) for name, cls in verify.VERIFIERS.items()
+         if cls.structure == verify.CHAIN and not cls.skips_target}
 
 
 def toy_block(tokens):
@@ -132,14 +135,32 @@ def test_block_dominates_token_pathwise():
   assert float(a.acceptance_probs.sum()) > 1.02 * float(b.acceptance_probs.sum())
 
 
-def test_no_nan_with_tiny_and_zero_q():
-  q = jnp.array([[1e-45, 1.0 - 1e-45, 0.0], [1e-30, 0.5, 0.5 - 1e-30]])
-  p = jnp.array([[0.5, 0.25, 0.25], [1.0, 0.0, 0.0], [0.2, 0.3, 0.5]])
-  for rule in RULES.values():
-    for tokens in ([0, 0], [2, 0], [1, 1]):
-      res = jax.jit(rule)(jax.random.key(0), jnp.array(tokens), q, p)
-      assert np.all(np.isfinite(res.acceptance_probs))
-      assert 0 <= int(res.num_accepted) <= 2 and 0 <= int(res.next_token) < 3
+class EveryChainRuleTest(chex.TestCase):
+  """Every registered single-block rule, jitted and not: finite, in range, typed and shaped as the contract says."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_no_nan_with_tiny_and_zero_q(self):
+    q = jnp.array([[1e-45, 1.0 - 1e-45, 0.0], [1e-30, 0.5, 0.5 - 1e-30]])
+    p = jnp.array([[0.5, 0.25, 0.25], [1.0, 0.0, 0.0], [0.2, 0.3, 0.5]])
+    for name, rule in RULES.items():
+      run = self.variant(rule)
+      for tokens in ([0, 0], [2, 0], [1, 1]):
+        res = run(jax.random.key(0), jnp.array(tokens), q, p)
+        chex.assert_tree_all_finite(res.acceptance_probs)
+        assert 0 <= int(res.num_accepted) <= 2 and 0 <= int(res.next_token) < 3, (name, tokens)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_outputs_in_range_and_dtypes(self):
+    tokens, q, p = _random_batch(4, 64, 4, 11)
+    for name, rule in RULES.items():
+      res = self.variant(jax.vmap(rule))(verify.row_keys(jax.random.key(0), 64), tokens, q, p)
+      chex.assert_type([res.num_accepted, res.next_token], jnp.int32)
+      chex.assert_shape([res.num_accepted, res.next_token], (64,))
+      chex.assert_shape(res.acceptance_probs, (64, 4))
+      assert np.all((np.asarray(res.num_accepted) >= 0) & (np.asarray(res.num_accepted) <= 4)), name
+      assert np.all((np.asarray(res.next_token) >= 0) & (np.asarray(res.next_token) < 11)), name
+      probs = np.asarray(res.acceptance_probs)
+      assert np.all((probs >= 0) & (probs <= 1)), name
 
 
 def test_w_near_one_keeps_precision():
@@ -154,27 +175,13 @@ def test_w_near_one_keeps_precision():
   np.testing.assert_allclose(float(h[0]), 1 / 3, rtol=1e-6)
 
 
-def test_outputs_in_range_and_dtypes():
-  tokens, q, p = _random_batch(4, 64, 4, 11)
-  for rule in RULES.values():
-    res = jax.vmap(rule)(verify.row_keys(jax.random.key(0), 64), tokens, q, p)
-    chex.assert_type([res.num_accepted, res.next_token], jnp.int32)
-    chex.assert_shape(res.acceptance_probs, (64, 4))
-    assert np.all((np.asarray(res.num_accepted) >= 0) & (np.asarray(res.num_accepted) <= 4))
-    assert np.all((np.asarray(res.next_token) >= 0) & (np.asarray(res.next_token) < 11))
-
-
 def test_same_key_same_output_and_row_independence():
   tokens, q, p = _random_batch(5, 16, 4, 9)
   keys = verify.row_keys(jax.random.key(1), 16)
-  for name in ("token", "block", "exact_match"):
-    v = verify.get_verifier(name)
+  for v in RULES.values():
     full = v.batch(keys, tokens, q, p)
-    again = v.batch(keys, tokens, q, p)
-    sub = v.batch(keys[3:7], tokens[3:7], q[3:7], p[3:7])
-    np.testing.assert_array_equal(full.num_accepted, again.num_accepted)
-    np.testing.assert_array_equal(full.num_accepted[3:7], sub.num_accepted)
-    np.testing.assert_array_equal(full.next_token[3:7], sub.next_token)
+    chex.assert_trees_all_equal(full, v.batch(keys, tokens, q, p))
+    chex.assert_trees_all_close(jax.tree.map(lambda x: x[3:7], full), v.batch(keys[3:7], tokens[3:7], q[3:7], p[3:7]))
 
 
 class BadInputTest(chex.TestCase):

@@ -12,7 +12,8 @@ Randomness: each iteration uses ``fold_in(key, iteration)``, fresh for every ite
 row has its own key). ``coin_keying="position"`` instead derives the verification uniforms from the *absolute
 position* of each drafted token, so a position that is re-drafted reuses its uniform. That is a known bug pattern,
 kept here only so a test can show that it biases block verification (which looks at every coin) while token
-verification (which never looks past its first rejection) stays exact. Do not use it otherwise.
+verification (which never looks past its first rejection) stays exact; it needs a rule that declares
+``takes_coins`` (its ``rule`` accepts ``coins=``). Do not use it otherwise.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from blockspec_jax import sampling
-from blockspec_jax.verify import Verifier, get_verifier
+from blockspec_jax.verify import VERIFIERS, Verifier, get_verifier
 
 __all__ = ["TabularTables", "ReferenceState", "tabular_row_index", "tabular_probs", "verify_blocks_tabular",
            "speculative_decode_tabular"]
@@ -127,8 +128,9 @@ def speculative_decode_tabular(key, drafter: TabularTables, target: TabularTable
   _check_pair(drafter, target, gamma)
   if coin_keying not in COIN_KEYINGS:
     raise ValueError(f"unknown coin_keying {coin_keying!r}; known: {COIN_KEYINGS}")
-  if coin_keying == "position" and verifier.name not in ("token", "block"):
-    raise ValueError("coin_keying='position' needs a rule that takes coins (token or block)")
+  if coin_keying == "position" and not verifier.takes_coins:
+    with_coins = " or ".join(name for name, cls in VERIFIERS.items() if cls.takes_coins)
+    raise ValueError(f"coin_keying='position' needs a rule that takes coins ({with_coins}); {verifier.name!r} does not")
   prompt_P = jnp.asarray(prompt_P, jnp.int32)
   prompt_len = prompt_P.shape[0]
   end = prompt_len + num_tokens

@@ -1,45 +1,35 @@
 """Drafters on the engine's contract (:class:`blockspec_jax.contracts.Drafter`), and their registry.
 
-``DRAFTERS``: ``"model"`` (one chain from a small model), ``"k_chains"`` (SpecTr: k i.i.d. chains), ``"rsd_c"``
-(RSD-C trees without replacement), ``"rsd_s"`` (RSD-S stochastic beam trees), ``"ngram"`` (prompt lookup, no model),
-``"sprinter"`` (the model chain plus SPRINTER's verifier head; its setting ``head`` names the trained head's directory),
-``"beam"`` (MJSD/MTAD: the best of ``width`` beams, sampled or deterministic; only ``mtad``, greedy and exact-match
-verify it), ``"heads"`` (BPD: heads on the target's hidden state, raw or with the top-k lattice rescored by an
-n-gram or a small neural LM, locally or by a global p-best search; built on the target's config), ``"steered"``
-(SD²: the model chain steered by the target's hidden states; its setting ``steer`` names the trained map's
-directory).
+``DRAFTERS`` (name -> class) is filled by one ``@register("<name>")`` on each drafter class
+(:mod:`blockspec_jax.drafters.registry`); importing this package imports the modules that hold them. Each class's
+docstring says what it drafts and which rules verify it; its settings are its fields
+(:mod:`blockspec_jax.drafters.settings`), and drafters with a trained run own its artifact's I/O (``heads.py``,
+``sprinter.py``, ``steer.py``).
 ``make(name, config=..., vocab_size=..., **settings)`` builds one; ``check_settings(name, settings)`` checks a job's
-settings for one before any model loads (what does not depend on the models, and a trained run's record;
-:mod:`blockspec_jax.drafters.settings`).
+settings for one before any model loads (what does not depend on the models, and a trained run's record);
+``shape_for_budget(name, budget)`` gives its shape at a node budget.
 """
 
 from __future__ import annotations
 
 from blockspec_jax.contracts import Drafter
+from blockspec_jax.drafters.registry import DRAFTERS, register
+from blockspec_jax.drafters.settings import is_int
+# The built-in drafters, in the registry's order (each module registers its classes).
 from blockspec_jax.drafters.base import ModelDrafter, feed
-from blockspec_jax.drafters.beam import BeamDrafter
-from blockspec_jax.drafters.heads import HeadsDrafter
+from blockspec_jax.drafters.trees import KChainDrafter, RSDConstantDrafter, RSDStochasticBeamDrafter, gumbel_top_k
 from blockspec_jax.drafters.ngram import NGramDrafter, lookup
 from blockspec_jax.drafters.sprinter import SprinterDrafter
+from blockspec_jax.drafters.beam import BeamDrafter
+from blockspec_jax.drafters.heads import HeadsDrafter
 from blockspec_jax.drafters.steer import SteeredDrafter
-from blockspec_jax.drafters.trees import (KChainDrafter, RSDConstantDrafter, RSDStochasticBeamDrafter, gumbel_top_k,
-                                          shape_for_budget)
 
 __all__ = ["Drafter", "ModelDrafter", "feed", "NGramDrafter", "lookup", "KChainDrafter", "RSDConstantDrafter",
            "RSDStochasticBeamDrafter", "SprinterDrafter", "SteeredDrafter", "HeadsDrafter", "BeamDrafter",
-           "gumbel_top_k", "shape_for_budget", "DRAFTERS", "make", "check_settings"]
-
-#: name -> drafter class (class attributes ``is_chain`` and ``sibling_sampling`` say which rules can verify it; ``name``
-#: is its key; ``check_settings`` / ``setting_names``: :class:`~blockspec_jax.drafters.settings.Settings`).
-DRAFTERS = {"model": ModelDrafter, "k_chains": KChainDrafter, "rsd_c": RSDConstantDrafter,
-            "rsd_s": RSDStochasticBeamDrafter, "ngram": NGramDrafter,
-            "sprinter": SprinterDrafter, "beam": BeamDrafter, "heads": HeadsDrafter,
-            "steered": SteeredDrafter}
-
-_MODEL_FREE = ("ngram",)
+           "gumbel_top_k", "shape_for_budget", "DRAFTERS", "register", "drafter_class", "make", "check_settings"]
 
 
-def _registered(name):
+def drafter_class(name):
   """The drafter class registered as ``name``; ValueError listing the known ones otherwise."""
   if not isinstance(name, str) or name not in DRAFTERS:
     raise ValueError(f"unknown drafter {name!r}; known drafters: {', '.join(DRAFTERS)}")
@@ -53,10 +43,10 @@ def check_settings(name: str, settings: dict) -> None:
   ``/``, as ``methods.drafter_kind``). ``settings``: a dict of its settings. Checked: every key is a setting of the
   drafter, every value meets the constraints that do not depend on the models (those that do, such as sizes against
   ``V`` or layer counts, are checked when the drafter is built on the loaded models), and a drafter with a trained
-  run (``heads``, ``sprinter``, ``steered``) names one whose directory holds its record (the JSON alone)."""
+  run (``run_setting``) names one whose directory holds its record (the JSON alone)."""
   if not isinstance(name, str):
     raise ValueError(f"a drafter name is a string such as 'k_chains' or 'heads/ngram', got {name!r}")
-  _registered(name.partition("/")[0]).check_settings(settings)
+  drafter_class(name.partition("/")[0]).check_settings(settings)
 
 
 def make(name: str, config=None, vocab_size: int | None = None, **settings):
@@ -64,17 +54,18 @@ def make(name: str, config=None, vocab_size: int | None = None, **settings):
   given with it must match), model-free ones ``vocab_size`` (the target's; else ``config.vocab_size``); ``settings``
   are the class's fields (``k``; ``branching``, ``epsilon``; ``width``, ``epsilon``; ``max_ngram``, ``min_ngram``).
   Unknown names and settings are a ValueError naming what is known; invalid values a ValueError from the class."""
-  cls = _registered(name)
-  cls.check_known(settings)
-  if name in _MODEL_FREE:
-    if vocab_size is None:
-      vocab_size = getattr(config, "vocab_size", None)
-    if vocab_size is None:
-      raise ValueError(f"drafter {name!r} needs the target's vocab_size")
-    return cls(vocab_size=int(vocab_size), **settings)
-  if config is None:
-    raise ValueError(f"drafter {name!r} drafts with a model: pass its DecoderConfig (config=...)")
-  if vocab_size is not None and int(vocab_size) != config.vocab_size:
-    raise ValueError(f"vocabulary mismatch between drafter {name!r} (V = {config.vocab_size}) and target "
-                     f"(V = {vocab_size}); both models must share one tokenizer")
-  return cls(config, **settings)
+  return drafter_class(name).from_configs(config, vocab_size, **settings)
+
+
+def shape_for_budget(kind: str, budget: int, branches: int = 2) -> tuple[dict, int]:
+  """``(settings, gamma)`` of a ``kind`` drafter with exactly ``budget`` draft nodes (what one target pass scores):
+  the class's ``budget_shape``. Chains: γ = N. Trees put ``branches`` (2 by default, or 4) branches at the root and
+  keep the depth at ``N / branches`` (``k_chains``: k = branches; ``rsd_c``: branching ``(branches, 1, …, 1)``;
+  ``rsd_s``: width = branches). Budgets 4, 8, 16 give depths 2, 4, 8 (branches 2) and 1, 2, 4 (branches 4; depth 1 is
+  no tree). Branching spread over depths, e.g. RSD-C ``(2, 2, 1, …)``, reaches only ``N = 2 + 4(γ − 1)`` (6, 10,
+  14, …), none of the power-of-two budgets; build such drafters directly."""
+  if not is_int(budget, 1):
+    raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
+  if kind not in DRAFTERS:
+    raise ValueError(f"no budget shapes for drafter {kind!r}; known: {', '.join(DRAFTERS)}")
+  return DRAFTERS[kind].budget_shape(int(budget), branches)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from blockspec_jax import sampling
 from blockspec_jax.contracts import SAMPLING_CHAIN, Commit, Drafter, chain_draft
+from blockspec_jax.drafters.registry import register
 from blockspec_jax.drafters.settings import Settings
 from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.models.scorer import ConfigBacked
@@ -37,6 +38,7 @@ def feed(module, params, tokens_BxT, positions_BxT, cache, max_len: int, return_
   return logits.astype(jnp.float32), cache
 
 
+@register("model")
 @dataclasses.dataclass(frozen=True)
 class ModelDrafter(Settings, ConfigBacked):
   """A small decoder-only model drafting one chain of γ tokens (the standard pairing: same tokenizer, fewer layers).
@@ -47,7 +49,6 @@ class ModelDrafter(Settings, ConfigBacked):
   """
 
   config: decoder_lib.DecoderConfig
-  name = "model"
   job_fields = ("config",)  # the drafter's DecoderConfig: the job builds the drafter on its loaded model
   sibling_sampling = SAMPLING_CHAIN
   is_chain = True

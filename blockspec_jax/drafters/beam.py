@@ -33,6 +33,7 @@ import numpy as np
 from blockspec_jax import sampling
 from blockspec_jax.contracts import SAMPLING_BEAM, chain_draft
 from blockspec_jax.drafters.base import ModelDrafter, feed
+from blockspec_jax.drafters.registry import register
 from blockspec_jax.drafters.settings import check_count
 from blockspec_jax.drafters.trees import conditioned_scores  # shared with RSD-S
 
@@ -49,6 +50,7 @@ def _take_rows(cache, rows_R: jax.Array):
   return jax.tree.map(lambda x: jnp.take(x, rows_R, axis=1), cache)
 
 
+@register("beam")
 @dataclasses.dataclass(frozen=True)
 class BeamDrafter(ModelDrafter):
   """MTAD's drafter: beam search of width ``W`` (``width``) over γ tokens; proposes the best beam as a chain.
@@ -72,7 +74,6 @@ class BeamDrafter(ModelDrafter):
 
   width: int = 4
   sample: bool = True
-  name = "beam"
   sibling_sampling = SAMPLING_BEAM
   is_chain = True
 

@@ -62,6 +62,7 @@ from blockspec_jax.checks import check_int
 from blockspec_jax.contracts import SAMPLING_CHAIN, Commit, chain_draft
 from blockspec_jax.drafters import lattice
 from blockspec_jax.drafters.base import ModelDrafter
+from blockspec_jax.drafters.registry import register
 from blockspec_jax.drafters.settings import Settings, check_count, check_directory, is_int, read_record
 from blockspec_jax.models import decoder as decoder_lib
 
@@ -135,6 +136,7 @@ class HeadsState:
   lm_cache: Optional[decoder_lib.KVCache] = None
 
 
+@register("heads")
 @dataclasses.dataclass(frozen=True)
 class HeadsDrafter(Settings):
   """BPD heads on the target's hidden state, raw or rescored (see the module docstring). Hashable, static under jit.
@@ -161,7 +163,6 @@ class HeadsDrafter(Settings):
   ngram: str | None = None
   lm_config: decoder_lib.DecoderConfig | None = None
 
-  name = "heads"
   job_fields = ("target", "lm_config")  # the job builds the drafter on the loaded target and drafter models
   run_setting = "heads"  # the field naming the training run (methods.trained_drafter_spec)
   run_what = "trained BPD heads"
@@ -238,6 +239,22 @@ class HeadsDrafter(Settings):
     if "num_heads" not in settings and settings.get("heads") is not None:
       settings["num_heads"] = cls.read_run(settings["heads"])["num_heads"]
     return cls(target=target_config, lm_config=lm_config, **settings)
+
+  @classmethod
+  def budget_shape(cls, budget, branches=2):
+    """A chain of ``budget`` tokens, one head each (``num_heads = budget``)."""
+    return {"num_heads": int(budget)}, int(budget)
+
+  @classmethod
+  def untrained(cls, target_config, target_params, drafter_config, drafter_params, gamma):
+    """Raw heads (no rescorer) at their initial values (:func:`init_heads`, ``key(0)``: every head equals the
+    target's next-token head), at least ``gamma`` of them, with the target's LM head (``top_k`` at most V)."""
+    defaults = cls._defaults()
+    num_heads = max(int(gamma), defaults["num_heads"])
+    drafter = cls.build(target_config, drafter_config, num_heads=num_heads,
+                        top_k=min(defaults["top_k"], target_config.vocab_size))
+    heads = init_heads(target_config.d_model, num_heads, jax.random.key(0))
+    return drafter, {"heads": heads, "lm_head": lm_head_weight(target_config, target_params)}
 
   # --- declarations -----------------------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from blockspec_jax.contracts import SAMPLING_CHAIN, Commit, chain_draft
+from blockspec_jax.drafters.registry import register
 from blockspec_jax.drafters.settings import Settings, is_int
 
 __all__ = ["NGramDrafter", "lookup"]
@@ -60,6 +61,7 @@ def lookup(tokens_BxS: jax.Array, length_B: jax.Array, gamma: int, max_ngram: in
   return jnp.where(start_B[:, None] >= 0, picked_BxG, last_B[:, None]).astype(jnp.int32)
 
 
+@register("ngram")
 @dataclasses.dataclass(frozen=True)
 class NGramDrafter(Settings):
   """Prompt lookup over the row's committed tokens (see the module docstring); a point-mass chain of γ tokens.
@@ -74,7 +76,6 @@ class NGramDrafter(Settings):
   max_ngram: int = 3
   min_ngram: int = 1
   max_len: Optional[int] = None
-  name = "ngram"
   job_fields = ("vocab_size",)
   sibling_sampling = SAMPLING_CHAIN
   is_chain = True

@@ -61,11 +61,68 @@ def read_record(read: Callable[[Any], dict], directory, remedy: str) -> dict:
 
 
 class Settings:
-  """The settings of a drafter class (a frozen dataclass; see the module docstring). Subclasses set ``name`` (the
-  registered name), ``job_fields`` and extend :meth:`checked`; those with a trained run set ``run_setting``,
-  ``run_what``, ``run_train`` and define ``_run_record(directory) -> dict``."""
+  """The settings of a drafter class (a frozen dataclass; see the module docstring), and how a job builds it.
+  Subclasses are registered by ``@drafters.register("<name>")`` (which sets ``name``), set ``job_fields`` and extend
+  :meth:`checked`; those with a trained run set ``run_setting``, ``run_what``, ``run_train`` and define
+  ``_run_record(directory) -> dict``. The classmethods below are the drafter's declarations to the jobs and tests:
+  override them where the defaults do not fit (a tree's shape, trained parts)."""
 
-  job_fields = ()
+  name = ""  # the registered name: set by drafters.register
+  job_fields = ()  # fields the job fills in: "config" (the drafter model's DecoderConfig), "vocab_size" (the target's)
+
+  # --- construction -------------------------------------------------------------------------------------------------
+
+  @classmethod
+  def from_configs(cls, config=None, vocab_size: int | None = None, **settings):
+    """The drafter on the drafter model's ``config`` (a DecoderConfig; a ``vocab_size`` given with it must match) or,
+    for a model-free drafter (``"vocab_size"`` in ``job_fields``), sized by ``vocab_size`` (the target's; else
+    ``config.vocab_size``); ``settings`` are its fields. ValueError naming an unknown setting, a missing config or
+    vocabulary, a mismatch (invalid values: the class's own ValueError)."""
+    cls.check_known(settings)
+    if "vocab_size" in cls.job_fields:
+      if vocab_size is None:
+        vocab_size = getattr(config, "vocab_size", None)
+      if vocab_size is None:
+        raise ValueError(f"drafter {cls.name!r} needs the target's vocab_size")
+      return cls(vocab_size=int(vocab_size), **settings)
+    if config is None:
+      raise ValueError(f"drafter {cls.name!r} drafts with a model: pass its DecoderConfig (config=...)")
+    if vocab_size is not None and int(vocab_size) != config.vocab_size:
+      raise ValueError(f"vocabulary mismatch between drafter {cls.name!r} (V = {config.vocab_size}) and target "
+                       f"(V = {vocab_size}); both models must share one tokenizer")
+    return cls(config, **settings)
+
+  @classmethod
+  def build(cls, target_config, drafter_config, **settings):
+    """The drafter a job runs on its loaded models' DecoderConfigs (default: :meth:`from_configs` on the drafter
+    model, sized by the target's vocabulary; drafters built on the target, the BPD heads, override it)."""
+    return cls.from_configs(drafter_config, target_config.vocab_size, **settings)
+
+  @classmethod
+  def default_settings(cls, gamma: int) -> dict:
+    """The settings a job's drafter gets for maximum depth ``gamma`` where it sets none itself (default: none; the
+    class's field defaults apply). RSD-C, whose depth is its shape, returns a branching of depth ``gamma``."""
+    del gamma
+    return {}
+
+  @classmethod
+  def budget_shape(cls, budget: int, branches: int = 2) -> tuple[dict, int]:
+    """``(settings, gamma)`` with exactly ``budget`` draft nodes (``drafters.shape_for_budget``): a chain drafter
+    drafts ``γ = budget`` nodes; tree drafters override it (``branches`` branches at the root)."""
+    if getattr(cls, "is_chain", False):
+      return {}, int(budget)
+    raise ValueError(f"drafter {cls.name!r} declares no shapes for a node budget (budget_shape)")
+
+  @classmethod
+  def untrained(cls, target_config, target_params, drafter_config, drafter_params, gamma: int):
+    """``(drafter, params)`` on the given models (DecoderConfigs and their parameter trees) for maximum depth
+    ``gamma``, at :meth:`default_settings`, with any trained parts at their initial values (what the registry-wide
+    law tests and smoke runs use where no training run exists). Default: :meth:`build`, the drafter model's
+    parameters; drafters with trained parts override it."""
+    del target_params
+    return cls.build(target_config, drafter_config, **cls.default_settings(gamma)), drafter_params
+
+  # --- settings -------------------------------------------------------------------------------------------------------
 
   @classmethod
   def setting_names(cls) -> tuple[str, ...]:

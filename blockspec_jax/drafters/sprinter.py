@@ -27,6 +27,7 @@ import numpy as np
 from blockspec_jax import artifacts
 
 from blockspec_jax.drafters.base import ModelDrafter
+from blockspec_jax.drafters.registry import register
 from blockspec_jax.drafters.settings import check_directory
 
 __all__ = ["SprinterDrafter", "head_logits", "head_probs", "init_head"]
@@ -47,6 +48,7 @@ def init_head(d_model: int, bias: float = 0.0):
   return {"w_D": jnp.zeros((d_model,), jnp.float32), "b": jnp.asarray(bias, jnp.float32)}
 
 
+@register("sprinter")
 @dataclasses.dataclass(frozen=True)
 class SprinterDrafter(ModelDrafter):
   """A :class:`~blockspec_jax.drafters.base.ModelDrafter` whose parameters also hold the verifier head.
@@ -63,7 +65,6 @@ class SprinterDrafter(ModelDrafter):
   def forward(self, params, state, tokens_BxT, positions_BxT):
     return super().forward(params["model"], state, tokens_BxT, positions_BxT)
 
-  name = "sprinter"
   run_setting = "head"  # the field naming the training run (methods.trained_drafter_spec)
   run_what = "a trained verifier head"
   run_train = "train one with `python -m blockspec_jax.train --gin_file gin/train/sprinter_qwen.gin`"
@@ -76,6 +77,13 @@ class SprinterDrafter(ModelDrafter):
   @classmethod
   def _run_record(cls, directory) -> dict:
     return HEAD.read_record(directory, convert={"d_model": int})
+
+  @classmethod
+  def untrained(cls, target_config, target_params, drafter_config, drafter_params, gamma):
+    """The drafter with a zero head (:func:`init_head`: every context accepted with probability 1/2); as a chain
+    drafter it drafts exactly as the model drafter does."""
+    drafter, _ = super().untrained(target_config, target_params, drafter_config, drafter_params, gamma)
+    return drafter, {"model": drafter_params, "head": init_head(drafter_config.d_model)}
 
   def load_params(self, drafter_model, target_model):
     """``{"model": the drafter's parameters, "head": the trained head}`` (host side): the head from the ``head``

@@ -53,6 +53,7 @@ from blockspec_jax import artifacts
 from blockspec_jax.checks import check_int
 from blockspec_jax.contracts import Commit
 from blockspec_jax.drafters.base import ModelDrafter, feed
+from blockspec_jax.drafters.registry import register
 from blockspec_jax.drafters.settings import check_directory
 from blockspec_jax.models import decoder as decoder_lib
 
@@ -203,6 +204,7 @@ class SteerState:
     return self.cache.max_len
 
 
+@register("steered")
 @dataclasses.dataclass(frozen=True)
 class SteeredDrafter(ModelDrafter):
   """:class:`~blockspec_jax.drafters.base.ModelDrafter` steered by the target (SD²; see the module docstring).
@@ -217,7 +219,6 @@ class SteeredDrafter(ModelDrafter):
   steered_layers: Optional[tuple[int, ...]] = None
   steer: Optional[str] = None
   reads_target = True
-  name = "steered"
   run_setting = "steer"  # the field naming the training run (methods.trained_drafter_spec)
   run_what = "a trained steering map"
   run_train = "train one with `python -m blockspec_jax.train --gin_file gin/train/steer_qwen.gin`"
@@ -248,6 +249,16 @@ class SteeredDrafter(ModelDrafter):
   @classmethod
   def _run_record(cls, directory) -> dict:
     return read_steer_info(directory)
+
+  @classmethod
+  def untrained(cls, target_config, target_params, drafter_config, drafter_params, gamma):
+    """The drafter reading :func:`default_target_layers` of the target through the untrained map
+    (:func:`init_steer`: a zero guide, so it drafts exactly as the plain model drafter)."""
+    del target_params, gamma
+    target_layers = default_target_layers(target_config.num_layers)
+    drafter = cls.build(target_config, drafter_config, target_layers=target_layers)
+    steer = init_steer(target_config.d_model, len(target_layers), drafter_config)
+    return drafter, {"model": drafter_params, "steer": steer}
 
   @property
   def layers(self) -> tuple[int, ...]:

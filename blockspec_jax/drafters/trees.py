@@ -37,9 +37,10 @@ import numpy as np
 from blockspec_jax import sampling
 from blockspec_jax.contracts import WITH_REPLACEMENT, WITHOUT_REPLACEMENT, Commit, Draft, path_slots
 from blockspec_jax.drafters.base import ModelDrafter, feed
+from blockspec_jax.drafters.registry import register
 from blockspec_jax.drafters.settings import check_count, is_int
 
-__all__ = ["KChainDrafter", "RSDConstantDrafter", "RSDStochasticBeamDrafter", "gumbel_top_k", "shape_for_budget"]
+__all__ = ["KChainDrafter", "RSDConstantDrafter", "RSDStochasticBeamDrafter", "gumbel_top_k"]
 
 def gumbel_top_k(key_B, log_weights_BxWxV: jax.Array, k: int):
   """Indices ``[B, W, k]`` of ``k`` draws without replacement from each row ``∝ exp(log_weights)``, in draw order
@@ -102,6 +103,16 @@ class _TreeModelDrafter(ModelDrafter):
 
   def num_nodes(self, gamma: int) -> int:
     return int(sum(self.widths(gamma)))
+
+  @classmethod
+  def _budget_depth(cls, budget: int, branches) -> int:
+    """The depth ``budget / branches`` of a tree with ``branches`` branches at the root (:meth:`budget_shape`)."""
+    if not is_int(branches, 1):
+      raise ValueError(f"branches must be an integer >= 1, got {branches!r}")
+    if budget % branches:
+      raise ValueError(f"{cls.name} shapes with {branches} branches need a budget divisible by {branches}, got "
+                       f"{budget}")
+    return budget // branches
 
   def _start(self, root_rows_Bx1xV):
     return None
@@ -192,6 +203,7 @@ class _TreeModelDrafter(ModelDrafter):
     return state.move_slots(*path_slots(commit.old_length_B, commit.path_BxG, commit.num_accepted_B))
 
 
+@register("k_chains")
 @dataclasses.dataclass(frozen=True)
 class KChainDrafter(_TreeModelDrafter):
   """SpecTr's draft (Sun et al. 2023): ``k`` i.i.d. chains of length γ (``N = kγ``). Depth-major layout: nodes
@@ -201,8 +213,12 @@ class KChainDrafter(_TreeModelDrafter):
   ``is_chain`` stays False (the loop then uses the tree mask, which on a chain is the causal one)."""
 
   k: int = 2
-  name = "k_chains"
   sibling_sampling = WITH_REPLACEMENT
+
+  @classmethod
+  def budget_shape(cls, budget, branches=2):
+    """``k = branches`` chains of depth ``budget / branches``."""
+    return {"k": int(branches)}, cls._budget_depth(budget, branches)
 
   @classmethod
   def checked(cls, values, config=None):
@@ -224,6 +240,7 @@ class KChainDrafter(_TreeModelDrafter):
     return parent_BxK, tokens_BxK.astype(jnp.int32), rows_BxWxV, carry
 
 
+@register("rsd_c")
 @dataclasses.dataclass(frozen=True)
 class RSDConstantDrafter(_TreeModelDrafter):
   """RSD-C (Jeon et al., arXiv 2402.14160): every node at depth ``d − 1`` gets ``branching[d − 1]`` children drawn
@@ -234,8 +251,19 @@ class RSDConstantDrafter(_TreeModelDrafter):
 
   branching: tuple[int, ...] = (2, 1)
   epsilon: float = 1e-6
-  name = "rsd_c"
   sibling_sampling = WITHOUT_REPLACEMENT
+
+  @classmethod
+  def budget_shape(cls, budget, branches=2):
+    """Branching ``(branches, 1, …, 1)`` of depth ``budget / branches``: SpecTr's k chains' shape, drawn without
+    replacement (the two compare sampling with and without replacement at one shape and depth)."""
+    depth = cls._budget_depth(budget, branches)
+    return {"branching": (int(branches),) + (1,) * (depth - 1)}, depth
+
+  @classmethod
+  def default_settings(cls, gamma):
+    """Its depth is its shape: without a ``branching`` setting a job's RSD-C gets ``(2, 1, …, 1)`` of depth γ."""
+    return cls.budget_shape(2 * gamma)[0]
 
   @classmethod
   def checked(cls, values, config=None):
@@ -268,6 +296,7 @@ class RSDConstantDrafter(_TreeModelDrafter):
     return parent_BxWb, tokens_BxWb, rows_BxWxV, carry
 
 
+@register("rsd_s")
 @dataclasses.dataclass(frozen=True)
 class RSDStochasticBeamDrafter(_TreeModelDrafter):
   """RSD-S (Jeon et al., arXiv 2402.14160): stochastic beam search (Kool et al., ICML 2019) of width ``W`` over γ
@@ -291,8 +320,13 @@ class RSDStochasticBeamDrafter(_TreeModelDrafter):
 
   width: int = 2
   epsilon: float = 1e-6
-  name = "rsd_s"
   sibling_sampling = WITHOUT_REPLACEMENT
+
+  @classmethod
+  def budget_shape(cls, budget, branches=2):
+    """``width = branches`` beams over depth ``budget / branches`` (the beams may share prefixes, so the tree is as
+    deep as RSD-C's but narrower near the root)."""
+    return {"width": int(branches)}, cls._budget_depth(budget, branches)
 
   @classmethod
   def checked(cls, values, config=None):
@@ -328,34 +362,3 @@ class RSDStochasticBeamDrafter(_TreeModelDrafter):
     logp_BxW = jnp.take_along_axis(phi_BxWxV.reshape(batch, beams * vocab), flat_BxW, axis=1)
     return parent_BxW, tokens_BxW, rows_BxWxV, (logp_BxW, best_BxW)
 
-
-#: Drafters whose shape :func:`shape_for_budget` knows; "model" and "ngram" are chains (γ = N).
-_BUDGET_KINDS = ("model", "ngram", "k_chains", "rsd_c", "rsd_s")
-
-
-def shape_for_budget(kind: str, budget: int, branches: int = 2) -> tuple[dict, int]:
-  """``(settings, gamma)`` of a ``kind`` drafter with exactly ``budget`` draft nodes (what one target pass scores).
-
-  Chains (``"model"``, ``"ngram"``): γ = N. Trees put ``branches`` (2 by default, or 4) branches at the root and keep
-  the depth at ``N / branches``: ``"k_chains"`` k = branches; ``"rsd_c"`` branching ``(branches, 1, …, 1)`` (the shape
-  of SpecTr's k chains drawn without replacement, so the two compare sampling with and without replacement at one
-  shape and depth); ``"rsd_s"`` width = branches (the beams may share prefixes, so its tree is as deep but narrower
-  near the root). Budgets 4, 8, 16 give depths 2, 4, 8 (branches 2) and 1, 2, 4 (branches 4; depth 1 is no tree).
-  Branching spread over depths, e.g. RSD-C ``(2, 2, 1, …)``, reaches only ``N = 2 + 4(γ − 1)`` (6, 10, 14, …), none of
-  the power-of-two budgets; build such drafters directly."""
-  if not is_int(budget, 1):
-    raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
-  if kind not in _BUDGET_KINDS:
-    raise ValueError(f"no budget shapes for drafter {kind!r}; known: {', '.join(_BUDGET_KINDS)}")
-  if kind in ("model", "ngram"):
-    return {}, int(budget)
-  if not is_int(branches, 1):
-    raise ValueError(f"branches must be an integer >= 1, got {branches!r}")
-  if budget % branches:
-    raise ValueError(f"{kind} shapes with {branches} branches need a budget divisible by {branches}, got {budget}")
-  depth = budget // branches
-  if kind == "k_chains":
-    return {"k": int(branches)}, depth
-  if kind == "rsd_c":
-    return {"branching": (int(branches),) + (1,) * (depth - 1)}, depth
-  return {"width": int(branches)}, depth

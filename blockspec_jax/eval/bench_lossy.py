@@ -92,6 +92,7 @@ def tabular_fidelity(specs, *, gamma: int, width: int, n: int = 3, vocab_size: i
   ``TabularLM.random(seed, V, depth)``, the drafter ``(1 − mix)·target + mix·random`` (a correlated drafter), the
   empty context. MTAD uses the deterministic best beam of width ``width`` (the exact beam law; the real-model rows
   may sample beams)."""
+  from blockspec_jax import verify
   from blockspec_jax.theory import exact, lossy
   drafter, target = tabular_pair(vocab_size=vocab_size, depth=depth, seed=seed, mix=mix)
   context = ()
@@ -99,12 +100,13 @@ def tabular_fidelity(specs, *, gamma: int, width: int, n: int = 3, vocab_size: i
   out = {}
   for s in specs:
     rule = s["method"]
+    theory_law = verify.VERIFIERS[rule].theory_law if rule in verify.VERIFIERS else None
     if rule == methods_lib.AUTOREGRESSIVE:
       out[s["label"]] = 0.0
-    elif rule in ("token", "block"):
-      law = exact.emitted_prefix_law(exact.exact_outcome_law(rule, drafter, target, context, gamma), target, context,
-                                     n)
-      out[s["label"]] = lossy.law_tv(law, expected)
+    elif theory_law in exact.LAWS:  # any rule with an exact chain law (the lossless rules, lenient), its settings
+      outcome_law = exact.exact_outcome_law(theory_law, drafter, target, context, gamma,
+                                            **s["verifier_settings"].get(rule, {}))
+      out[s["label"]] = lossy.law_tv(exact.emitted_prefix_law(outcome_law, target, context, n), expected)
     elif rule == "sprinter":
       settings = s["verifier_settings"]["sprinter"]
       accepts = lossy.ideal_head_accepts(target.next_probs, drafter.next_probs, settings["threshold"])

@@ -55,7 +55,8 @@ def arms_for_budget(budget: int) -> list[Arm]:
   arms = [Arm("chain", "model", (), budget, ("token", "block"))]
   for k in (2, 4):
     if budget % k == 0 and budget // k >= 2:  # k = 4 at 4 nodes is depth 1: one node per chain, no tree
-      arms.append(Arm(f"spectr k={k}", "k_chains", (("k", k),), budget // k, ("rrs", "spectr")))
+      settings, gamma = drafters.shape_for_budget("k_chains", budget, k)
+      arms.append(Arm(f"spectr k={k}", "k_chains", tuple(sorted(settings.items())), gamma, ("rrs", "spectr")))
   for kind in ("rsd_c", "rsd_s"):
     settings, gamma = drafters.shape_for_budget(kind, budget)
     label = kind + " " + ",".join(f"{k}={v}" for k, v in sorted(settings.items()))

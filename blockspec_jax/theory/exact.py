@@ -9,7 +9,9 @@ For every draft the conditional law ``P(τ = t, Y = y | X^γ = x)`` is computed 
 (:func:`conditional_law`, a ``[γ+1, V]`` table) and the outcome laws are sums over all ``V**γ`` drafts weighted by
 ``q(x^γ) = M_s(x^γ | c)``. Drafts with ``q(x^γ) = 0`` are skipped (they carry no mass).
 
-Rules (:data:`RULES`):
+Laws (:data:`LAWS`): each is a function ``fn(p_rows_Gp1xV, q_rows_GxV, draft_G, **settings)`` registered where it is
+defined by the decorator :func:`chain_law` (``@chain_law("token")``); a verifier names the law it follows
+(``verify.Verifier.theory_law``), so a new rule's law is one decorated function here and no other edit:
 
 * ``"token"``: ``a_i = min(1, p_{i-1}(x_i)/q_{i-1}(x_i))`` (1 if ``q = 0 < p``, 0 if ``p = 0``);
   ``P(τ=t|x) = Π_{j≤t} a_j · (1 − a_{t+1})`` for ``t < γ``, ``Π_{j≤γ} a_j`` for ``t = γ``;
@@ -36,6 +38,7 @@ it mirrors ``blockspec_jax.verify.rules``.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -45,35 +48,72 @@ import numpy as np
 from blockspec_jax.theory.estimators import clipped_ratio
 from blockspec_jax.theory.tabular import TabularLM
 
-__all__ = ["RULES", "conditional_law", "exact_outcome_law", "exact_tau_law", "expected_accepted",
-           "expected_accepted_token_closed_form", "expected_accepted_block_closed_form", "full_information_bound",
-           "sequence_law", "emitted_prefix_law", "iid_expected_accepted", "iid_block_efficiency", "acceptance_rate",
-           "paper_toy", "one_step_tv", "LENIENT_FUNCTIONS", "LENIENT_DEFAULT_EPSILON"]
+__all__ = ["LAWS", "ChainLaw", "chain_law", "conditional_law", "exact_outcome_law", "exact_tau_law",
+           "expected_accepted", "expected_accepted_token_closed_form", "expected_accepted_block_closed_form",
+           "full_information_bound", "sequence_law", "emitted_prefix_law", "iid_expected_accepted",
+           "iid_block_efficiency", "acceptance_rate", "paper_toy", "one_step_tv", "LENIENT_FUNCTIONS",
+           "LENIENT_DEFAULT_EPSILON"]
 
-RULES = ("token", "block", "greedy", "exact_match", "lenient")
-_RULES_NEEDING_DRAFT_PROBS = ("token", "block", "lenient")
 # Mirrors blockspec_jax.verify.rules (this package does not import jax); tests/test_lenient.py checks they agree.
 LENIENT_FUNCTIONS = ("div", "div2", "pow")
 LENIENT_DEFAULT_EPSILON = 0.5
 
 
+# --- the registry of laws ----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ChainLaw:
+  """One rule's exact conditional law (registered by :func:`chain_law`).
+
+  ``fn(p_rows_Gp1xV, q_rows_GxV, draft_G, **settings)`` → ``P(τ = t, Y = y | X^γ = draft)``, float64 ``[γ+1, V]``
+  (``q_rows_GxV`` is None when ``reads_draft_probs`` is False); ``settings(**given)`` → every setting of the law,
+  checked, defaults filled in (None: the law takes none).
+  """
+  name: str
+  fn: Callable[..., np.ndarray]
+  reads_draft_probs: bool = True
+  settings: Callable[..., dict] | None = None
+
+  def checked_settings(self, given: Mapping[str, Any]) -> dict:
+    """``given`` (settings passed by name; None values mean "the default") checked and completed."""
+    given = {k: v for k, v in given.items() if v is not None}
+    known = () if self.settings is None else tuple(inspect.signature(self.settings).parameters)
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+      raise ValueError(f"rule {self.name!r} takes no {' / '.join(unknown)} (its settings: "
+                       f"{', '.join(known) or 'none'})")
+    return {} if self.settings is None else self.settings(**given)
+
+
+#: name -> :class:`ChainLaw`, filled by :func:`chain_law` (this module's laws, and any registered later).
+LAWS: dict[str, ChainLaw] = {}
+
+
+def chain_law(name: str, *, reads_draft_probs: bool = True, settings: Callable[..., dict] | None = None):
+  """Decorator registering a law function under ``name`` in :data:`LAWS` (see :class:`ChainLaw` for ``fn``'s
+  contract); a ValueError when the name is taken. The function is returned unchanged."""
+  if not isinstance(name, str) or not name:
+    raise ValueError(f"a law's name is a non-empty string, got {name!r}")
+
+  def register(fn):
+    if name in LAWS:
+      raise ValueError(f"law {name!r} is already registered ({LAWS[name].fn.__qualname__})")
+    LAWS[name] = ChainLaw(name, fn, reads_draft_probs, settings)
+    return fn
+
+  return register
+
+
 # --- argument checks ---------------------------------------------------------------------------------------------
 
-def _check_rule(rule: str) -> str:
-  if rule not in RULES:
-    raise ValueError(f"unknown rule {rule!r}; known rules: {', '.join(RULES)}")
-  return rule
+def _law(rule: str) -> ChainLaw:
+  if not isinstance(rule, str) or rule not in LAWS:
+    raise ValueError(f"unknown rule {rule!r}; known rules: {', '.join(LAWS)}")
+  return LAWS[rule]
 
 
-def _rule_settings(rule: str, epsilon, f) -> dict:
-  """The settings of ``rule``: ``{"epsilon", "f"}`` for "lenient" (defaults filled in, checked), ``{}`` otherwise
-  (where passing ``epsilon`` or ``f`` is an error)."""
-  if rule != "lenient":
-    if epsilon is not None or f is not None:
-      raise ValueError(f"rule {rule!r} takes no epsilon / f (only 'lenient' does)")
-    return {}
-  epsilon = LENIENT_DEFAULT_EPSILON if epsilon is None else epsilon
-  f = "div" if f is None else f
+def _lenient_settings(epsilon=LENIENT_DEFAULT_EPSILON, f="div") -> dict:
+  """The settings of "lenient": ``epsilon`` ∈ (0, 1] and ``f`` ∈ :data:`LENIENT_FUNCTIONS`, checked."""
   if f not in LENIENT_FUNCTIONS:
     raise ValueError(f"unknown lenience function f={f!r}; known: {', '.join(LENIENT_FUNCTIONS)} "
                      f"(div: p/eps, div2: p/eps^2, pow: p^eps)")
@@ -100,8 +140,8 @@ def _check_models(drafter: TabularLM, target: TabularLM, context: Sequence[int])
   return target._checked_prefix(context)  # pylint: disable=protected-access
 
 
-def _check_args(rule, drafter, target, context, gamma) -> tuple[str, tuple[int, ...], int]:
-  return _check_rule(rule), _check_models(drafter, target, context), _check_gamma(gamma)
+def _check_args(rule, drafter, target, context, gamma) -> tuple[ChainLaw, tuple[int, ...], int]:
+  return _law(rule), _check_models(drafter, target, context), _check_gamma(gamma)
 
 
 # --- one draft: the conditional law of (τ, Y) --------------------------------------------------------------------
@@ -119,6 +159,7 @@ def _lenient_numerator(p: float, epsilon: float, f: str) -> float:
   return {"div": p / epsilon, "div2": p / epsilon**2, "pow": p**epsilon}[f]
 
 
+@chain_law("token")
 def _token_law(p_rows_Gp1xV, q_rows_GxV, draft_G, epsilon: float = 1.0, f: str = "div") -> np.ndarray:
   """The token rule's law; with ``ε < 1`` the lenient rule's (acceptance numerator ``f(p, ε)``)."""
   gamma = len(draft_G)
@@ -150,6 +191,7 @@ def _block_weights_and_thresholds(p_rows_Gp1xV, q_rows_GxV, draft_G) -> tuple[np
   return w, h
 
 
+@chain_law("block")
 def _block_law(p_rows_Gp1xV, q_rows_GxV, draft_G) -> np.ndarray:
   gamma = len(draft_G)
   w, h = _block_weights_and_thresholds(p_rows_Gp1xV, q_rows_GxV, draft_G)
@@ -166,7 +208,9 @@ def _block_law(p_rows_Gp1xV, q_rows_GxV, draft_G) -> np.ndarray:
   return law
 
 
-def _greedy_law(p_rows_Gp1xV, draft_G) -> np.ndarray:
+@chain_law("greedy", reads_draft_probs=False)
+def _greedy_law(p_rows_Gp1xV, q_rows_GxV, draft_G) -> np.ndarray:
+  del q_rows_GxV
   gamma = len(draft_G)
   tau = 0
   while tau < gamma and draft_G[tau] == int(np.argmax(p_rows_Gp1xV[tau])):
@@ -176,7 +220,9 @@ def _greedy_law(p_rows_Gp1xV, draft_G) -> np.ndarray:
   return law
 
 
-def _exact_match_law(p_rows_Gp1xV, draft_G) -> np.ndarray:
+@chain_law("exact_match", reads_draft_probs=False)
+def _exact_match_law(p_rows_Gp1xV, q_rows_GxV, draft_G) -> np.ndarray:
+  del q_rows_GxV
   gamma = len(draft_G)
   law = np.zeros(p_rows_Gp1xV.shape, dtype=np.float64)
   reach = 1.0  # Π_{j≤t} p_{j-1}(x_j)
@@ -189,20 +235,26 @@ def _exact_match_law(p_rows_Gp1xV, draft_G) -> np.ndarray:
   return law
 
 
-def conditional_law(rule: str, p_rows_Gp1xV, q_rows_GxV, draft_G, *, epsilon: float | None = None,
-                    f: str | None = None) -> np.ndarray:
+@chain_law("lenient", settings=_lenient_settings)
+def _lenient_law(p_rows_Gp1xV, q_rows_GxV, draft_G, *, epsilon: float, f: str) -> np.ndarray:
+  """DistillSpec's lenient rule: the token law with the acceptance numerator ``f(p, ε)``."""
+  return _token_law(p_rows_Gp1xV, q_rows_GxV, draft_G, epsilon, f)
+
+
+def conditional_law(rule: str, p_rows_Gp1xV, q_rows_GxV, draft_G, **settings) -> np.ndarray:
   """``P(τ = t, Y = y | X^γ = draft)`` for one draft: float64 ``[γ+1, V]`` (entries sum to 1).
 
   Args:
-    rule: one of :data:`RULES`.
+    rule: a name of :data:`LAWS`.
     p_rows_Gp1xV: target rows ``p_i = M_b(·|c ⊕ x^i)``, i = 0..γ, float ``[γ+1, V]``.
-    q_rows_GxV: drafter rows ``q_i = M_s(·|c ⊕ x^i)``, i = 0..γ-1, float ``[γ, V]``; may be None for "greedy" and
-      "exact_match" (they do not read it).
+    q_rows_GxV: drafter rows ``q_i = M_s(·|c ⊕ x^i)``, i = 0..γ-1, float ``[γ, V]``; may be None for laws that do
+      not read it ("greedy", "exact_match": ``reads_draft_probs`` False).
     draft_G: the draft tokens ``x_1..x_γ``, ints ``[γ]``.
-    epsilon, f: the settings of "lenient" (None: its defaults, ε = 0.5, f = "div"); an error for other rules.
+    settings: the law's settings by name, e.g. ``epsilon`` and ``f`` of "lenient" (None or absent: its defaults,
+      ε = 0.5, f = "div"); an error for a law without them.
   """
-  _check_rule(rule)
-  settings = _rule_settings(rule, epsilon, f)
+  law = _law(rule)
+  settings = law.checked_settings(settings)
   p_rows = np.asarray(p_rows_Gp1xV, dtype=np.float64)
   draft = tuple(int(x) for x in np.asarray(draft_G).reshape(-1))
   gamma = _check_gamma(len(draft))
@@ -211,16 +263,14 @@ def conditional_law(rule: str, p_rows_Gp1xV, q_rows_GxV, draft_G, *, epsilon: fl
   vocab_size = p_rows.shape[1]
   if any(not 0 <= x < vocab_size for x in draft):
     raise ValueError(f"draft tokens must lie in [0, {vocab_size}), got {draft}")
-  if rule in _RULES_NEEDING_DRAFT_PROBS:
+  q_rows = None
+  if law.reads_draft_probs:
     if q_rows_GxV is None:
       raise ValueError(f"rule {rule!r} needs the drafter rows q_rows_GxV")
     q_rows = np.asarray(q_rows_GxV, dtype=np.float64)
     if q_rows.shape != (gamma, vocab_size):
       raise ValueError(f"drafter rows must have shape [gamma, V] = [{gamma}, {vocab_size}], got {q_rows.shape}")
-    if rule == "block":
-      return _block_law(p_rows, q_rows, draft)
-    return _token_law(p_rows, q_rows, draft, **settings)  # token, lenient
-  return _greedy_law(p_rows, draft) if rule == "greedy" else _exact_match_law(p_rows, draft)
+  return law.fn(p_rows, q_rows, draft, **settings)
 
 
 # --- enumeration over drafts -------------------------------------------------------------------------------------
@@ -234,51 +284,50 @@ def _drafts(vocab_size: int, length: int):
   return itertools.product(range(vocab_size), repeat=length)
 
 
-def _conditional_laws(rule, drafter, target, context, gamma, settings):
+def _conditional_laws(law: ChainLaw, drafter, target, context, gamma, settings):
   """Yields ``(draft, M_s(draft | c), conditional_law)`` for every draft of positive drafter probability."""
   for draft in _drafts(target.vocab_size, gamma):
     draft_prob = drafter.sequence_prob(context, draft)
     if draft_prob == 0.0:
       continue
     p_rows = _model_rows(target, context, draft, gamma + 1)
-    q_rows = _model_rows(drafter, context, draft, gamma) if rule in _RULES_NEEDING_DRAFT_PROBS else None
-    yield draft, draft_prob, conditional_law(rule, p_rows, q_rows, draft, **settings)
+    q_rows = _model_rows(drafter, context, draft, gamma) if law.reads_draft_probs else None
+    yield draft, draft_prob, conditional_law(law.name, p_rows, q_rows, draft, **settings)
 
 
 def exact_outcome_law(rule: str, drafter: TabularLM, target: TabularLM, context: Sequence[int],
-                      gamma: int, *, epsilon: float | None = None,
-                      f: str | None = None) -> dict[tuple[int, ...], float]:
+                      gamma: int, **settings) -> dict[tuple[int, ...], float]:
   """Law of the emitted tuple ``(X_1..X_τ, Y)`` (length ``τ + 1``) of one iteration.
 
   ``P(o) = Σ_{x^γ} q(x^γ) P(τ = t, Y = y | x^γ)`` over drafts with ``x^t = o[:t]``. Only outcomes of positive
   probability are keys (every term is non-negative, so a missing key has probability exactly 0); keys are sorted.
-  ``epsilon`` and ``f``: settings of "lenient" (:func:`conditional_law`).
+  ``settings``: the law's, e.g. ``epsilon`` and ``f`` of "lenient" (:func:`conditional_law`).
   """
-  rule, context, gamma = _check_args(rule, drafter, target, context, gamma)
-  settings = _rule_settings(rule, epsilon, f)
+  chain, context, gamma = _check_args(rule, drafter, target, context, gamma)
+  settings = chain.checked_settings(settings)
   law: dict[tuple[int, ...], float] = {}
-  for draft, draft_prob, law_Gp1xV in _conditional_laws(rule, drafter, target, context, gamma, settings):
+  for draft, draft_prob, law_Gp1xV in _conditional_laws(chain, drafter, target, context, gamma, settings):
     for t, y in zip(*np.nonzero(law_Gp1xV)):
       outcome = draft[:t] + (int(y),)
       law[outcome] = law.get(outcome, 0.0) + draft_prob * float(law_Gp1xV[t, y])
   return {outcome: law[outcome] for outcome in sorted(law)}
 
 
-def exact_tau_law(rule: str, drafter: TabularLM, target: TabularLM, context: Sequence[int], gamma: int, *,
-                  epsilon: float | None = None, f: str | None = None) -> np.ndarray:
-  """``P(τ = t)`` for t = 0..γ: float64 ``[γ+1]`` (``epsilon``, ``f``: settings of "lenient")."""
-  rule, context, gamma = _check_args(rule, drafter, target, context, gamma)
-  settings = _rule_settings(rule, epsilon, f)
+def exact_tau_law(rule: str, drafter: TabularLM, target: TabularLM, context: Sequence[int], gamma: int,
+                  **settings) -> np.ndarray:
+  """``P(τ = t)`` for t = 0..γ: float64 ``[γ+1]`` (``settings``: the law's, e.g. ``epsilon``, ``f`` of "lenient")."""
+  chain, context, gamma = _check_args(rule, drafter, target, context, gamma)
+  settings = chain.checked_settings(settings)
   tau_law = np.zeros(gamma + 1, dtype=np.float64)
-  for _, draft_prob, law_Gp1xV in _conditional_laws(rule, drafter, target, context, gamma, settings):
+  for _, draft_prob, law_Gp1xV in _conditional_laws(chain, drafter, target, context, gamma, settings):
     tau_law += draft_prob * law_Gp1xV.sum(axis=1)
   return tau_law
 
 
-def expected_accepted(rule: str, drafter: TabularLM, target: TabularLM, context: Sequence[int], gamma: int, *,
-                      epsilon: float | None = None, f: str | None = None) -> float:
+def expected_accepted(rule: str, drafter: TabularLM, target: TabularLM, context: Sequence[int], gamma: int,
+                      **settings) -> float:
   """``E[τ] = Σ_t t P(τ = t)`` from :func:`exact_tau_law` (block efficiency is this + 1)."""
-  tau_law = exact_tau_law(rule, drafter, target, context, gamma, epsilon=epsilon, f=f)
+  tau_law = exact_tau_law(rule, drafter, target, context, gamma, **settings)
   return float(np.dot(np.arange(tau_law.shape[0], dtype=np.float64), tau_law))
 
 
@@ -377,7 +426,7 @@ def emitted_prefix_law(outcome_law: Mapping[tuple[int, ...], float], target: Tab
 
 
 def one_step_tv(rule, drafter: TabularLM, target: TabularLM, context: Sequence[int], gamma: int = 1, *, n: int = 1,
-                epsilon: float | None = None, f: str | None = None) -> float:
+                **settings) -> float:
   """Exact total variation between the law of the first ``n`` emitted tokens and the target's, after ``context``.
 
   One iteration of ``rule`` with ``gamma`` draft tokens, continued by the target itself when it emits fewer than
@@ -386,18 +435,17 @@ def one_step_tv(rule, drafter: TabularLM, target: TabularLM, context: Sequence[i
   the rule's error. With ``n = 1`` (default) it does not depend on ``gamma``: it compares the law of the first
   emitted token, ``min(q, f(p)) + (Σ max(q − f(p), 0)) · norm(max(p − q, 0))`` for the lenient rule, with ``p``.
 
-  ``rule`` is a name of :data:`RULES` or a verifier object (anything with ``name`` whose dataclass fields are its
-  settings, e.g. ``verify.LenientVerifier(epsilon=0.3, f="pow")``); ``epsilon`` and ``f`` as in
-  :func:`exact_outcome_law`, taken from the verifier when one is passed and they are None.
+  ``rule`` is a name of :data:`LAWS` or a verifier object (anything with ``theory_law`` or ``name`` naming its law,
+  whose dataclass fields are its settings, e.g. ``verify.LenientVerifier(epsilon=0.3, f="pow")``); ``settings`` as
+  in :func:`exact_outcome_law`, taken from the verifier's fields where one is passed and they are absent or None.
   """
   if not isinstance(rule, str):
     own = ({field.name: getattr(rule, field.name) for field in dataclasses.fields(rule)}
            if dataclasses.is_dataclass(rule) else {})
-    epsilon = own.get("epsilon") if epsilon is None else epsilon
-    f = own.get("f") if f is None else f
-    rule = getattr(rule, "name", rule)
+    settings = {**own, **{k: v for k, v in settings.items() if v is not None}}
+    rule = getattr(rule, "theory_law", None) or getattr(rule, "name", rule)
   n = _check_gamma(n)
-  outcome_law = exact_outcome_law(rule, drafter, target, context, gamma, epsilon=epsilon, f=f)
+  outcome_law = exact_outcome_law(rule, drafter, target, context, gamma, **settings)
   emitted = emitted_prefix_law(outcome_law, target, context, n)
   expected = sequence_law(target, context, n)
   return 0.5 * float(sum(abs(emitted[s] - expected[s]) for s in expected))

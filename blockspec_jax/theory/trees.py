@@ -26,7 +26,10 @@ their definitions, with every coin of the rule summed out exactly (no Monte Carl
   ``e``, then ``Y``. Laws over trees are sums over all ``V**N`` token assignments weighted by their draw probability
   (trees of probability 0 are skipped).
 
-Rules (:data:`TREE_RULE_SAMPLING`, the same names and sampling modes as ``verify.TREE_RULES``):
+Laws (:data:`TREE_LAWS`): each is a function ``fn(tokens_TxN, parents, q_TxNxV, p_TxN1xV) -> [T, N+1, V]`` registered
+where it is defined by :func:`tree_law` with the sibling sampling its rule needs (``@tree_law("rrs",
+sampling=WITH_REPLACEMENT)``). That declaration is the only one: :data:`TREE_RULE_SAMPLING` is read from it, and a
+tree verifier (``verify.TreeVerifier``) naming the law as its ``theory_law`` takes its ``sibling_sampling`` from it.
 
 * ``"rrs"`` / ``"rrs_wor"`` (top down): at the current node with target row ``p`` and ordered children
   ``x_1..x_K``: ``p_1 = p``, ``q_1 = q``; child ``k`` accepted w.p. ``min(1, p_k(x_k)/q_k(x_k))``, else
@@ -55,7 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -63,7 +66,8 @@ from blockspec_jax.theory.estimators import clipped_ratio
 from blockspec_jax.theory.exact import _check_models, sequence_law  # one check of a tabular pair
 from blockspec_jax.theory.tabular import TabularLM
 
-__all__ = ["WITH_REPLACEMENT", "WITHOUT_REPLACEMENT", "TREE_RULE_SAMPLING", "MAX_ENUMERATED_TREES",
+__all__ = ["WITH_REPLACEMENT", "WITHOUT_REPLACEMENT", "TREE_LAWS", "TreeLaw", "tree_law", "TREE_RULE_SAMPLING",
+           "MAX_ENUMERATED_TREES",
            "SPECTR_BISECTION_STEPS", "TreeDraws", "branching_parents", "check_parents", "tree_depths",
            "enumerate_trees", "sample_trees", "tree_conditional_law", "spectr_rho_f64", "tree_outcome_law",
            "tree_tau_law", "tree_expected_accepted", "tree_emitted_prefix_law", "tree_lossless_error"]
@@ -71,13 +75,58 @@ __all__ = ["WITH_REPLACEMENT", "WITHOUT_REPLACEMENT", "TREE_RULE_SAMPLING", "MAX
 WITH_REPLACEMENT = "with_replacement"
 WITHOUT_REPLACEMENT = "without_replacement"
 
-#: name -> how that rule's trees are drawn; the names and modes of ``blockspec_jax.verify.TREE_RULES``.
-TREE_RULE_SAMPLING: dict[str, str] = {
-    "rrs": WITH_REPLACEMENT,
-    "rrs_wor": WITHOUT_REPLACEMENT,
-    "spectr": WITH_REPLACEMENT,
-    "traversal": WITHOUT_REPLACEMENT,
-}
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeLaw:
+  """One tree rule's exact conditional law (registered by :func:`tree_law`): ``fn(tokens_TxN, parents, q_TxNxV,
+  p_TxN1xV)`` → ``P(end node, Y | tree)`` float64 ``[T, N+1, V]`` for ``T`` trees of one shape (``parents`` a
+  tuple, checked); ``sampling`` how the rule's siblings must be drawn for it to be lossless."""
+  name: str
+  fn: Callable[..., np.ndarray]
+  sampling: str
+
+
+#: name -> :class:`TreeLaw`, filled by :func:`tree_law`.
+TREE_LAWS: dict[str, TreeLaw] = {}
+
+
+class _SamplingTable(Mapping):
+  """A read-only view name -> ``TREE_LAWS[name].sampling`` (always current: later registrations show)."""
+
+  def __getitem__(self, name: str) -> str:
+    return TREE_LAWS[name].sampling
+
+  def __iter__(self):
+    return iter(TREE_LAWS)
+
+  def __len__(self) -> int:
+    return len(TREE_LAWS)
+
+  def __repr__(self) -> str:
+    return repr(dict(self))
+
+
+#: name -> how that rule's trees are drawn (``"with_replacement"`` / ``"without_replacement"``): read from
+#: :data:`TREE_LAWS`, so the registered laws' declarations are the table.
+TREE_RULE_SAMPLING: Mapping[str, str] = _SamplingTable()
+
+
+def tree_law(name: str, *, sampling: str):
+  """Decorator registering a tree law function under ``name`` in :data:`TREE_LAWS` with the sibling ``sampling`` its
+  rule needs (see :class:`TreeLaw`); a ValueError when the name is taken or the sampling unknown. Returns the
+  function unchanged."""
+  if not isinstance(name, str) or not name:
+    raise ValueError(f"a tree law's name is a non-empty string, got {name!r}")
+  sampling = _check_sampling(sampling)
+
+  def register(fn):
+    if name in TREE_LAWS:
+      raise ValueError(f"tree law {name!r} is already registered ({TREE_LAWS[name].fn.__qualname__})")
+    TREE_LAWS[name] = TreeLaw(name, fn, sampling)
+    return fn
+
+  return register
 
 #: Largest ``V**N`` (token assignments of one shape) that :func:`enumerate_trees` accepts.
 MAX_ENUMERATED_TREES = 2**18
@@ -88,10 +137,10 @@ SPECTR_BISECTION_STEPS = 64
 
 # --- arguments ---------------------------------------------------------------------------------------------------
 
-def _check_rule(rule: str) -> str:
-  if not isinstance(rule, str) or rule not in TREE_RULE_SAMPLING:
-    raise ValueError(f"unknown tree rule {rule!r}; known tree rules: {', '.join(sorted(TREE_RULE_SAMPLING))}")
-  return rule
+def _law(rule: str) -> TreeLaw:
+  if not isinstance(rule, str) or rule not in TREE_LAWS:
+    raise ValueError(f"unknown tree rule {rule!r}; known tree rules: {', '.join(sorted(TREE_LAWS))}")
+  return TREE_LAWS[rule]
 
 
 def _check_sampling(sampling: str) -> str:
@@ -384,8 +433,10 @@ def spectr_rho_f64(p_TxV, q_TxV, k: int, num_steps: int = SPECTR_BISECTION_STEPS
   return rho_T, beta_T, scale_T
 
 
-def _top_down_law(rule, tokens_TxN, parents, q_TxNxV, p_TxN1xV) -> np.ndarray:
-  """``"rrs"``, ``"rrs_wor"``, ``"spectr"``: the mass reaching each node times its children's decisions."""
+def _top_down_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV, *, spectr: bool, remove_drawn: bool) -> np.ndarray:
+  """The top-down rules, ``"rrs"`` / ``"rrs_wor"`` (``remove_drawn``: the drafter row loses each rejected sibling's
+  token) and ``"spectr"`` (``spectr``: k-sequential selection): the mass reaching each node times its children's
+  decisions."""
   num_trees, num_nodes = tokens_TxN.shape
   children = _children(parents)
   law_TxN1xV = np.zeros(p_TxN1xV.shape, dtype=np.float64)
@@ -398,31 +449,49 @@ def _top_down_law(rule, tokens_TxN, parents, q_TxNxV, p_TxN1xV) -> np.ndarray:
       continue
     q_V = q_TxNxV[:, kids[0]]
     p_k, q_k = p_V, q_V
-    if rule == "spectr":  # one bisection per distinct (p, q) pair of rows (trees share their parents' contexts)
+    if spectr:  # one bisection per distinct (p, q) pair of rows (trees share their parents' contexts)
       pairs_Ux2V, inverse_T = np.unique(np.concatenate([p_V, q_V], axis=1), axis=0, return_inverse=True)
       rho_U, _, scale_U = spectr_rho_f64(pairs_Ux2V[:, :p_V.shape[1]], pairs_Ux2V[:, p_V.shape[1]:], len(kids))
       rho_T, scale_T = rho_U[inverse_T.reshape(-1)], scale_U[inverse_T.reshape(-1)]
     none_T = np.ones(num_trees)  # P(every child so far rejected)
     for c in kids:
       x_T = tokens_TxN[:, c]
-      if rule == "spectr":
+      if spectr:
         accept_T = clipped_ratio(1.0 / rho_T, _at(p_V, x_T), _at(q_V, x_T))
       else:
         accept_T = clipped_ratio(1.0, _at(p_k, x_T), _at(q_k, x_T))
       reach[c] = reach[u] * none_T * accept_T
       none_T = none_T * (1.0 - accept_T)
-      if rule in ("rrs", "rrs_wor"):
+      if not spectr:
         p_next = _normalised(np.maximum(p_k - q_k, 0.0), p_k)
-        if rule == "rrs_wor":
+        if remove_drawn:
           q_removed = np.where(np.arange(q_k.shape[1])[None, :] == x_T[:, None], 0.0, q_k)
           q_k = _normalised(q_removed, q_removed)
         p_k = p_next
-    if rule == "spectr":
+    if spectr:
       residual_V = p_V - np.minimum(q_V, p_V / rho_T[:, None]) * scale_T[:, None]
     else:
       residual_V = p_k
     law_TxN1xV[:, u + 1] = (reach[u] * none_T)[:, None] * _y_row(residual_V, p_V)
   return law_TxN1xV
+
+
+@tree_law("rrs", sampling=WITH_REPLACEMENT)
+def _rrs_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV) -> np.ndarray:
+  """Recursive rejection sampling (SpecInfer) over i.i.d. siblings."""
+  return _top_down_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV, spectr=False, remove_drawn=False)
+
+
+@tree_law("rrs_wor", sampling=WITHOUT_REPLACEMENT)
+def _rrs_wor_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV) -> np.ndarray:
+  """Recursive rejection sampling (RSD) over siblings drawn without replacement."""
+  return _top_down_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV, spectr=False, remove_drawn=True)
+
+
+@tree_law("spectr", sampling=WITH_REPLACEMENT)
+def _spectr_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV) -> np.ndarray:
+  """SpecTr's k-sequential selection over i.i.d. siblings."""
+  return _top_down_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV, spectr=True, remove_drawn=False)
 
 
 def _postorder(parents: tuple[int, ...]) -> list[int]:
@@ -440,6 +509,7 @@ def _postorder(parents: tuple[int, ...]) -> list[int]:
   return order
 
 
+@tree_law("traversal", sampling=WITHOUT_REPLACEMENT)
 def _traversal_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV, without_replacement=True) -> np.ndarray:
   """``"traversal"``: one pass over the post-order; the state after each deletion is deterministic."""
   num_trees, num_nodes = tokens_TxN.shape
@@ -485,7 +555,7 @@ def tree_conditional_law(rule: str, tokens_N, parents_N, draft_probs_NxV, target
   ``draft_probs`` and ``target_probs`` (the shape ``parents_N`` is shared and static). Exact: the rule's coins are
   summed out (module docstring). ``τ`` is the depth of the end node, the emitted tokens the path to it, then ``Y``.
   """
-  rule = _check_rule(rule)
+  law = _law(rule)
   parents = check_parents(parents_N)
   tokens = np.asarray(tokens_N)
   q = np.asarray(draft_probs_NxV, dtype=np.float64)
@@ -504,19 +574,15 @@ def tree_conditional_law(rule: str, tokens_N, parents_N, draft_probs_NxV, target
                      f"got {p.shape}")
   if tokens_TxN.size and (tokens_TxN.min() < 0 or tokens_TxN.max() >= vocab):
     raise ValueError(f"tokens out of range [0, {vocab})")
-  if rule == "traversal":
-    law = _traversal_law(tokens_TxN.astype(np.int64), parents, q_TxNxV, p_TxN1xV)
-  else:
-    law = _top_down_law(rule, tokens_TxN.astype(np.int64), parents, q_TxNxV, p_TxN1xV)
-  return law[0] if single else law
+  law_TxN1xV = law.fn(tokens_TxN.astype(np.int64), parents, q_TxNxV, p_TxN1xV)
+  return law_TxN1xV[0] if single else law_TxN1xV
 
 
 # --- laws of one iteration over all trees ------------------------------------------------------------------------
 
 def _iteration(rule, drafter, target, context, parents_N, epsilon):
   """``(TreeDraws, P(end, Y | tree) [T, N+1, V])`` of one iteration after ``context``."""
-  rule = _check_rule(rule)
-  draws = enumerate_trees(drafter, target, context, parents_N, TREE_RULE_SAMPLING[rule], epsilon)
+  draws = enumerate_trees(drafter, target, context, parents_N, _law(rule).sampling, epsilon)
   law_TxN1xV = tree_conditional_law(rule, draws.tokens_TxN, draws.parents, draws.draft_probs_TxNxV,
                                     draws.target_probs_TxN1xV)
   return draws, law_TxN1xV

@@ -68,7 +68,7 @@ from flax import struct
 
 from blockspec_jax import sampling
 from blockspec_jax.verify.rules import clipped_ratio
-from blockspec_jax.verify.tree import TREE_RULES, WITHOUT_REPLACEMENT, TreeVerifyResult, check_tree
+from blockspec_jax.verify.tree import TreeVerifyResult, check_tree
 
 __all__ = ["TreeVerifyResult", "traversal_verify", "traversal_verify_with_replacement",
            "tree_postorder"]
@@ -262,6 +262,3 @@ def traversal_verify_with_replacement(key, tokens_N, parents_N, draft_probs_NxV,
   next sibling's law is still ``Q_u``). Equal to :func:`traversal_verify` on chains.
   """
   return _traversal_verify(key, tokens_N, parents_N, draft_probs_NxV, target_probs_N1xV, coins, False)
-
-
-TREE_RULES["traversal"] = (traversal_verify, WITHOUT_REPLACEMENT)

@@ -27,9 +27,11 @@ are the nodes whose parent it is. A node whose subtree was left is skipped. Per-
 computed for all nodes at once before the walk. Cost: N sequential steps of O(V) each, plus an ``[N, V]`` gather of
 parent rows for SpecTr. Jittable and vmappable; batch with ``jax.vmap`` (one key per row).
 
-Registry. :data:`TREE_RULES` maps a name to ``(fn, sampling)``; ``fn(key, tokens_N, parents_N, draft_probs_NxV,
-target_probs_N1xV) -> TreeVerifyResult``. Another module adds a rule with one entry; :func:`tree_verify` checks the
-inputs (:func:`check_tree`) and dispatches on it.
+Registry. A tree rule is a function ``fn(key, tokens_N, parents_N, draft_probs_NxV, target_probs_N1xV) ->
+TreeVerifyResult`` (the ones below, :func:`blockspec_jax.verify.traversal.traversal_verify`) and a
+``TreeVerifier`` subclass registered by ``@verify.register`` (``verify/verifiers.py``), which declares its name, its
+function and its exact law (whence the sibling sampling). The registration fills :data:`TREE_RULES` (name ->
+``(fn, sampling)``), on which :func:`tree_verify` dispatches after checking the inputs (:func:`check_tree`).
 
 Numerics as in :mod:`blockspec_jax.verify.rules`: ratios through :func:`~blockspec_jax.verify.rules.clipped_ratio`
 (no inf/NaN); a residual without positive mass (reachable only through rounding) falls back to the target row of the
@@ -398,11 +400,8 @@ def spectr_tree_verify(key, tokens_N, parents_N, draft_probs_NxV, target_probs_N
 
 #: name -> (fn, sampling): ``fn(key, tokens_N, parents_N, draft_probs_NxV, target_probs_N1xV) -> TreeVerifyResult``;
 #: ``sampling`` is how the rule's trees must be drawn (:data:`WITH_REPLACEMENT` or :data:`WITHOUT_REPLACEMENT`).
-TREE_RULES: dict[str, tuple[Callable[..., TreeVerifyResult], str]] = {
-    "rrs": (rrs_tree_verify, WITH_REPLACEMENT),
-    "rrs_wor": (rrs_wor_tree_verify, WITHOUT_REPLACEMENT),
-    "spectr": (spectr_tree_verify, WITH_REPLACEMENT),
-}
+#: Filled by ``verify.register`` from the registered tree verifiers (their one declaration); not edited by hand.
+TREE_RULES: dict[str, tuple[Callable[..., TreeVerifyResult], str]] = {}
 
 
 def _lookup(rule: str) -> tuple[Callable[..., TreeVerifyResult], str]:

@@ -1,14 +1,35 @@
-"""Verifiers: frozen dataclasses wrapping one rule, with a batched form; selectable by name (``VERIFIERS``) or gin.
+"""Verifiers: frozen dataclasses wrapping one rule, with a batched form; the registry ``VERIFIERS`` (by name, or gin).
 
-Every registered rule declares what the engine and the tests need to know about it (class attributes):
+A rule is one class registered by one decorator; nothing else in the library names it::
+
+    @register
+    class TokenVerifier(Verifier):
+      name = "token"                          # the registered name (jobs, methods "token@model", gin)
+      rule = staticmethod(rules.token_verify)  # the single-block function (verify/rules.py's contract)
+      theory_law = "token"                    # its exact numpy law: a name of theory.exact.LAWS (@chain_law)
+      takes_coins = True
+
+:func:`register` makes the class a frozen dataclass (settings are its fields, e.g. lenient's ``epsilon``), checks its
+declarations, completes what they imply (a tree rule's sibling sampling from its law, a default drafter from that)
+and adds it to :data:`VERIFIERS` (tree rules also to ``verify.tree.TREE_RULES``). The registry-wide tests
+(tests/test_laws.py, tests/test_engine_trees.py, tests/test_tree_verify.py) then run every registered lossless rule
+against its law, with every registered drafter it accepts (:meth:`Verifier.check_drafter`).
+
+Every rule declares what the engine, the jobs and the tests need to know about it (class attributes):
 
 =====================  ==========================================================================================
 ``lossless``           exactly the target's law when the draft law passed in is the one the draft was drawn from
 ``requires_greedy_target``  lossless only for a greedy (temperature 0) target (the greedy rule)
 ``needs_draft_probs``  reads the drafter rows ``q`` (False: greedy, exact-match)
 ``structure``          ``"chain"`` (verifies one chain of γ tokens) or ``"tree"`` (any tree, chains included)
+``theory_law``         the exact law it follows: a name of ``theory.exact.LAWS`` (chain rules) or of
+                       ``theory.trees.TREE_LAWS`` (tree rules); required of lossless rules, None for rules whose law
+                       lives elsewhere (MTAD: :mod:`blockspec_jax.theory.lossy`)
 ``sibling_sampling``   for tree rules, how siblings must be drawn: ``"with_replacement"`` / ``"without_replacement"``
-``default_drafter``    the drafter a bare rule name runs with in jobs (None: the model chain / a tree drafter)
+                       (read from the tree law at registration: declared once, in the theory)
+``default_drafter``    the drafter a bare rule name runs with in jobs: ``"model"`` (the model chain) unless declared;
+                       tree rules: :data:`DEFAULT_TREE_DRAFTERS` by their sibling sampling
+``takes_coins``        ``rule`` accepts ``coins=`` (the uniforms, ``[γ]``): the reference loop's coin-keying study
 ``skips_target``       the rule decides itself when the target is called (SPRINTER): it runs its own loop
                        (:meth:`Verifier.decode`), not one target pass per draft
 ``reads_q_as_likelihood``  the rule reads ``q`` only as the drafter's likelihood of the drafted tokens (MTAD), so it
@@ -18,8 +39,9 @@ Every registered rule declares what the engine and the tests need to know about 
 Lossy rules (``lossless = False``) are ``lenient`` (DistillSpec), ``mtad`` (MJSD/MTAD joint verification of beam
 drafts) and ``sprinter`` (a learned verifier head that skips the target); each states its error law in its docstring.
 
-Chain rules (:mod:`blockspec_jax.verify.rules`) and tree rules (:data:`blockspec_jax.verify.tree.TREE_RULES`) share
-one registry; :meth:`Verifier.verify_draft` is the engine's one entry point for both.
+Chain rules (:mod:`blockspec_jax.verify.rules`) and tree rules (:mod:`blockspec_jax.verify.tree`,
+:mod:`blockspec_jax.verify.traversal`) share one registry; :meth:`Verifier.verify_draft` is the engine's one entry
+point for both.
 """
 
 from __future__ import annotations
@@ -34,16 +56,26 @@ import jax.numpy as jnp
 from flax import struct
 
 from blockspec_jax.contracts import SAMPLING_BEAM, SAMPLING_CHAIN, Draft, accepted_path
-from blockspec_jax.verify import rules
-from blockspec_jax.verify import traversal as _traversal  # noqa: F401  (registers "traversal" in TREE_RULES)
-from blockspec_jax.verify.tree import TREE_RULES, tree_verify
+from blockspec_jax.theory import exact as theory_exact
+from blockspec_jax.theory import trees as theory_trees
+from blockspec_jax.verify import rules, traversal, tree
+from blockspec_jax.verify.tree import TREE_RULES, WITH_REPLACEMENT, WITHOUT_REPLACEMENT, check_tree
 
 __all__ = ["Verifier", "TokenVerifier", "BlockVerifier", "GreedyVerifier", "ExactMatchVerifier", "LenientVerifier",
-           "JointVerifier", "SprinterVerifier", "SPRINTER_DEFAULT_CAP", "TreeVerifier", "Verdict", "VERIFIERS", "DEFAULT_VERIFIER", "CHAIN", "TREE", "get_verifier",
-           "register_tree_rule", "row_keys", "warn_if_inexact"]
+           "JointVerifier", "SprinterVerifier", "SPRINTER_DEFAULT_CAP", "TreeVerifier", "RRSVerifier",
+           "RRSWithoutReplacementVerifier", "SpecTrVerifier", "TraversalVerifier", "Verdict", "VERIFIERS",
+           "DEFAULT_VERIFIER", "DEFAULT_TREE_DRAFTERS", "CHAIN", "TREE", "register", "get_verifier", "row_keys",
+           "warn_if_inexact"]
 
 CHAIN = "chain"
 TREE = "tree"
+
+#: The drafter a bare tree rule runs with, by the sibling sampling it needs: SpecTr's k i.i.d. chains, RSD-C trees.
+DEFAULT_TREE_DRAFTERS = {WITH_REPLACEMENT: "k_chains", WITHOUT_REPLACEMENT: "rsd_c"}
+
+#: name -> registered Verifier class, in registration order (filled by :func:`register`).
+VERIFIERS: dict[str, type["Verifier"]] = {}
+DEFAULT_VERIFIER = "block"
 
 
 @struct.dataclass
@@ -71,8 +103,7 @@ def row_keys(key: jax.Array, batch_size: int) -> jax.Array:
 class Verifier:
   """A verification rule plus its settings. Call it on one block; ``batch`` maps it over rows with ``jax.vmap``.
 
-  Subclasses set ``name``, ``lossless`` (exactly the target law when the draft law is the one passed in),
-  ``requires_greedy_target`` (lossless only when the target is sampled at temperature 0) and ``needs_draft_probs``.
+  Subclasses declare the class attributes of the module docstring and are registered by :func:`register`.
   Hashable and static under ``jax.jit``.
   """
 
@@ -81,8 +112,10 @@ class Verifier:
   requires_greedy_target: ClassVar[bool] = False
   needs_draft_probs: ClassVar[bool] = True
   structure: ClassVar[str] = CHAIN
+  theory_law: ClassVar[str | None] = None
   sibling_sampling: ClassVar[str | None] = None
-  default_drafter: ClassVar[str | None] = None
+  default_drafter: ClassVar[str | None] = "model"
+  takes_coins: ClassVar[bool] = False
   skips_target: ClassVar[bool] = False
   reads_q_as_likelihood: ClassVar[bool] = False
   rule: ClassVar[Callable[..., rules.VerifyResult]]
@@ -141,34 +174,122 @@ class Verifier:
 
 
 @dataclasses.dataclass(frozen=True)
-class TokenVerifier(Verifier):
-  name: ClassVar[str] = "token"
-  rule = staticmethod(rules.token_verify)
+class TreeVerifier(Verifier):
+  """The base of tree rules: ``rule(key, tokens_N, parents_N, draft_probs_NxV, target_probs_N1xV)`` (the contract
+  of :mod:`blockspec_jax.verify.tree`) on any tree of ``N`` nodes (a chain is one). Lossless when siblings are drawn
+  as ``sibling_sampling`` says, which a registered tree rule takes from its ``theory_law``
+  (``theory.trees.TREE_LAWS``)."""
+  structure: ClassVar[str] = TREE
+  default_drafter: ClassVar[str | None] = None  # at registration: DEFAULT_TREE_DRAFTERS[sibling_sampling]
+
+  def __call__(self, key, tokens_N, parents_N, draft_probs_NxV, target_probs_N1xV):
+    check_tree(tokens_N, parents_N, draft_probs_NxV, target_probs_N1xV)
+    return type(self).rule(key, tokens_N, parents_N, draft_probs_NxV, target_probs_N1xV)
+
+  def batch(self, keys_B, tokens_BxN, parents_BxN, draft_probs_BxNxV, target_probs_BxN1xV):
+    """Verify ``B`` independent trees (one key per row); a :class:`~blockspec_jax.verify.TreeVerifyResult`."""
+    return jax.vmap(self)(keys_B, tokens_BxN, parents_BxN, draft_probs_BxNxV, target_probs_BxN1xV)
+
+  def verify_draft(self, keys_B, draft: Draft, p_BxN1xV, depth_BxN, gamma: int) -> Verdict:
+    res = self.batch(keys_B, draft.tokens_BxN, draft.parents_BxN, draft.q_rows(p_BxN1xV.shape[-1]), p_BxN1xV)
+    nan_B = jnp.full(res.num_accepted.shape, jnp.nan, jnp.float32)
+    return Verdict(res.num_accepted, accepted_path(res.accepted_N, depth_BxN, gamma), res.next_token, nan_B)
 
 
-@dataclasses.dataclass(frozen=True)
+_DECLARATIONS = ("name", "lossless", "requires_greedy_target", "needs_draft_probs", "structure", "theory_law",
+                 "sibling_sampling", "default_drafter", "takes_coins", "skips_target", "reads_q_as_likelihood", "rule")
+
+
+def register(cls: type[Verifier]) -> type[Verifier]:
+  """Class decorator: register the Verifier subclass ``cls`` under ``cls.name`` (see the module docstring).
+
+  Makes ``cls`` a frozen dataclass when its body is not one already; checks its declarations (a ValueError naming
+  the first problem: a missing or taken name, a declaration shadowed by a field, an unknown structure, a lossless
+  rule without a law, a law the theory does not have, a sibling sampling that contradicts the law's); fills in a tree
+  rule's ``sibling_sampling`` from its law and its ``default_drafter`` from that; adds it to :data:`VERIFIERS` and, for
+  a tree rule, ``(rule, sibling_sampling)`` to ``verify.tree.TREE_RULES``. Returns the class.
+  """
+  if not (isinstance(cls, type) and issubclass(cls, Verifier)):
+    raise ValueError(f"register takes a Verifier subclass, got {cls!r}")
+  name = cls.__dict__.get("name")
+  if not isinstance(name, str) or not name or any(c in name for c in "@/: "):
+    raise ValueError(f"verifier class {cls.__name__} must declare its own name (a non-empty string without '@', "
+                     f"'/', ':' or spaces: methods are written '<rule>@<drafter>'), got {name!r}")
+  if name in VERIFIERS:
+    raise ValueError(f"verifier {name!r} is already registered ({VERIFIERS[name].__qualname__})")
+  if "__dataclass_params__" not in cls.__dict__:
+    cls = dataclasses.dataclass(frozen=True)(cls)
+  shadowed = sorted({f.name for f in dataclasses.fields(cls)} & set(_DECLARATIONS))
+  if shadowed:
+    raise ValueError(f"verifier {name!r}: {', '.join(shadowed)} must be class attributes (no type annotation, or "
+                     f"ClassVar), not dataclass fields")
+  if cls.structure not in (CHAIN, TREE):
+    raise ValueError(f"verifier {name!r}: structure must be {CHAIN!r} or {TREE!r}, got {cls.structure!r}")
+  if not cls.skips_target and not callable(getattr(cls, "rule", None)):
+    raise ValueError(f"verifier {name!r} must declare its rule function (rule = staticmethod(fn))")
+  laws = theory_exact.LAWS if cls.structure == CHAIN else theory_trees.TREE_LAWS
+  where = "theory.exact.LAWS (@chain_law)" if cls.structure == CHAIN else "theory.trees.TREE_LAWS (@tree_law)"
+  if cls.theory_law is None and cls.lossless:
+    raise ValueError(f"verifier {name!r} is lossless: declare its exact law (theory_law = a name of {where}) so the "
+                     f"law tests can check it")
+  if cls.theory_law is not None and cls.theory_law not in laws:
+    raise ValueError(f"verifier {name!r}: theory_law {cls.theory_law!r} is not a law of {where}; known: "
+                     f"{', '.join(laws)}")
+  if cls.structure == TREE:
+    declared = cls.__dict__.get("sibling_sampling")
+    if cls.theory_law is not None:
+      law_sampling = laws[cls.theory_law].sampling
+      if declared is not None and declared != law_sampling:
+        raise ValueError(f"verifier {name!r} declares sibling_sampling {declared!r} but its law {cls.theory_law!r} "
+                         f"is exact for {law_sampling!r}: declare it once, with the law (theory.trees.tree_law)")
+      cls.sibling_sampling = law_sampling
+    if cls.sibling_sampling not in DEFAULT_TREE_DRAFTERS:
+      raise ValueError(f"tree verifier {name!r}: sibling_sampling must be one of {', '.join(DEFAULT_TREE_DRAFTERS)}, "
+                       f"got {cls.sibling_sampling!r}")
+    if cls.default_drafter is None:
+      cls.default_drafter = DEFAULT_TREE_DRAFTERS[cls.sibling_sampling]
+    TREE_RULES[name] = (cls.rule, cls.sibling_sampling)
+  VERIFIERS[name] = cls
+  return cls
+
+
+# --- the chain rules -----------------------------------------------------------------------------------------------
+
+@register
 class BlockVerifier(Verifier):
-  name: ClassVar[str] = "block"
+  name = "block"
   rule = staticmethod(rules.block_verify)
+  theory_law = "block"
+  takes_coins = True
 
 
-@dataclasses.dataclass(frozen=True)
+@register
+class TokenVerifier(Verifier):
+  name = "token"
+  rule = staticmethod(rules.token_verify)
+  theory_law = "token"
+  takes_coins = True
+
+
+@register
 class GreedyVerifier(Verifier):
   """Lossless only for a greedy (temperature 0) target; at T > 0 it emits argmaxes, not samples."""
-  name: ClassVar[str] = "greedy"
-  requires_greedy_target: ClassVar[bool] = True
-  needs_draft_probs: ClassVar[bool] = False
+  name = "greedy"
+  requires_greedy_target = True
+  needs_draft_probs = False
   rule = staticmethod(rules.greedy_verify)
+  theory_law = "greedy"
 
 
-@dataclasses.dataclass(frozen=True)
+@register
 class ExactMatchVerifier(Verifier):
-  name: ClassVar[str] = "exact_match"
-  needs_draft_probs: ClassVar[bool] = False
+  name = "exact_match"
+  needs_draft_probs = False
   rule = staticmethod(rules.exact_match_verify)
+  theory_law = "exact_match"
 
 
-@dataclasses.dataclass(frozen=True)
+@register
 class LenientVerifier(Verifier):
   """DistillSpec's lenient verification (:func:`~blockspec_jax.verify.rules.lenient_verify`): LOSSY for ``ε < 1``.
 
@@ -179,9 +300,10 @@ class LenientVerifier(Verifier):
   :func:`blockspec_jax.theory.exact.one_step_tv`. Lossless only at ``ε = 1`` and for a greedy (T = 0) target: a
   one-hot ``p`` gives ``f(1) ≥ 1`` and ``f(0) = 0``, so the verdicts are the greedy rule's.
   """
-  name: ClassVar[str] = "lenient"
-  lossless: ClassVar[bool] = False
+  name = "lenient"
+  lossless = False
   rule = staticmethod(rules.lenient_verify)
+  theory_law = "lenient"
   epsilon: float = rules.LENIENT_DEFAULT_EPSILON
   f: str = "div"
 
@@ -198,7 +320,7 @@ class LenientVerifier(Verifier):
     return rules.lenient_verify(key, draft_tokens, draft_probs, target_probs, epsilon=self.epsilon, f=self.f)
 
 
-@dataclasses.dataclass(frozen=True)
+@register
 class JointVerifier(Verifier):
   """MJSD / MTAD joint verification (:func:`~blockspec_jax.verify.rules.joint_verify`): LOSSY.
 
@@ -206,12 +328,14 @@ class JointVerifier(Verifier):
   scanned), then one plain target sample. Runs by default on beam drafts (drafter ``"beam"``: the best of ``W``
   beams with its per-token ``q``); on sampled chains (``"mtad@model"``) it shares drafts with token and block
   verification. Lossless only for a greedy (T = 0) target (it then accepts only target-argmax tokens) and at
-  ``τ = inf`` (nothing accepted). Its exact error on tabular models: :mod:`blockspec_jax.theory.lossy`.
+  ``τ = inf`` (nothing accepted). Its exact error on tabular models: :mod:`blockspec_jax.theory.lossy` (beam drafts
+  are not the sampled drafts of ``theory.exact``, so it names no ``theory_law``).
   """
-  name: ClassVar[str] = "mtad"
-  lossless: ClassVar[bool] = False
-  default_drafter: ClassVar[str | None] = "beam"
-  reads_q_as_likelihood: ClassVar[bool] = True
+  name = "mtad"
+  lossless = False
+  default_drafter = "beam"
+  reads_q_as_likelihood = True
+  rule = staticmethod(rules.joint_verify)
   tau: float = rules.JOINT_DEFAULT_TAU
 
   def __post_init__(self):
@@ -228,7 +352,7 @@ class JointVerifier(Verifier):
 SPRINTER_DEFAULT_CAP = 20
 
 
-@dataclasses.dataclass(frozen=True)
+@register
 class SprinterVerifier(Verifier):
   """SPRINTER (Zhong et al., arXiv 2502.04557): a learned verifier head decides when the target is called: LOSSY.
 
@@ -243,10 +367,10 @@ class SprinterVerifier(Verifier):
   ``η`` the head's acceptance of that context, so ``TV = η·TV(p, q)``. ``threshold > 1`` flags everything (token
   verification one token at a time: lossless), ``threshold = 0`` accepts everything up to the cap.
   """
-  name: ClassVar[str] = "sprinter"
-  lossless: ClassVar[bool] = False
-  default_drafter: ClassVar[str | None] = "sprinter"
-  skips_target: ClassVar[bool] = True
+  name = "sprinter"
+  lossless = False
+  default_drafter = "sprinter"
+  skips_target = True
   threshold: float = 0.5
   cap: int = SPRINTER_DEFAULT_CAP
 
@@ -263,61 +387,50 @@ class SprinterVerifier(Verifier):
 
   def check_drafter(self, drafter_name: str, drafter) -> None:
     if not hasattr(drafter, "acceptable_probs"):
-      raise ValueError(f"verifier 'sprinter' needs a drafter with a verifier head (drafter 'sprinter'), got "
-                       f"{drafter_name}")
+      raise ValueError(f"verifier {self.name!r} needs a drafter with a verifier head (acceptable_probs: drafter "
+                       f"'sprinter'), got {drafter_name}")
     super().check_drafter(drafter_name, drafter)
 
   def lossless_under(self, sampler) -> bool:
     return self.threshold > 1.0
 
   def verify_draft(self, keys_B, draft: Draft, p_BxN1xV, depth_BxN, gamma: int) -> Verdict:
-    raise ValueError("verifier 'sprinter' skips the target: it runs its own loop (decoding.sprinter), not one "
+    raise ValueError(f"verifier {self.name!r} skips the target: it runs its own loop (decoding.sprinter), not one "
                      "verification per draft")
 
 
-@dataclasses.dataclass(frozen=True)
-class TreeVerifier(Verifier):
-  """A tree rule of :data:`~blockspec_jax.verify.tree.TREE_RULES` (one subclass per registered name). Lossless when
-  siblings are drawn as ``sibling_sampling`` says; any tree of ``N`` nodes (a chain is one)."""
-  structure: ClassVar[str] = TREE
+# --- the tree rules (verify/tree.py, verify/traversal.py); the sibling sampling comes with their law ----------------
 
-  def __call__(self, key, tokens_N, parents_N, draft_probs_NxV, target_probs_N1xV):
-    return tree_verify(key, tokens_N, parents_N, draft_probs_NxV, target_probs_N1xV, rule=self.name)
-
-  def batch(self, keys_B, tokens_BxN, parents_BxN, draft_probs_BxNxV, target_probs_BxN1xV):
-    """Verify ``B`` independent trees (one key per row); a :class:`~blockspec_jax.verify.TreeVerifyResult`."""
-    return jax.vmap(self)(keys_B, tokens_BxN, parents_BxN, draft_probs_BxNxV, target_probs_BxN1xV)
-
-  def verify_draft(self, keys_B, draft: Draft, p_BxN1xV, depth_BxN, gamma: int) -> Verdict:
-    res = self.batch(keys_B, draft.tokens_BxN, draft.parents_BxN, draft.q_rows(p_BxN1xV.shape[-1]), p_BxN1xV)
-    nan_B = jnp.full(res.num_accepted.shape, jnp.nan, jnp.float32)
-    return Verdict(res.num_accepted, accepted_path(res.accepted_N, depth_BxN, gamma), res.next_token, nan_B)
+@register
+class RRSVerifier(TreeVerifier):
+  """Recursive rejection sampling (SpecInfer) over i.i.d. siblings."""
+  name = "rrs"
+  rule = staticmethod(tree.rrs_tree_verify)
+  theory_law = "rrs"
 
 
-VERIFIERS: dict[str, type[Verifier]] = {
-    cls.name: cls for cls in (BlockVerifier, TokenVerifier, GreedyVerifier, ExactMatchVerifier, LenientVerifier,
-                              JointVerifier, SprinterVerifier)}
-DEFAULT_VERIFIER = "block"
+@register
+class RRSWithoutReplacementVerifier(TreeVerifier):
+  """Recursive rejection sampling (RSD) over siblings drawn without replacement."""
+  name = "rrs_wor"
+  rule = staticmethod(tree.rrs_wor_tree_verify)
+  theory_law = "rrs_wor"
 
 
-def register_tree_rule(name: str, fn=None, sibling_sampling: str | None = None) -> type[TreeVerifier]:
-  """Register a tree rule under ``name`` as a verifier (and in ``TREE_RULES`` when ``fn`` is given). Returns its
-  class. A registered name is picked up by the main job, ``eval.paired`` and the registry-wide law tests."""
-  if fn is not None:
-    TREE_RULES[name] = (fn, sibling_sampling)
-  if name not in TREE_RULES:
-    raise ValueError(f"no tree rule {name!r} in TREE_RULES; pass fn and sibling_sampling")
-  if name in VERIFIERS and VERIFIERS[name].structure != TREE:
-    raise ValueError(f"{name!r} is already a chain verifier")
-  cls = type(f"TreeVerifier_{name}", (TreeVerifier,), {"name": name, "sibling_sampling": TREE_RULES[name][1],
-                                                        "__module__": __name__})
-  cls = dataclasses.dataclass(frozen=True)(cls)
-  VERIFIERS[name] = cls
-  return cls
+@register
+class SpecTrVerifier(TreeVerifier):
+  """SpecTr's k-sequential selection over i.i.d. siblings."""
+  name = "spectr"
+  rule = staticmethod(tree.spectr_tree_verify)
+  theory_law = "spectr"
 
 
-for _name in list(TREE_RULES):
-  register_tree_rule(_name)
+@register
+class TraversalVerifier(TreeVerifier):
+  """Traversal verification (Weng et al., NeurIPS 2025) over siblings drawn without replacement."""
+  name = "traversal"
+  rule = staticmethod(traversal.traversal_verify)
+  theory_law = "traversal"
 
 
 _warned_inexact: set = set()  # (rule name, temperature) pairs already warned about in this process
@@ -345,6 +458,6 @@ def get_verifier(name: str = DEFAULT_VERIFIER, **settings) -> Verifier:
     return name
   try:
     cls = VERIFIERS[name]
-  except KeyError:
+  except (KeyError, TypeError):
     raise ValueError(f"unknown verifier {name!r}; known verifiers: {', '.join(sorted(VERIFIERS))}") from None
   return cls(**settings)
