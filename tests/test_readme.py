@@ -137,3 +137,18 @@ def test_links_stay_in_the_repository():
       if REPO not in path.parents and path != REPO or not path.exists():
         broken.append(f"{page.relative_to(REPO)}: {target}")
   assert broken == []
+
+
+def test_console_scripts_run_what_the_readme_names():
+  """``blockspec`` is the main job (``python -m blockspec_jax.run``), ``blockspec-gin`` the one gin entry point,
+  ``blockspec-theory`` the theory report; each names a ``main`` that exists, and the README names all three."""
+  import importlib
+  import tomllib
+  scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+  assert scripts == {"blockspec": "blockspec_jax.run:main", "blockspec-gin": "blockspec_jax.main:main",
+                     "blockspec-theory": "blockspec_jax.__main__:main"}
+  readme = README.read_text()
+  for name, target in scripts.items():
+    module, _, attr = target.partition(":")
+    assert callable(getattr(importlib.import_module(module), attr)), target
+    assert f"`{name}`" in readme, name
