@@ -86,3 +86,19 @@ def test_a_bad_binding_fails_in_the_front_before_its_job_runs(tmp_path, monkeypa
   with pytest.raises(checks.UsageError, match="top_p must be in"):
     suite.suite_job(target="smollm2-135m", drafter="smollm2-135m", top_p=2.0, out_dir=str(tmp_path / "s"))
   assert not (tmp_path / "s").exists()  # the sampler is checked before the directory is made
+
+
+def test_the_lossy_bench_shares_the_settings_types_and_checks_its_grid(tmp_path, monkeypatch):
+  from blockspec_jax.eval import bench_lossy
+  seen = {}
+  monkeypatch.setattr(bench_lossy, "lossy_bench", lambda *args, **kw: seen.setdefault("bench", (args, kw)))
+  bench_lossy.bench_lossy_job(target="smollm2-135m", drafter="smollm2-135m", gamma=3,
+                              output_json=str(tmp_path / "b.json"))
+  args, kw = seen["bench"]
+  assert [type(a) for a in args] == [job_config.Models, bench_lossy.LossyGrid, job_config.SamplerSettings,
+                                     job_config.DataSettings, job_config.OutputSettings]
+  assert args[1].gamma == 3 and [s["label"] for s in args[1].specs()][:3] == ["autoregressive", "token", "block"]
+  with pytest.raises(checks.UsageError, match="gamma must be >= 1"):
+    bench_lossy.LossyGrid(gamma=0)
+  with pytest.raises(checks.UsageError, match="verifier_settings"):
+    bench_lossy.LossyGrid(cap=0)
