@@ -91,6 +91,7 @@ def run_job(target: str = methods_lib.DEFAULT_TARGET, drafter=methods_lib.DEFAUL
   loaded) and runs :func:`main_job`. ``drafter``: ``job_config.Models.drafters`` (a name, or a tuple of them);
   ``gamma``: the one γ of ``job_config.MethodGrid.gammas``; ``prompts_path``: ``job_config.DataSettings.prompts``.
   ``share_prefills``: see :func:`main_job`."""
+  methods_lib.check_gamma(gamma)  # the one γ, named as it is bound (MethodGrid says "every gamma")
   models = job_config.Models(target=target, drafters=drafter, dtype=dtype, scan_layers=scan_layers,
                              cache_dir=cache_dir, compilation_cache=compilation_cache)
   grid = job_config.MethodGrid(methods=methods, gammas=(gamma,), drafter_settings=drafter_settings,

@@ -81,8 +81,8 @@ def test_the_main_job_and_the_suites_share_the_settings_types(tmp_path, monkeypa
 def test_a_bad_binding_fails_in_the_front_before_its_job_runs(tmp_path, monkeypatch):
   monkeypatch.setattr(run, "main_job", lambda *a, **k: pytest.fail("the job ran"))
   monkeypatch.setattr(suite, "run_suite", lambda *a, **k: pytest.fail("the job ran"))
-  with pytest.raises(checks.UsageError, match="every gamma must be >= 1"):
-    run.run_job(target="smollm2-135m", drafter="smollm2-135m", gamma=0)
+  with pytest.raises(checks.UsageError, match="^gamma must be an integer >= 1, got 2.5"):
+    run.run_job(target="smollm2-135m", drafter="smollm2-135m", gamma=2.5)
   with pytest.raises(checks.UsageError, match="top_p must be in"):
     suite.suite_job(target="smollm2-135m", drafter="smollm2-135m", top_p=2.0, out_dir=str(tmp_path / "s"))
   assert not (tmp_path / "s").exists()  # the sampler is checked before the directory is made
