@@ -30,10 +30,10 @@ import jax
 
 from blockspec_jax import checks
 from blockspec_jax import cli
+from blockspec_jax import job_config
 from blockspec_jax.eval import harness
 from blockspec_jax import methods as methods_lib
 from blockspec_jax import runtime
-from blockspec_jax import sources
 from blockspec_jax.data import prompts as prompts_lib
 
 METHODS = methods_lib.METHODS
@@ -86,59 +86,83 @@ def run_job(target: str = methods_lib.DEFAULT_TARGET, drafter=methods_lib.DEFAUL
             cache_dir: str | None = None, show_text: bool = True, compilation_cache: str | None = None,
             drafter_settings: dict | None = None, verifier_settings: dict | None = None,
             scan_layers: bool = True, share_prefills: bool = True) -> dict:
-  """The main job (see the module docstring). Every setting is checked before a model is loaded.
+  """The main job (see the module docstring), from its flat gin bindings (``run_job.gamma = 6``, …): builds the
+  settings (:mod:`blockspec_jax.job_config`, where each one is documented; every one checked there, before a model is
+  loaded) and runs :func:`main_job`. ``drafter``: ``job_config.Models.drafters`` (a name, or a tuple of them);
+  ``gamma``: the one γ of ``job_config.MethodGrid.gammas``; ``prompts_path``: ``job_config.DataSettings.prompts``.
+  ``share_prefills``: see :func:`main_job`."""
+  methods_lib.check_gamma(gamma)  # the one γ, named as it is bound (MethodGrid says "every gamma")
+  models = job_config.Models(target=target, drafters=drafter, dtype=dtype, scan_layers=scan_layers,
+                             cache_dir=cache_dir, compilation_cache=compilation_cache)
+  grid = job_config.MethodGrid(methods=methods, gammas=(gamma,), drafter_settings=drafter_settings,
+                               verifier_settings=verifier_settings)
+  sampler = job_config.SamplerSettings(temperatures=temperatures, seed=seed)
+  data = job_config.DataSettings(prompts=prompts_path, num_prompts=num_prompts, chat=chat,
+                                 max_new_tokens=max_new_tokens)
+  output = job_config.OutputSettings(output_json=output_json, show_text=show_text)
+  return main_job(models, grid, sampler, data, output, share_prefills=share_prefills)
 
-  ``drafter``: a model name or path, the work directory of a drafter training run (``python -m
-  blockspec_jax.train``; ``<dir>@init`` is its drafter before training), or a tuple of these: every speculative
-  method then runs with each drafter on the same prompts and keys, and the table adds each drafter's tokens/s
-  relative to the first one's (e.g. a distilled drafter against its base).
-  ``verifier_settings``: settings of registered rules by name, e.g. ``{"lenient": {"epsilon": 0.5, "f": "div"}}``.
-  ``scan_layers``: load both models in the stacked layout (layers compiled once: programs compile 3-5x faster, the same
-  tokens; on this CPU its decode steps are about 6% and its prefill about 18% slower than the unrolled layout's, which
-  ``False`` selects for long measurements).
+
+def main_job(models: job_config.Models, grid: job_config.MethodGrid, sampler: job_config.SamplerSettings,
+             data: job_config.DataSettings, output: job_config.OutputSettings, share_prefills: bool = True) -> dict:
+  """The main job on checked settings: every method of ``grid`` (at its one γ) decodes every prompt of ``data`` at
+  each temperature of ``sampler``; prints the table and returns the report (written to ``output.output_json``).
+
   ``share_prefills``: rows that run the same prefill (same models, drafter, γ and budget: temperature and verifier
   do not enter it) compute each prompt's prefill once (``harness.PrefillCache``; the same state bit for bit) and each
-  count its measured time; False runs and times every row's own.
-  ``compilation_cache``: JAX's persistent compilation cache directory (default ``$BLOCKSPEC_JAX_COMPILE_CACHE`` or
-  ``<cache dir>/jax_compilation``; "off" disables it): a second run loads its compiled programs from there.
-  """
-  drafter_names = (drafter,) if isinstance(drafter, str) else tuple(drafter)
-  if not drafter_names:
-    raise checks.UsageError("run_job.drafter: give at least one drafter")
-  methods_lib.check_settings(gamma=gamma, methods=methods, temperatures=temperatures, max_new_tokens=max_new_tokens,
-                      num_prompts=num_prompts, dtype=dtype, models=(target, *drafter_names))
-  methods_lib.check_verifier_settings(verifier_settings)
-  methods_lib.check_drafter_settings(drafter_settings)
-  runtime.check_output_file(output_json, "the report (run_job.output_json)")
-  rows = prompts_lib.load_prompts(prompts_path, limit=num_prompts)
+  count its measured time; False runs and times every row's own."""
+  job_config.check_switch(share_prefills, "share_prefills")
+  rows = prompts_lib.load_prompts(data.prompts, limit=data.num_prompts)
   if not rows:
-    raise checks.UsageError(f"no prompts in {prompts_path}")
-  compile_dir = runtime.enable_compilation_cache(compilation_cache)
-  for name, value in (("scan_layers", scan_layers), ("share_prefills", share_prefills)):
-    if not isinstance(value, bool):
-      raise checks.UsageError(f"run_job.{name} must be True or False, got {value!r}")
-  target_model, drafter_models, load_s = sources.load_models(target, drafter_names, dtype, cache_dir, scan_layers)
-  labels = methods_lib.drafter_labels(drafter_names)
-  print(f"loaded {', '.join(map(str, drafter_names))} → {target} ({dtype}) in {load_s:.1f} s; "
+    raise checks.UsageError(f"no prompts in {data.prompts}")
+  compile_dir = runtime.enable_compilation_cache(models.compilation_cache)
+  target_model, drafter_models, load_s = models.load()
+  print(f"loaded {', '.join(map(str, models.drafters))} → {models.target} ({models.dtype}) in {load_s:.1f} s; "
         f"{len(rows)} prompts; jax {jax.__version__} on {jax.devices()[0].platform}; compilation cache "
         f"{compile_dir or 'off'}", flush=True)
-  prompt_ids = prompts_lib.encode_prompts(target_model, rows, chat)
+  prompt_ids = prompts_lib.encode_prompts(target_model, rows, data.chat)
   width = max(len(p) for p in prompt_ids)
-  methods_lib.check_methods_fit(methods, (gamma,), target_model, drafter_models, width, max_new_tokens, drafter_settings,
-                         verifier_settings)
-  stop_ids = target_model.stop_ids
-  several = len(drafter_models) > 1
-  results, texts, generated = [], {}, {}
+  methods_lib.check_methods_fit(grid.methods, grid.gammas, target_model, drafter_models, width, data.max_new_tokens,
+                                grid.drafter_settings, grid.verifier_settings)
   prefills = harness.PrefillCache() if share_prefills else None
-  for temperature in temperatures:
+  labels = methods_lib.drafter_labels(models.drafters)
+  results, texts, generated = _decode_grid(grid, sampler, data, target_model, list(zip(labels, drafter_models)),
+                                           prompt_ids, width, prefills)
+  several = len(drafter_models) > 1
+  print()
+  print(format_table(results, labels if several else None))
+  if output.show_text:
+    print(f"\nprompt [{rows[0]['id']}]: {rows[0]['text'][:300]}")
+    for name, text in texts.items():
+      print(f"\n--- {name} ---\n{text}")
+  rss_gb = runtime.peak_rss_gb()
+  print(f"\npeak resident memory of this job: {rss_gb:.2f} GB (10^9 bytes)")
+  report = dict(target=models.target, drafter=list(models.drafters) if several else models.drafters[0],
+                dtype=models.dtype, gamma=grid.gammas[0], max_new_tokens=data.max_new_tokens, peak_rss_gb=rss_gb,
+                prompts=[dict(id=r["id"], task=r["task"], source=r["source"], licence=r["licence"]) for r in rows],
+                results=results, sample_text=texts, generated_ids=generated)
+  if output.output_json:
+    print(f"\nwrote {runtime.write_report(output.output_json, report)}")
+  return report
+
+
+def _decode_grid(grid: job_config.MethodGrid, sampler: job_config.SamplerSettings, data: job_config.DataSettings,
+                 target_model, drafters: list, prompt_ids: list, width: int, prefills) -> tuple[list, dict, dict]:
+  """Every method with each ``(label, drafter model)`` of ``drafters`` at each temperature: the summary rows (speedups
+  over the temperature's autoregressive row), the first prompt's text and every prompt's token ids by row name."""
+  several = len(drafters) > 1
+  gamma = grid.gammas[0]
+  results, texts, generated = [], {}, {}
+  for temperature in sampler.temperatures:
     baseline = None
-    for method in methods:
-      pairs = [(None, None)] if method == methods_lib.AUTOREGRESSIVE else list(zip(labels, drafter_models))
+    for method in grid.methods:
+      pairs = [(None, None)] if method == methods_lib.AUTOREGRESSIVE else drafters
       for label, drafter_model in pairs:
         summary, outputs = harness.run_method(method, target_model, drafter_model, prompt_ids, width, gamma=gamma,
-                                           max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                           stop_ids=stop_ids, drafter_settings=drafter_settings,
-                                           verifier_settings=verifier_settings, prefills=prefills)
+                                              max_new_tokens=data.max_new_tokens, temperature=temperature,
+                                              seed=sampler.seed, stop_ids=target_model.stop_ids,
+                                              drafter_settings=grid.drafter_settings,
+                                              verifier_settings=grid.verifier_settings, prefills=prefills)
         if label is not None:
           summary["drafter"] = label
         if method == methods_lib.AUTOREGRESSIVE:
@@ -152,21 +176,7 @@ def run_job(target: str = methods_lib.DEFAULT_TARGET, drafter=methods_lib.DEFAUL
         generated[f"{name}@T={temperature}"] = outputs
         print(f"  {name:<15} T={temperature}: {summary['tokens_per_s']:.2f} tok/s"
               + (f", BE {summary['block_efficiency']:.2f}" if "block_efficiency" in summary else ""), flush=True)
-  print()
-  print(format_table(results, labels if several else None))
-  if show_text:
-    print(f"\nprompt [{rows[0]['id']}]: {rows[0]['text'][:300]}")
-    for name, text in texts.items():
-      print(f"\n--- {name} ---\n{text}")
-  rss_gb = runtime.peak_rss_gb()
-  print(f"\npeak resident memory of this job: {rss_gb:.2f} GB (10^9 bytes)")
-  report = dict(target=target, drafter=list(drafter_names) if several else drafter_names[0], dtype=dtype,
-                gamma=gamma, max_new_tokens=max_new_tokens, peak_rss_gb=rss_gb,
-                prompts=[dict(id=r["id"], task=r["task"], source=r["source"], licence=r["licence"]) for r in rows],
-                results=results, sample_text=texts, generated_ids=generated)
-  if output_json:
-    print(f"\nwrote {runtime.write_report(output_json, report)}")
-  return report
+  return results, texts, generated
 
 
 def main(argv=None) -> int:

@@ -23,6 +23,7 @@ coarse (it is reported with its counts). Writes a JSON report and a speed-agains
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pathlib
 import sys
@@ -33,6 +34,7 @@ import numpy as np
 
 from blockspec_jax import checks
 from blockspec_jax import cli
+from blockspec_jax import job_config
 from blockspec_jax.eval import harness
 from blockspec_jax import methods as methods_lib
 from blockspec_jax import runtime
@@ -41,7 +43,7 @@ from blockspec_jax.data import prompts as prompts_lib
 from blockspec_jax.eval.fidelity import target_loglik
 
 __all__ = ["method_specs", "tabular_pair", "same_draft_table", "tabular_fidelity", "target_loglik", "format_table", "bench_lossy_job",
-           "main"]
+           "LossyGrid", "lossy_bench", "main"]
 
 
 def method_specs(thresholds, taus, cap: int, lossless=("token", "block")) -> list[dict]:
@@ -166,6 +168,40 @@ def _plot(rows, path: pathlib.Path, title: str) -> bool:
   return True
 
 
+@dataclasses.dataclass(frozen=True)
+class LossyGrid:
+  """The bench's rows (:func:`method_specs`) and the drafters they run with; checked when built."""
+
+  #: The draft length γ of every speculative row.
+  gamma: int = 4
+  #: SPRINTER's head thresholds, one row each.
+  thresholds: tuple[float, ...] = (0.3, 0.5, 0.7)
+  #: SPRINTER's cap: the target is called at least once per ``cap`` tokens.
+  cap: int = 20
+  #: MTAD's τ, one row each.
+  taus: tuple[float, ...] = (0.3, 0.5)
+  #: The trained SPRINTER head (a ``python -m blockspec_jax.train`` work directory).
+  sprinter_head: str | None = "results/train/sprinter_qwen"
+  #: MTAD's beam drafter: beams per draft.
+  beam_width: int = 4
+  #: MTAD's beam drafter: sample the beams (False: the top ones).
+  beam_sample: bool = True
+
+  def __post_init__(self):
+    specs = self.specs()
+    methods_lib.check_settings(gamma=self.gamma, methods=[s["method"] for s in specs])
+    for s in specs:
+      methods_lib.check_verifier_settings(s["verifier_settings"])
+
+  def specs(self) -> list[dict]:
+    """The rows, autoregressive first (:func:`method_specs`)."""
+    return method_specs(self.thresholds, self.taus, self.cap)
+
+  def drafter_settings(self) -> dict:
+    """The drafters' settings of every row: SPRINTER's head, MTAD's beam."""
+    return {"sprinter": {"head": self.sprinter_head}, "beam": {"width": self.beam_width, "sample": self.beam_sample}}
+
+
 @gin.configurable("bench_lossy")
 def bench_lossy_job(target: str = methods_lib.DEFAULT_TARGET, drafter: str = methods_lib.DEFAULT_DRAFTER,
                     sprinter_head: str | None = "results/train/sprinter_qwen",
@@ -178,51 +214,107 @@ def bench_lossy_job(target: str = methods_lib.DEFAULT_TARGET, drafter: str = met
                     plot: str | None = "results/bench_lossy.png", cache_dir: str | None = None,
                     compilation_cache: str | None = None, share_prefills: bool = True,
                     humaneval_unsafe_no_sandbox: bool = False) -> dict:
-  """The bench (module docstring). Every setting is checked before a model is loaded. ``share_prefills``: rows
-  that run the same prefill (token and block; SPRINTER at every threshold; MTAD at every τ) compute each prompt's
-  prefill once and each count its measured time, as in the main job (``harness.PrefillCache``).
-  ``humaneval_unsafe_no_sandbox``: where this machine cannot contain generated code (no user namespaces, no seccomp,
-  not Linux), run the HumanEval completions anyway, uncontained, as this user (``unsafe_no_sandbox`` of
-  :func:`blockspec_jax.eval.humaneval.score_completions`; ``docs/SANDBOX.md``); by default scoring them raises
-  ``SandboxUnavailable`` there."""
-  from blockspec_jax.eval import humaneval
-  specs = method_specs(thresholds, taus, cap)
-  methods_lib.check_settings(gamma=gamma, methods=[s["method"] for s in specs], temperatures=(temperature,),
-                      max_new_tokens=max_new_tokens, num_prompts=num_prompts, dtype=dtype, models=(target, drafter))
-  for s in specs:
-    methods_lib.check_verifier_settings(s["verifier_settings"])
-  if not isinstance(share_prefills, bool):
-    raise checks.UsageError(f"bench_lossy.share_prefills must be True or False, got {share_prefills!r}")
+  """The bench (module docstring) from its flat gin bindings (``bench_lossy.gamma = 4``, …): builds the settings
+  (:mod:`blockspec_jax.job_config` and :class:`LossyGrid`, where each one is documented; every one checked there,
+  before a model is loaded) and runs :func:`lossy_bench`, which documents the rest."""
+  models = job_config.Models(target=target, drafters=(drafter,), dtype=dtype, scan_layers=True, cache_dir=cache_dir,
+                             compilation_cache=compilation_cache)
+  sampler = job_config.SamplerSettings(temperatures=(temperature,), seed=seed)
+  data = job_config.DataSettings(prompts=prompts_path, num_prompts=num_prompts, chat=chat,
+                                 max_new_tokens=max_new_tokens)
   if not thresholds or not taus:
     raise checks.UsageError("bench_lossy needs at least one SPRINTER threshold and one MTAD tau")
-  drafter_settings = {"sprinter": {"head": sprinter_head}, "beam": {"width": beam_width, "sample": beam_sample}}
+  grid = LossyGrid(gamma=gamma, thresholds=thresholds, cap=cap, taus=taus, sprinter_head=sprinter_head,
+                   beam_width=beam_width, beam_sample=beam_sample)
+  output = job_config.OutputSettings(output_json=output_json)
+  return lossy_bench(models, grid, sampler, data, output, plot=plot, tabular_n=tabular_n,
+                     humaneval_timeout_s=humaneval_timeout_s, share_prefills=share_prefills,
+                     humaneval_unsafe_no_sandbox=humaneval_unsafe_no_sandbox)
+
+
+def lossy_bench(models: job_config.Models, grid: LossyGrid, sampler: job_config.SamplerSettings,
+                data: job_config.DataSettings, output: job_config.OutputSettings, plot: str | None = None,
+                tabular_n: int = 3, humaneval_timeout_s: float = 10.0, share_prefills: bool = True,
+                humaneval_unsafe_no_sandbox: bool = False) -> dict:
+  """The bench on checked settings (one drafter, the first temperature of ``sampler``); returns the report, written to
+  ``output.output_json``, and draws ``plot`` (a PNG path; None: none).
+
+  ``tabular_n``: the exact fidelity on the tabular pair compares the law of the first ``n`` emitted tokens.
+  ``humaneval_timeout_s``: each HumanEval completion's time limit. ``share_prefills``: rows that run the same prefill
+  (token and block; SPRINTER at every threshold; MTAD at every τ) compute each prompt's prefill once and each count
+  its measured time, as in the main job (``harness.PrefillCache``). ``humaneval_unsafe_no_sandbox``: where this
+  machine cannot contain generated code (no user namespaces, no seccomp, not Linux), run the HumanEval completions
+  anyway, uncontained, as this user (``unsafe_no_sandbox`` of :func:`blockspec_jax.eval.humaneval.score_completions`;
+  ``docs/SANDBOX.md``); by default scoring them raises ``SandboxUnavailable`` there."""
+  if not isinstance(share_prefills, bool):
+    raise checks.UsageError(f"bench_lossy.share_prefills must be True or False, got {share_prefills!r}")
+  if len(models.drafters) != 1:
+    raise checks.UsageError(f"bench_lossy runs one drafter, got {list(models.drafters)}")
+  specs, gamma, temperature = grid.specs(), grid.gamma, sampler.temperatures[0]
   start = time.perf_counter()
-  tabular = tabular_fidelity(specs, gamma=gamma, width=beam_width, n=tabular_n, seed=seed)
-  same = same_draft_table(taus, gamma=gamma, n=tabular_n, seed=seed)
+  tabular = tabular_fidelity(specs, gamma=gamma, width=grid.beam_width, n=tabular_n, seed=sampler.seed)
+  same = same_draft_table(grid.taus, gamma=gamma, n=tabular_n, seed=sampler.seed)
   print(f"tabular pair (V = 4, γ = {gamma}), the same sampled drafts under each rule, exactly: "
         + "; ".join(f"{r['rule']} E[τ] {r['expected_accepted']:.4f} TV {r['tv']:.4f}" for r in same), flush=True)
-  rows = prompts_lib.load_prompts(prompts_path, limit=num_prompts)
-  compile_dir = runtime.enable_compilation_cache(compilation_cache)
-  target_model = sources.load_model(target, dtype, cache_dir, scan_layers=True)
-  drafter_model = sources.load_model(drafter, dtype, cache_dir, scan_layers=True)
+  rows = prompts_lib.load_prompts(data.prompts, limit=data.num_prompts)
+  compile_dir = runtime.enable_compilation_cache(models.compilation_cache)
+  target_model = sources.load_model(models.target, models.dtype, models.cache_dir, scan_layers=models.scan_layers)
+  drafter_model = sources.load_model(models.drafters[0], models.dtype, models.cache_dir,
+                                     scan_layers=models.scan_layers)
   sources.check_pair(target_model, drafter_model)
-  print(f"loaded {drafter} → {target} ({dtype}); {len(rows)} prompts; T = {temperature:g}; compilation cache "
-        f"{compile_dir or 'off'}", flush=True)
-  prompt_ids = prompts_lib.encode_prompts(target_model, rows, chat)
+  print(f"loaded {models.drafters[0]} → {models.target} ({models.dtype}); {len(rows)} prompts; T = {temperature:g}; "
+        f"compilation cache {compile_dir or 'off'}", flush=True)
+  prompt_ids = prompts_lib.encode_prompts(target_model, rows, data.chat)
   width = max(len(p) for p in prompt_ids)
   needed = max(methods_lib.method_gamma(s["method"], gamma, s["verifier_settings"]) for s in specs)
-  methods_lib.check_cache_room(width, max_new_tokens, needed, target_model.config, drafter_model.config)
-  problems = None
+  methods_lib.check_cache_room(width, data.max_new_tokens, needed, target_model.config, drafter_model.config)
+  scorer = _humaneval_scorer(rows, humaneval_timeout_s, humaneval_unsafe_no_sandbox)
+  results = _bench_rows(grid, sampler, data, (target_model, drafter_model), rows, prompt_ids, width, tabular, scorer,
+                        harness.PrefillCache() if share_prefills else None)
+  print()
+  print(format_table(results))
+  rss_gb = runtime.peak_rss_gb()
+  print(f"\npeak resident memory of this job: {rss_gb:.2f} GB (10^9 bytes)")
+  report = dict(target=models.target, drafter=models.drafters[0], sprinter_head=grid.sprinter_head,
+                dtype=models.dtype, temperature=temperature, gamma=gamma, cap=grid.cap, beam_width=grid.beam_width,
+                beam_sample=grid.beam_sample, max_new_tokens=data.max_new_tokens, seed=sampler.seed,
+                peak_rss_gb=rss_gb, seconds=time.perf_counter() - start,
+                prompts=[dict(id=r["id"], task=r["task"]) for r in rows], tabular_tv=tabular,
+                tabular_same_drafts=same, results=results)
+  if output.output_json:
+    print(f"wrote {runtime.write_report(output.output_json, report)}")
+  if plot and _plot(results, pathlib.Path(plot), f"{models.drafters[0]} → {models.target}, T = {temperature:g}, "
+                    f"{len(rows)} prompts × {data.max_new_tokens} tokens"):
+    print(f"wrote {plot}")
+  return report
+
+
+def _humaneval_scorer(rows: list[dict], timeout_s: float, unsafe_no_sandbox: bool):
+  """``texts -> score`` of the HumanEval completions among ``rows`` (:func:`humaneval.score_completions`); None when
+  no row is a HumanEval problem."""
+  from blockspec_jax.eval import humaneval
   code_rows = [r for r in rows if r["id"].startswith("HumanEval/")]
-  if code_rows:
-    problems = humaneval.load_problems([r["id"] for r in code_rows])
+  if not code_rows:
+    return None
+  problems = humaneval.load_problems([r["id"] for r in code_rows])
+  return lambda texts: humaneval.score_completions(rows, texts, timeout_s=timeout_s, problems=problems,
+                                                   unsafe_no_sandbox=unsafe_no_sandbox)
+
+
+def _bench_rows(grid: LossyGrid, sampler: job_config.SamplerSettings, data: job_config.DataSettings, pair: tuple,
+                rows: list[dict], prompt_ids: list, width: int, tabular: dict, scorer,
+                prefills: harness.PrefillCache | None) -> list[dict]:
+  """Every row of ``grid`` decoded with the loaded ``(target, drafter)`` ``pair``, with its speed, its target
+  log-likelihood against autoregressive decoding's, its tabular TV and (with a ``scorer``) its HumanEval score."""
+  target_model, drafter_model = pair
+  drafter_settings = grid.drafter_settings()
   results, baseline, ar_per_seq = [], None, None
-  prefills = harness.PrefillCache() if share_prefills else None
-  for s in specs:
-    summary, outputs = harness.run_method(s["method"], target_model, drafter_model, prompt_ids, width, gamma=gamma,
-                                       max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                       stop_ids=target_model.stop_ids, drafter_settings=drafter_settings,
-                                       verifier_settings=s["verifier_settings"], prefills=prefills)
+  for s in grid.specs():
+    summary, outputs = harness.run_method(s["method"], target_model, drafter_model, prompt_ids, width,
+                                          gamma=grid.gamma, max_new_tokens=data.max_new_tokens,
+                                          temperature=sampler.temperatures[0], seed=sampler.seed,
+                                          stop_ids=target_model.stop_ids, drafter_settings=drafter_settings,
+                                          verifier_settings=s["verifier_settings"], prefills=prefills)
     summary["label"] = s["label"]
     summary["verifier_settings"] = s["verifier_settings"]
     total, count, per_seq = target_loglik(target_model, prompt_ids, outputs)
@@ -235,32 +327,16 @@ def bench_lossy_job(target: str = methods_lib.DEFAULT_TARGET, drafter: str = met
     summary["delta_logp_stderr"] = float(np.std(diff, ddof=1) / math.sqrt(len(diff))) if len(diff) > 1 else None
     summary["speedup"] = summary["tokens_per_s"] / baseline["tokens_per_s"]
     summary["tabular_tv"] = tabular[s["label"]]
-    if code_rows:
-      texts = [target_model.tokenizer.decode(o, skip_special_tokens=True) for o in outputs]
-      score = humaneval.score_completions(rows, texts, timeout_s=humaneval_timeout_s, problems=problems,
-                                          unsafe_no_sandbox=humaneval_unsafe_no_sandbox)
+    if scorer is not None:
+      score = scorer([target_model.tokenizer.decode(o, skip_special_tokens=True) for o in outputs])
       summary.update(humaneval_passed=score["passed"], humaneval_num=score["num"],
                      humaneval_pass_rate=score["pass_rate"], humaneval_results=score["results"])
     summary["sample_text"] = target_model.tokenizer.decode(outputs[0], skip_special_tokens=True)
     results.append(summary)
     print(f"  {s['label']:<18} {summary['tokens_per_s']:.2f} tok/s, {summary['target_calls_per_token']:.3f} calls/tok,"
           f" mean logp {summary['mean_logp']:.4f}" + (f", HumanEval {summary['humaneval_passed']}/"
-                                                      f"{summary['humaneval_num']}" if code_rows else ""), flush=True)
-  print()
-  print(format_table(results))
-  rss_gb = runtime.peak_rss_gb()
-  print(f"\npeak resident memory of this job: {rss_gb:.2f} GB (10^9 bytes)")
-  report = dict(target=target, drafter=drafter, sprinter_head=sprinter_head, dtype=dtype, temperature=temperature,
-                gamma=gamma, cap=cap, beam_width=beam_width, beam_sample=beam_sample, max_new_tokens=max_new_tokens,
-                seed=seed, peak_rss_gb=rss_gb, seconds=time.perf_counter() - start,
-                prompts=[dict(id=r["id"], task=r["task"]) for r in rows], tabular_tv=tabular,
-                tabular_same_drafts=same, results=results)
-  if output_json:
-    print(f"wrote {runtime.write_report(output_json, report)}")
-  if plot and _plot(results, pathlib.Path(plot), f"{drafter} → {target}, T = {temperature:g}, {len(rows)} prompts × "
-                    f"{max_new_tokens} tokens"):
-    print(f"wrote {plot}")
-  return report
+                                                      f"{summary['humaneval_num']}" if scorer else ""), flush=True)
+  return results
 
 
 def main(argv=None) -> int:

@@ -135,11 +135,29 @@ def bench_startup_job(target: str = methods.DEFAULT_TARGET, drafter: str | None 
   verification programs (prefill of both models, the speculative loop at ``gamma``) are compiled and timed too.
   ``layouts``: "scanned" (layers stacked and compiled once, what the decoding jobs load) and / or "unrolled" (one
   copy of every layer in each program), each a row per dtype, side by side."""
-  from blockspec_jax import drafters as drafters_lib
-  from blockspec_jax import sampling
-  from blockspec_jax.decoding import speculative as spec
-  for name, value in (("prompt_width", prompt_width), ("batch", batch), ("max_new_tokens", max_new_tokens),
-                      ("matmul_size", matmul_size), ("bandwidth_mib", bandwidth_mib), ("repeats", repeats)):
+  shape = dict(prompt_width=prompt_width, batch=batch, max_new_tokens=max_new_tokens, matmul_size=matmul_size,
+               repeats=repeats)
+  _check_startup_settings(target, drafter, gamma, dtypes, layouts,
+                          dict(prompt_width=prompt_width, batch=batch, max_new_tokens=max_new_tokens,
+                               matmul_size=matmul_size, bandwidth_mib=bandwidth_mib, repeats=repeats))
+  runtime.enable_compilation_cache("off")  # compile times must be compile times, not cache loads
+  bandwidth = memory_gbps(bandwidth_mib, repeats)
+  print(f"memory bandwidth (jitted sum over {bandwidth_mib} MiB): {bandwidth:.1f} GB/s", flush=True)
+  rows = [_startup_row(target, drafter, gamma, dtype, layout, shape, cache_dir, bandwidth)
+          for dtype in dtypes for layout in layouts]
+  _print_rows(rows)
+  report = dict(target=target, drafter=drafter, gamma=gamma, prompt_width=prompt_width, batch=batch,
+                max_new_tokens=max_new_tokens, matmul_size=matmul_size, repeats=repeats, memory_gbps=bandwidth,
+                bandwidth_mib=bandwidth_mib, jax=jax.__version__,
+                platform=jax.devices()[0].platform, peak_rss_gb=runtime.peak_rss_gb(), rows=rows)
+  if output_json and runtime.is_main_process():
+    print(f"wrote {runtime.write_report(output_json, report)}")
+  return report
+
+
+def _check_startup_settings(target: str, drafter: str | None, gamma: int, dtypes, layouts, sizes: dict) -> None:
+  """Every setting of the benchmark, before any model loads; a :class:`UsageError` otherwise."""
+  for name, value in sizes.items():
     methods._check_positive_int(value, name)
   methods.check_gamma(gamma)
   methods.check_settings(models=(target,) + ((drafter,) if drafter else ()))
@@ -148,68 +166,86 @@ def bench_startup_job(target: str = methods.DEFAULT_TARGET, drafter: str | None 
   bad = [layout for layout in layouts if layout not in ("scanned", "unrolled")]
   if bad or not layouts:
     raise checks.UsageError(f"bench_startup.layouts must name 'scanned' and / or 'unrolled', got {list(layouts)}")
-  runtime.enable_compilation_cache("off")  # compile times must be compile times, not cache loads
+
+
+def _startup_row(target: str, drafter: str | None, gamma: int, dtype: str, layout: str, shape: dict,
+                 cache_dir: str | None, bandwidth: float) -> dict:
+  """One row: the target's load, the autoregressive programs' compile and run times in ``dtype`` and ``layout``
+  (``shape``: prompt_width, batch, max_new_tokens, matmul_size, repeats), against the matmul peak and the memory
+  roofline; with ``drafter``, block verification's too. Prints its line."""
+  from blockspec_jax import sampling
+  from blockspec_jax.decoding import speculative as spec
+  batch, prompt_width, max_new_tokens, repeats = (shape[k] for k in ("batch", "prompt_width", "max_new_tokens",
+                                                                     "repeats"))
+  scan = layout == "scanned"
   sampler = sampling.Sampler(temperature=1.0)
-  bandwidth = memory_gbps(bandwidth_mib, repeats)
-  print(f"memory bandwidth (jitted sum over {bandwidth_mib} MiB): {bandwidth:.1f} GB/s", flush=True)
-  rows = []
-  for dtype, layout in [(d, lay) for d in dtypes for lay in layouts]:
-    scan = layout == "scanned"
-    peak = matmul_gflops(matmul_size, jnp.dtype(dtype), repeats)
+  peak = matmul_gflops(shape["matmul_size"], jnp.dtype(dtype), repeats)
+  start = time.perf_counter()
+  model = sources.load_model(target, dtype, cache_dir, progress=False, scan_layers=scan)
+  load_s = time.perf_counter() - start
+  tp, config = model.params["params"], model.config
+  methods.check_cache_room(prompt_width, max_new_tokens, gamma if drafter else 0, config)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, config.vocab_size, (batch, prompt_width), dtype=np.int32)
+  lens = np.full((batch,), prompt_width, np.int32)
+  keys = jax.random.split(jax.random.key(0), batch)
+  static = dict(target=config, max_new_tokens=max_new_tokens)
+  ar = _compile_and_time(
+      _Bound(spec.prefill_autoregressive.jitted, static),
+      _Bound(spec.decode_autoregressive, dict(static, sampler=sampler, stop_ids=())),
+      (tp, tokens, lens), lambda state: (tp, keys, state), repeats)
+  work = 2 * linear_params(tp) * batch * prompt_width
+  row = dict(dtype=dtype, layout=layout, matmul_gflops=peak, load_s=load_s,
+             **{k: v for k, v in ar.items() if k != "decode_s"},
+             prefill_tokens_per_s=batch * prompt_width / ar["prefill_s"],
+             prefill_gflops=work / ar["prefill_s"] / 1e9,
+             decode_tokens_per_s=batch * max_new_tokens / ar["decode_s"])
+  row["prefill_fraction_of_peak"] = row["prefill_gflops"] / peak
+  row["decode_bytes_per_token"] = decode_weight_bytes(tp, config.tie_embeddings)
+  row["decode_roofline_tokens_per_s"] = bandwidth * 1e9 / row["decode_bytes_per_token"]
+  row["decode_fraction_of_roofline"] = row["decode_tokens_per_s"] / row["decode_roofline_tokens_per_s"]
+  row["first_token_s"] = (load_s + row["prefill_lower_s"] + row["prefill_compile_s"] + row["decode_lower_s"]
+                          + row["decode_compile_s"] + row["prefill_s"])
+  line = (f"{target} {dtype} {layout}: load {load_s:.1f} s, prefill compile {row['prefill_lower_s']:.1f} + "
+          f"{row['prefill_compile_s']:.1f} s, decode compile {row['decode_lower_s']:.1f} + "
+          f"{row['decode_compile_s']:.1f} s; prefill {row['prefill_tokens_per_s']:.0f} tok/s = "
+          f"{row['prefill_gflops']:.1f} GFLOP/s ({100 * row['prefill_fraction_of_peak']:.0f}% of the {peak:.1f} "
+          f"GFLOP/s matmul peak); decode {row['decode_tokens_per_s']:.2f} tok/s "
+          f"({100 * row['decode_fraction_of_roofline']:.0f}% of the {row['decode_roofline_tokens_per_s']:.2f} tok/s "
+          f"that {row['decode_bytes_per_token'] / 1e9:.2f} GB of weights per token allow at {bandwidth:.1f} GB/s)")
+  if drafter:
     start = time.perf_counter()
-    model = sources.load_model(target, dtype, cache_dir, progress=False, scan_layers=scan)
-    load_s = time.perf_counter() - start
-    tp, config = model.params["params"], model.config
-    methods.check_cache_room(prompt_width, max_new_tokens, gamma if drafter else 0, config)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, config.vocab_size, (batch, prompt_width), dtype=np.int32)
-    lens = np.full((batch,), prompt_width, np.int32)
-    keys = jax.random.split(jax.random.key(0), batch)
-    static = dict(target=config, max_new_tokens=max_new_tokens)
-    ar = _compile_and_time(
-        _Bound(spec.prefill_autoregressive.jitted, static),
-        _Bound(spec.decode_autoregressive, dict(static, sampler=sampler, stop_ids=())),
-        (tp, tokens, lens), lambda state: (tp, keys, state), repeats)
-    work = 2 * linear_params(tp) * batch * prompt_width
-    row = dict(dtype=dtype, layout=layout, matmul_gflops=peak, load_s=load_s,
-               **{k: v for k, v in ar.items() if k != "decode_s"},
-               prefill_tokens_per_s=batch * prompt_width / ar["prefill_s"],
-               prefill_gflops=work / ar["prefill_s"] / 1e9,
-               decode_tokens_per_s=batch * max_new_tokens / ar["decode_s"])
-    row["prefill_fraction_of_peak"] = row["prefill_gflops"] / peak
-    row["decode_bytes_per_token"] = decode_weight_bytes(tp, config.tie_embeddings)
-    row["decode_roofline_tokens_per_s"] = bandwidth * 1e9 / row["decode_bytes_per_token"]
-    row["decode_fraction_of_roofline"] = row["decode_tokens_per_s"] / row["decode_roofline_tokens_per_s"]
-    row["first_token_s"] = (load_s + row["prefill_lower_s"] + row["prefill_compile_s"] + row["decode_lower_s"]
-                            + row["decode_compile_s"] + row["prefill_s"])
-    line = (f"{target} {dtype} {layout}: load {load_s:.1f} s, prefill compile {row['prefill_lower_s']:.1f} + "
-            f"{row['prefill_compile_s']:.1f} s, decode compile {row['decode_lower_s']:.1f} + "
-            f"{row['decode_compile_s']:.1f} s; prefill {row['prefill_tokens_per_s']:.0f} tok/s = "
-            f"{row['prefill_gflops']:.1f} GFLOP/s ({100 * row['prefill_fraction_of_peak']:.0f}% of the {peak:.1f} "
-            f"GFLOP/s matmul peak); decode {row['decode_tokens_per_s']:.2f} tok/s "
-            f"({100 * row['decode_fraction_of_roofline']:.0f}% of the {row['decode_roofline_tokens_per_s']:.2f} tok/s "
-            f"that {row['decode_bytes_per_token'] / 1e9:.2f} GB of weights per token allow at {bandwidth:.1f} GB/s)")
-    if drafter:
-      start = time.perf_counter()
-      dmodel = sources.load_model(drafter, dtype, cache_dir, progress=False, scan_layers=scan)
-      sources.check_pair(model, dmodel)
-      row["drafter_load_s"] = time.perf_counter() - start
-      dp = dmodel.params["params"]
-      sstatic = dict(static, drafter=drafters_lib.ModelDrafter(dmodel.config), gamma=gamma)
-      block = _compile_and_time(
-          _Bound(spec.prefill_speculative.jitted, sstatic),
-          _Bound(spec.decode_speculative, dict(sstatic, verifier="block", sampler=sampler, stop_ids=())),
-          (tp, dp, tokens, lens), lambda state: (tp, dp, keys, state), repeats)
-      row.update({f"block_{k}": v for k, v in block.items() if k != "decode_s"})
-      row["block_compile_s"] = sum(block[k] for k in ("prefill_lower_s", "prefill_compile_s", "decode_lower_s",
-                                                      "decode_compile_s"))
-      row["block_first_token_s"] = (load_s + row["drafter_load_s"] + row["block_compile_s"] + block["prefill_s"])
-      line += (f"; block (γ = {gamma}, drafter {drafter}): compile {row['block_compile_s']:.1f} s, first token after "
-               f"{row['block_first_token_s']:.1f} s")
-      del dmodel, dp
-    rows.append(row)
-    print(line, flush=True)
-    del model, tp
+    dmodel = sources.load_model(drafter, dtype, cache_dir, progress=False, scan_layers=scan)
+    sources.check_pair(model, dmodel)
+    row["drafter_load_s"] = time.perf_counter() - start
+    block = _time_block(model, dmodel, gamma, static, sampler, (tokens, lens, keys), repeats)
+    row.update({f"block_{k}": v for k, v in block.items() if k != "decode_s"})
+    row["block_compile_s"] = sum(block[k] for k in ("prefill_lower_s", "prefill_compile_s", "decode_lower_s",
+                                                    "decode_compile_s"))
+    row["block_first_token_s"] = (load_s + row["drafter_load_s"] + row["block_compile_s"] + block["prefill_s"])
+    line += (f"; block (γ = {gamma}, drafter {drafter}): compile {row['block_compile_s']:.1f} s, first token after "
+             f"{row['block_first_token_s']:.1f} s")
+    del dmodel
+  print(line, flush=True)
+  return row
+
+
+def _time_block(model, dmodel, gamma: int, static: dict, sampler, inputs: tuple, repeats: int) -> dict:
+  """Block verification's programs (prefill of both models, the speculative loop at ``gamma``) compiled and timed on
+  ``inputs`` (tokens, lengths, keys), as :func:`_compile_and_time`."""
+  from blockspec_jax import drafters as drafters_lib
+  from blockspec_jax.decoding import speculative as spec
+  tokens, lens, keys = inputs
+  tp, dp = model.params["params"], dmodel.params["params"]
+  sstatic = dict(static, drafter=drafters_lib.ModelDrafter(dmodel.config), gamma=gamma)
+  return _compile_and_time(
+      _Bound(spec.prefill_speculative.jitted, sstatic),
+      _Bound(spec.decode_speculative, dict(sstatic, verifier="block", sampler=sampler, stop_ids=())),
+      (tp, dp, tokens, lens), lambda state: (tp, dp, keys, state), repeats)
+
+
+def _print_rows(rows: list[dict]) -> None:
+  """The benchmark's table."""
   header = (f"{'dtype':<9} {'layout':<8} {'peak GF/s':>9} {'load s':>7} {'AR compile s':>12} {'prefill tok/s':>13} "
             f"{'GF/s':>6} {'% peak':>6} {'decode tok/s':>12} {'% roofline':>10} {'first token s':>13} "
             f"{'block compile s':>15} {'block first s':>13}")
@@ -221,13 +257,6 @@ def bench_startup_job(target: str = methods.DEFAULT_TARGET, drafter: str | None 
           f"{100 * r['prefill_fraction_of_peak']:>5.0f}% {r['decode_tokens_per_s']:>12.2f} "
           f"{100 * r['decode_fraction_of_roofline']:>9.0f}% {r['first_token_s']:>13.1f} "
           f"{r.get('block_compile_s', float('nan')):>15.1f} {r.get('block_first_token_s', float('nan')):>13.1f}")
-  report = dict(target=target, drafter=drafter, gamma=gamma, prompt_width=prompt_width, batch=batch,
-                max_new_tokens=max_new_tokens, matmul_size=matmul_size, repeats=repeats, memory_gbps=bandwidth,
-                bandwidth_mib=bandwidth_mib, jax=jax.__version__,
-                platform=jax.devices()[0].platform, peak_rss_gb=runtime.peak_rss_gb(), rows=rows)
-  if output_json and runtime.is_main_process():
-    print(f"wrote {runtime.write_report(output_json, report)}")
-  return report
 
 
 class _Bound:

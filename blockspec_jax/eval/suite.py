@@ -49,10 +49,10 @@ import numpy as np
 
 from blockspec_jax import checks
 from blockspec_jax import cli
+from blockspec_jax import job_config
 from blockspec_jax.eval import harness
 from blockspec_jax import methods as methods_lib
 from blockspec_jax import runtime
-from blockspec_jax import sources
 from blockspec_jax.eval import fidelity as fidelity_lib
 from blockspec_jax.data import prompts as prompts_lib
 
@@ -334,131 +334,157 @@ def suite_job(name: str = "suite", target: str = methods_lib.DEFAULT_TARGET, dra
               cache_dir: str | None = None, compilation_cache: str | None = None, plots: bool = True,
               progress: bool = True, fidelity: bool | None = None, scan_layers: bool = True,
               share_prefills: bool = True) -> dict:
-  """Run a suite (see the module docstring) and write its directory; returns the report (also ``results.json``).
+  """Run a suite (see the module docstring) from its flat gin bindings (``suite.gammas = (2, 4)``, …): builds the
+  settings (:mod:`blockspec_jax.job_config`, where each one is documented; every one checked there, before a model is
+  loaded) and runs :func:`run_suite`, which documents ``name``, ``width_bucket``, ``fidelity`` and
+  ``share_prefills``. ``drafter``: the one drafter of ``job_config.Models.drafters``; ``out_dir``: default
+  ``results/suites/<name>-<UTC time>``."""
+  models = job_config.Models(target=target, drafters=(drafter,), dtype=dtype, scan_layers=scan_layers,
+                             cache_dir=cache_dir, compilation_cache=compilation_cache)
+  grid = job_config.MethodGrid(methods=methods, gammas=gammas, drafter_settings=drafter_settings,
+                               verifier_settings=verifier_settings, method_gammas=method_gammas)
+  sampler = job_config.SamplerSettings(temperatures=temperatures, top_k=top_k, top_p=top_p, seed=seed)
+  data = job_config.DataSettings(prompts=prompts, tasks=tasks, prompts_per_task=prompts_per_task, chat=chat,
+                                 max_new_tokens=max_new_tokens)
+  output = job_config.OutputSettings(out_dir=str(out_dir) if out_dir else str(_default_out_dir(name)), plots=plots,
+                                     progress=progress)
+  return run_suite(name, models, grid, sampler, data, output, width_bucket=width_bucket, fidelity=fidelity,
+                   share_prefills=share_prefills)
 
-  ``prompts``: ``"six"`` (the shipped file with all six categories: code, chat, math, summarization, translation,
-  qa; 4 prompts each), ``"default"`` (the main job's file: code, chat, math), ``"seqio:<task>[:<split>]"`` (a seqio
-  Task, with the seqio extra; ``eval.seqio_tasks`` registers the prompt sets as ``blockspec_<category>``) or the path
-  of a prompt JSONL file (``data.prompts.load_prompts``: a user's own rows need only ``task`` and ``text``); ``tasks``:
-  the categories to run (default: every category in the file, in file order); ``prompts_per_task``: the first N
-  prompts of each. ``methods`` / ``gammas`` / ``temperatures`` / ``top_k`` / ``top_p``: the grid and the sampler
-  (both models sample through the same transform); ``method_gammas`` overrides ``gammas`` for the methods it names,
-  e.g. ``{"block": (8,), "traversal@rsd_c": (4,)}`` to compare a chain and trees at one budget of draft nodes.
-  ``drafter_settings`` / ``verifier_settings`` as in the main job. ``fidelity``: measure every row's mean target
-  log-likelihood of its emitted tokens (one teacher-forced target pass per prompt, outside the timed phases) and
-  plot speed against it; None (default): when a rule of the grid is lossy at one of its temperatures.
-  ``scan_layers``: the stacked layout (layers compiled once; ``False``: unrolled, as in the main job).
-  ``share_prefills``: rows that run the same prefill share it, as in the main job (``run_job.share_prefills``).
-  Every setting is checked before a model is loaded.
-  """
-  methods_lib.check_settings(gammas=gammas, methods=methods, temperatures=temperatures)  # lists, not scalars, not empty
-  methods, gammas, temperatures = tuple(methods), tuple(gammas), tuple(temperatures)
-  if not isinstance(method_gammas or {}, dict):
-    raise checks.UsageError(f"suite.method_gammas must map methods to tuples of γ, got {method_gammas!r}")
-  method_gammas = dict(method_gammas or {})
-  for method, own in method_gammas.items():
-    methods_lib.check_settings(gammas=own)
-    method_gammas[method] = tuple(own)
-  stray = [m for m in method_gammas if m not in methods]
-  if stray:
-    raise checks.UsageError(f"suite: method_gammas names {stray}, which are not among the methods {list(methods)}")
-  all_gammas = tuple(dict.fromkeys(gammas + tuple(g for gs in method_gammas.values() for g in gs)))
-  methods_lib.check_settings(gammas=all_gammas, methods=methods, temperatures=temperatures, max_new_tokens=max_new_tokens,
-                      num_prompts=prompts_per_task, dtype=dtype, models=(target, drafter))
-  methods_lib.check_verifier_settings(verifier_settings)
-  methods_lib.check_drafter_settings(drafter_settings)
-  try:
-    from blockspec_jax import sampling
-    sampling.Sampler(temperature=1.0, top_k=top_k, top_p=top_p)
-  except ValueError as e:
-    raise checks.UsageError(f"suite: {e}") from None
+
+def run_suite(name: str, models: job_config.Models, grid: job_config.MethodGrid,
+              sampler: job_config.SamplerSettings, data: job_config.DataSettings, output: job_config.OutputSettings,
+              width_bucket: int = 64, fidelity: bool | None = None, share_prefills: bool = True) -> dict:
+  """A suite on checked settings (one drafter): writes ``output.out_dir`` and returns the report.
+
+  ``name``: the suite's name (in its report and default directory). ``width_bucket``: prompts are padded to a
+  multiple of it, so suites whose prompts fall in one bucket share compiled programs. ``fidelity``: measure every
+  row's mean target log-likelihood of its emitted tokens (one teacher-forced target pass per prompt, outside the timed
+  phases) and plot speed against it; None (default): when a rule of the grid is lossy at one of its temperatures.
+  ``share_prefills``: rows that run the same prefill share it, as in the main job (``run_job.share_prefills``)."""
+  if len(models.drafters) != 1:
+    raise checks.UsageError(f"a suite runs one drafter, got {list(models.drafters)}")
   if fidelity is None:
-    fidelity = any(methods_lib.method_is_lossy(m, sampling.Sampler(temperature=t, top_k=top_k, top_p=top_p),
-                                        verifier_settings) for m in methods for t in temperatures)
-  rows = load_suite_prompts(prompts)
-  present = list(dict.fromkeys(r["task"] for r in rows))
-  tasks = present if tasks is None else list(tasks)
-  unknown = [t for t in tasks if t not in present]
-  if unknown:
-    raise checks.UsageError(f"suite: tasks {unknown} are not in {prompts} (it has {', '.join(present)})")
-  by_task = {t: [r for r in rows if r["task"] == t][:prompts_per_task] for t in tasks}
+    fidelity = any(methods_lib.method_is_lossy(m, sampler.sampler(t), grid.verifier_settings)
+                   for m in grid.methods for t in sampler.temperatures)
+  tasks, by_task = _select_prompts(data)
   bucket_width(1, width_bucket)
-  out = runtime.check_output_dir(pathlib.Path(out_dir) if out_dir else _default_out_dir(name), "the suite's directory")
-
-  compile_dir = runtime.enable_compilation_cache(compilation_cache)
-  for flag, value in (("scan_layers", scan_layers), ("share_prefills", share_prefills)):
-    if not isinstance(value, bool):
-      raise checks.UsageError(f"suite.{flag} must be True or False, got {value!r}")
-  target_model, (drafter_model,), load_s = sources.load_models(target, (drafter,), dtype, cache_dir, scan_layers)
-  ids = {t: prompts_lib.encode_prompts(target_model, task_rows, chat) for t, task_rows in by_task.items()}
+  job_config.check_switch(share_prefills, "share_prefills")
+  compile_dir = runtime.enable_compilation_cache(models.compilation_cache)
+  target_model, (drafter_model,), load_s = models.load()
+  ids = {t: prompts_lib.encode_prompts(target_model, task_rows, data.chat) for t, task_rows in by_task.items()}
   width = bucket_width(max(len(p) for task_ids in ids.values() for p in task_ids), width_bucket)
-  methods_lib.check_methods_fit(methods, all_gammas, target_model, [drafter_model], width, max_new_tokens, drafter_settings,
-                         verifier_settings)
-  print(f"suite {name}: loaded {drafter} → {target} ({dtype}) in {load_s:.1f} s; "
+  methods_lib.check_methods_fit(grid.methods, grid.all_gammas, target_model, [drafter_model], width,
+                                data.max_new_tokens, grid.drafter_settings, grid.verifier_settings)
+  print(f"suite {name}: loaded {models.drafters[0]} → {models.target} ({models.dtype}) in {load_s:.1f} s; "
         f"{sum(map(len, by_task.values()))} prompts in {len(tasks)} categories, width {width}; jax {jax.__version__} "
         f"on {jax.devices()[0].platform}; compilation cache {compile_dir or 'off'}", flush=True)
+  start = time.perf_counter()
+  results = _run_grid(name, grid, sampler, data, (target_model, drafter_model), ids, width, bool(fidelity),
+                      harness.PrefillCache() if share_prefills else None, output.progress)
+  wall = time.perf_counter() - start
+  settings = dict(target=models.target, drafter=models.drafters[0], prompts=str(data.prompts), tasks=tasks,
+                  prompts_per_task=data.prompts_per_task, methods=list(grid.methods), gammas=list(grid.gammas),
+                  temperatures=list(sampler.temperatures), top_k=sampler.top_k, top_p=sampler.top_p,
+                  max_new_tokens=data.max_new_tokens, dtype=models.dtype, seed=sampler.seed, chat=data.chat,
+                  drafter_settings=grid.drafter_settings, verifier_settings=grid.verifier_settings,
+                  method_gammas=grid.method_gammas or None, width_bucket=width_bucket, fidelity=bool(fidelity),
+                  scan_layers=models.scan_layers, share_prefills=share_prefills)
+  report = _report(name, settings, by_task, width, wall, output.out_dir, results)
+  if runtime.is_main_process():
+    _write_directory(name, report, results, output)
+  return report
 
+
+def _select_prompts(data: job_config.DataSettings) -> tuple[list[str], dict[str, list[dict]]]:
+  """The categories to run and the first ``data.prompts_per_task`` rows of each (a :class:`UsageError` naming the
+  categories the prompt set lacks)."""
+  rows = load_suite_prompts(data.prompts)
+  present = list(dict.fromkeys(r["task"] for r in rows))
+  tasks = present if data.tasks is None else list(data.tasks)
+  unknown = [t for t in tasks if t not in present]
+  if unknown:
+    raise checks.UsageError(f"suite: tasks {unknown} are not in {data.prompts} (it has {', '.join(present)})")
+  return tasks, {t: [r for r in rows if r["task"] == t][:data.prompts_per_task] for t in tasks}
+
+
+def _run_grid(name: str, grid: job_config.MethodGrid, sampler: job_config.SamplerSettings,
+              data: job_config.DataSettings, pair: tuple, ids: dict[str, list], width: int, fidelity: bool,
+              prefills: harness.PrefillCache | None, progress: bool) -> list[dict]:
+  """Every run of the grid on every category of ``ids`` with the loaded ``(target, drafter)`` ``pair``: the rows, in
+  the grid's order, with their speedups (and an ``all`` row per run when there are several categories)."""
   # Runs: autoregressive once per temperature (γ does not apply), every other method at every γ; categories
   # innermost, so one compiled program serves them all.
-  runs = [(t, m, g) for t in temperatures for m in methods
-          for g in ((None,) if m == methods_lib.AUTOREGRESSIVE else method_gammas.get(m, gammas))]
+  runs = [(t, m, g) for t in sampler.temperatures for m in grid.methods for g in grid.gammas_of(m)]
   # Run them grouped by γ (autoregressive first), so rows that can share a prefill run one after the other; the
   # rows are written in the grid's order.
   order = sorted(range(len(runs)), key=lambda j: (-1 if runs[j][2] is None else runs[j][2], j))
-  prefills = harness.PrefillCache() if share_prefills else None
   from tqdm.auto import tqdm
-  bar = tqdm(total=len(runs) * len(tasks), desc=f"suite {name}", unit="run", disable=not progress, file=sys.stderr)
-  start = time.perf_counter()
+  bar = tqdm(total=len(runs) * len(ids), desc=f"suite {name}", unit="run", disable=not progress, file=sys.stderr)
   by_run = {}
   for j in order:
-    temperature, method, gamma = runs[j]
-    per_task = []
-    for i, task in enumerate(tasks):
-      bar.set_postfix_str(f"{method} γ={gamma} T={temperature:g} {task}")
-      summary, outputs = harness.run_method(method, target_model, drafter_model, ids[task], width,
-                                   gamma=gamma if gamma is not None else gammas[0], max_new_tokens=max_new_tokens,
-                                   temperature=temperature, seed=seed, stop_ids=target_model.stop_ids,
-                                   drafter_settings=drafter_settings, verifier_settings=verifier_settings,
-                                   top_k=top_k, top_p=top_p, warm=i > 0, prefills=prefills)
-      summary.update(task=task, top_k=top_k, top_p=top_p, peak_rss_gb=runtime.peak_rss_gb())
-      if fidelity:  # one program for every row: the shape is the bucketed width + the token budget
-        total, count, _ = fidelity_lib.target_loglik(target_model, ids[task], outputs, width=width + max_new_tokens,
-                                                     window=max_new_tokens)
-        summary.update(loglik_sum=total, loglik_tokens=count, mean_logp=total / max(count, 1))
-      per_task.append(summary)
-      bar.update(1)
-    by_run[j] = per_task + ([_pooled(per_task)] if len(tasks) > 1 else [])
+    per_task = _run_categories(runs[j], grid, sampler, data, pair, ids, width, fidelity, prefills, bar)
+    by_run[j] = per_task + ([_pooled(per_task)] if len(ids) > 1 else [])
   bar.close()
   results = [row for j in range(len(runs)) for row in by_run[j]]
   _with_speedups(results)
-  wall = time.perf_counter() - start
-  report = dict(
+  return results
+
+
+def _run_categories(run: tuple, grid: job_config.MethodGrid, sampler: job_config.SamplerSettings,
+                    data: job_config.DataSettings, pair: tuple, ids: dict[str, list], width: int, fidelity: bool,
+                    prefills: harness.PrefillCache | None, bar) -> list[dict]:
+  """One ``(temperature, method, γ)`` run over every category of ``ids``: one summary row per category (the first
+  compiles, the others reuse its programs)."""
+  temperature, method, gamma = run
+  target_model, drafter_model = pair
+  per_task = []
+  for i, (task, task_ids) in enumerate(ids.items()):
+    bar.set_postfix_str(f"{method} γ={gamma} T={temperature:g} {task}")
+    summary, outputs = harness.run_method(method, target_model, drafter_model, task_ids, width,
+                                          gamma=gamma if gamma is not None else grid.gammas[0],
+                                          max_new_tokens=data.max_new_tokens, temperature=temperature,
+                                          seed=sampler.seed, stop_ids=target_model.stop_ids,
+                                          drafter_settings=grid.drafter_settings,
+                                          verifier_settings=grid.verifier_settings, top_k=sampler.top_k,
+                                          top_p=sampler.top_p, warm=i > 0, prefills=prefills)
+    summary.update(task=task, top_k=sampler.top_k, top_p=sampler.top_p, peak_rss_gb=runtime.peak_rss_gb())
+    if fidelity:  # one program for every row: the shape is the bucketed width + the token budget
+      total, count, _ = fidelity_lib.target_loglik(target_model, task_ids, outputs,
+                                                   width=width + data.max_new_tokens, window=data.max_new_tokens)
+      summary.update(loglik_sum=total, loglik_tokens=count, mean_logp=total / max(count, 1))
+    per_task.append(summary)
+    bar.update(1)
+  return per_task
+
+
+def _report(name: str, settings: dict, by_task: dict[str, list[dict]], width: int, wall: float, out: pathlib.Path,
+            results: list[dict]) -> dict:
+  """The suite's report (``results.json``): settings, environment, prompts and rows."""
+  return dict(
       name=name,
-      settings=dict(target=target, drafter=drafter, prompts=str(prompts), tasks=tasks,
-                    prompts_per_task=prompts_per_task, methods=list(methods), gammas=list(gammas),
-                    temperatures=list(temperatures), top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
-                    dtype=dtype, seed=seed, chat=chat, drafter_settings=drafter_settings,
-                    verifier_settings=verifier_settings, method_gammas=method_gammas or None,
-                    width_bucket=width_bucket, fidelity=bool(fidelity), scan_layers=scan_layers,
-                    share_prefills=share_prefills),
+      settings=settings,
       environment=dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        jax=jax.__version__, platform=jax.devices()[0].platform,
                        devices=f"{jax.device_count()} × {jax.devices()[0].device_kind}",
                        machine=platform.machine(), processes=jax.process_count()),
       prompts=[dict(id=r["id"], task=r["task"], source=r["source"], licence=r["licence"])
-               for t in tasks for r in by_task[t]],
-      prompts_per_task={t: len(by_task[t]) for t in tasks}, prompt_width=width, wall_s=wall,
+               for t in by_task for r in by_task[t]],
+      prompts_per_task={t: len(by_task[t]) for t in by_task}, prompt_width=width, wall_s=wall,
       peak_rss_gb=runtime.peak_rss_gb(), out_dir=str(out), results=results)
-  if runtime.is_main_process():
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.gin").write_text(gin.operative_config_str())
-    runtime.write_report(out / "results.json", report)
-    write_csv(results, out / "results.csv")
-    written = write_plots(results, out) if plots else []
-    write_markdown(report, results, written, out / "report.md")
-    print(f"suite {name}: {len(results)} rows in {wall / 60:.1f} min; wrote {out}/ (report.md, results.json, "
-          f"results.csv, config.gin{''.join(', ' + p.name for p in written)})", flush=True)
-  return report
+
+
+def _write_directory(name: str, report: dict, results: list[dict], output: job_config.OutputSettings) -> None:
+  """Write the suite's directory: ``config.gin``, ``results.json``, ``results.csv``, the plots, ``report.md``."""
+  out = output.out_dir
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "config.gin").write_text(gin.operative_config_str())
+  runtime.write_report(out / "results.json", report)
+  write_csv(results, out / "results.csv")
+  written = write_plots(results, out) if output.plots else []
+  write_markdown(report, results, written, out / "report.md")
+  print(f"suite {name}: {len(results)} rows in {report['wall_s'] / 60:.1f} min; wrote {out}/ (report.md, "
+        f"results.json, results.csv, config.gin{''.join(', ' + p.name for p in written)})", flush=True)
 
 
 def main(argv=None) -> int:
