@@ -22,6 +22,7 @@ import gin
 
 from blockspec_jax import checks
 from blockspec_jax import cli
+from blockspec_jax.train import jobs as train_jobs
 
 __all__ = ["JOBS", "TRAINING_JOBS", "ARGPARSE_JOBS", "configured_job", "main"]
 
@@ -33,8 +34,9 @@ JOBS = {
     "bench_startup": "blockspec_jax.eval.bench_startup",
     "theory_report": "blockspec_jax.__main__",
 }
-#: Training jobs: run by the training entry point (``--workdir``, checkpoints, metrics).
-TRAINING_JOBS = ("distill_job", "sprinter_job", "heads_job", "steer_job")
+#: Training jobs: run by the training entry point (``--workdir``, checkpoints, metrics); the names of the one
+#: registry of training jobs (:data:`blockspec_jax.train.jobs.TRAINING_JOBS`), which that entry point reads too.
+TRAINING_JOBS = tuple(train_jobs.TRAINING_JOBS)
 TRAINING_MODULE = "blockspec_jax.train.__main__"
 #: Commands with an argparse command line -> their module (``build_parser()`` and ``main(argv)``): gin jobs made by
 #: ``cli.argparse_gin_job`` when this entry point registers them, so the library modules never import gin.

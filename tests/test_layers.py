@@ -8,7 +8,7 @@ The layers, lowest first (``docs/ARCHITECTURE.md`` draws them):
 1. ``theory``, ``verify``, ``models``;
 2. ``data`` (prompt sets), ``decoding``, ``drafters``;
 3. ``parallel``, ``train`` (the training library);
-4. ``methods``, ``sources``, ``cli``, ``job_config`` (what the jobs share);
+4. ``methods``, ``sources``, ``cli``, ``job_config``, ``train.job_setup`` (what the jobs share);
 5. ``eval``, ``run`` (the main job), the training jobs;
 6. the entry points: ``main``, ``__main__``, ``train.__main__``.
 """
@@ -24,8 +24,9 @@ LAYERS = {
     "theory": 1, "verify": 1, "models": 1,
     "data": 2, "decoding": 2, "drafters": 2,
     "parallel": 3, "train": 3,
-    "methods": 4, "sources": 4, "cli": 4, "job_config": 4,
-    "eval": 5, "run": 5, "train.heads_job": 5, "train.steer_job": 5,
+    "methods": 4, "sources": 4, "cli": 4, "job_config": 4, "train.job_setup": 4,
+    "eval": 5, "run": 5, "train.configurables": 5, "train.distill_job": 5, "train.sprinter_job": 5,
+    "train.heads_job": 5, "train.steer_job": 5,
     "main": 6, "__main__": 6, "train.__main__": 6,
 }
 

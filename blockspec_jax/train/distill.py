@@ -248,17 +248,7 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
   spec.check_prompt_values(prompts_NxP, prompt_len_N, target.vocab_size)
   sampling.Sampler(sample_temperature)  # validates it (T = 0: greedy continuations are allowed)
   num = prompts_NxP.shape[0]
-  if split is None:
-    train_idx, heldout_idx = split_prompts(num, heldout_fraction, seed)
-  else:
-    train_idx, heldout_idx = (np.sort(np.asarray(i, np.int64).reshape(-1)) for i in split)
-    if np.intersect1d(train_idx, heldout_idx).size or len(np.unique(train_idx)) != len(train_idx):
-      raise ValueError("split: training and held-out indices must be distinct and disjoint")
-    both = np.concatenate([train_idx, heldout_idx])
-    if both.size and (both.min() < 0 or both.max() >= num):
-      raise ValueError(f"split indices must lie in [0, {num})")
-    if train_idx.size == 0:
-      raise ValueError("split: no training prompts")
+  train_idx, heldout_idx = _checked_split(split, num, heldout_fraction, seed)
   need = heldout_idx if source == "on_policy" else np.arange(num)
   key = jax.random.fold_in(jax.random.key(seed), 0)
   width = prompts_NxP.shape[1] + max_new_tokens
@@ -270,26 +260,9 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
     reused = _reusable_samples(reuse_samples, meta)
     meta["reused_samples_sha256"] = reused["sha256"]
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 1), int(reused["sha256"][:8], 16))
-  cached = None if samples_path is None else _read_samples(samples_path, meta)
-  fixed_tokens_NxT, fixed_mask_NxT = cached or (np.zeros((num, width), np.int32), np.zeros((num, width), np.float32))
-  if cached is not None and progress:
-    print(f"target continuations of {len(need)} prompts read from {samples_path} (made with these settings)",
-          flush=True)
+  cached, fixed_tokens_NxT, fixed_mask_NxT, done_N = _known_rows(
+      samples_path, meta, (num, width), need, reused, (prompts_NxP, prompt_len_N), progress, reuse_samples)
   partial_path = None if samples_path is None else _partial_path(samples_path)
-  done_N = np.zeros((num,), bool)
-  if cached is not None and partial_path is not None:
-    partial_path.unlink(missing_ok=True)  # left by a run stopped between writing samples.npz and removing it
-  partial = None if cached is not None or partial_path is None else _read_samples(partial_path, meta, partial=True)
-  if partial is not None:  # a run stopped while sampling: its finished rows are kept
-    fixed_tokens_NxT, fixed_mask_NxT, done_N = partial
-    if progress:
-      print(f"target continuations of {int(done_N[need].sum())} of {len(need)} prompts read from {partial_path} "
-            "(a stopped run's)", flush=True)
-  elif cached is None and reused is not None:
-    taken = _take_reused(reused, prompts_NxP, prompt_len_N, need, fixed_tokens_NxT, fixed_mask_NxT)
-    done_N[taken] = True
-    if progress:
-      print(f"target continuations of {len(taken)} of {len(need)} prompts taken from {reuse_samples}", flush=True)
   need = need[~done_N[need]]
   sample_batch_size = max(1, min(sample_batch_size, max(len(need), 1)))
   starts = range(0, len(need) if cached is None else 0, sample_batch_size)
@@ -312,6 +285,51 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
   return DistillData(target, drafter, prompts_NxP, prompt_len_N, train_idx, heldout_idx, fixed_tokens_NxT,
                      fixed_mask_NxT, batch_size, max_new_tokens, float(sample_temperature), source,
                      float(on_policy_fraction), seed, tuple(stop_ids))
+
+
+def _checked_split(split, num: int, heldout_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+  """``(train_idx, heldout_idx)``: ``split`` sorted and checked (distinct, disjoint, in ``[0, num)``, some training
+  prompts), or :func:`split_prompts` when it is None."""
+  if split is None:
+    return split_prompts(num, heldout_fraction, seed)
+  train_idx, heldout_idx = (np.sort(np.asarray(i, np.int64).reshape(-1)) for i in split)
+  if np.intersect1d(train_idx, heldout_idx).size or len(np.unique(train_idx)) != len(train_idx):
+    raise ValueError("split: training and held-out indices must be distinct and disjoint")
+  both = np.concatenate([train_idx, heldout_idx])
+  if both.size and (both.min() < 0 or both.max() >= num):
+    raise ValueError(f"split indices must lie in [0, {num})")
+  if train_idx.size == 0:
+    raise ValueError("split: no training prompts")
+  return train_idx, heldout_idx
+
+
+def _known_rows(samples_path, meta: dict, shape: tuple[int, int], need: np.ndarray, reused: dict | None,
+                prompts: tuple[np.ndarray, np.ndarray], progress: bool, reuse_samples) -> tuple:
+  """``(cached, tokens_NxT, mask_NxT, done_N)``: the continuations already known before sampling: all of them from
+  ``samples_path`` (``cached``, not None), else a stopped run's finished rows from the partial file beside it, else
+  the rows ``reused`` has (``prompts = (prompts_NxP, prompt_len_N)``); ``done_N`` marks the rows known."""
+  num, width = shape
+  cached = None if samples_path is None else _read_samples(samples_path, meta)
+  fixed_tokens_NxT, fixed_mask_NxT = cached or (np.zeros((num, width), np.int32), np.zeros((num, width), np.float32))
+  if cached is not None and progress:
+    print(f"target continuations of {len(need)} prompts read from {samples_path} (made with these settings)",
+          flush=True)
+  partial_path = None if samples_path is None else _partial_path(samples_path)
+  done_N = np.zeros((num,), bool)
+  if cached is not None and partial_path is not None:
+    partial_path.unlink(missing_ok=True)  # left by a run stopped between writing samples.npz and removing it
+  partial = None if cached is not None or partial_path is None else _read_samples(partial_path, meta, partial=True)
+  if partial is not None:  # a run stopped while sampling: its finished rows are kept
+    fixed_tokens_NxT, fixed_mask_NxT, done_N = partial
+    if progress:
+      print(f"target continuations of {int(done_N[need].sum())} of {len(need)} prompts read from {partial_path} "
+            "(a stopped run's)", flush=True)
+  elif cached is None and reused is not None:
+    taken = _take_reused(reused, prompts[0], prompts[1], need, fixed_tokens_NxT, fixed_mask_NxT)
+    done_N[taken] = True
+    if progress:
+      print(f"target continuations of {len(taken)} of {len(need)} prompts taken from {reuse_samples}", flush=True)
+  return cached, fixed_tokens_NxT, fixed_mask_NxT, done_N
 
 
 def _sha256(*arrays) -> str:

@@ -1,7 +1,7 @@
-"""Helpers shared by the training entry points (``distill_job`` / ``sprinter_job`` in ``train/__main__.py``,
-``heads_job``, ``steer_job``) and their library modules: setting checks, the real-model prompt pool (held-out file +
-disjoint training pool, kept in the workdir and encoded into padded arrays), model labels for reports and the reader
-of cached collected data. No gin here: the jobs register themselves.
+"""Helpers shared by the training jobs (``distill_job``, ``sprinter_job``, ``heads_job``, ``steer_job``, each in its
+``train/<job>.py``; their common setup is :mod:`blockspec_jax.train.job_setup`) and their library modules: setting
+checks, the real-model prompt pool (held-out file + disjoint training pool, kept in the workdir and encoded into
+padded arrays), model labels for reports and the reader of cached collected data. No gin here: the jobs register themselves.
 
 Errors: a job's settings (``job`` given) raise :class:`blockspec_jax.checks_lib.UsageError` naming ``<job>.<setting>``;
 library arguments (no ``job``) raise ``ValueError`` naming the argument.

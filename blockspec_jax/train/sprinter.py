@@ -6,7 +6,7 @@ state ``h`` at the position that PRODUCED a drafted token ``x``. For the drafter
 
     y = 1[q(x | c) ≤ p(x | c)]        (speculative sampling accepts x with probability min(1, p/q) = 1)
 
-Pipeline (the job is ``sprinter_job`` in :mod:`blockspec_jax.train.__main__`)::
+Pipeline (the job is ``sprinter_job`` in :mod:`blockspec_jax.train.sprinter_job`)::
 
     data = collect_labels(target_config, target_params, drafter_config, drafter_params, tokens_BxP, prompt_len_B,
                           max_new_tokens=64, temperature=1.0, key=key, batch_size=4)

@@ -286,6 +286,23 @@ def restore_latest(directory, template: TrainState) -> TrainState | None:
   return None if found is None else found.value
 
 
+def _resume(workdir: pathlib.Path, state: TrainState) -> tuple[TrainState, int | None, float]:
+  """``(state, resumed_from, seconds_before)``: the newest intact checkpoint of ``workdir`` (damaged newer ones are
+  passed over, a line each, and deleted by :func:`fit`) with ``metrics.jsonl`` cut back to its step and the training
+  seconds of the earlier calls (a resumed run's total goes on from there); else ``state``, None and 0 with no stale
+  ``metrics.jsonl`` (a fresh run)."""
+  metrics_path = workdir / "metrics.jsonl"
+  restored = checkpoints_lib.restore(workdir / "checkpoints", state, discarding=True)
+  if restored is None:
+    if metrics_path.exists():
+      metrics_path.unlink()  # a fresh run: no stale curve from an earlier run without checkpoints
+    return state, None, 0.0
+  kept = [r for r in read_metrics(metrics_path) if r.get("step", 0) <= restored.step]
+  metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+  seconds_before = float(kept[-1].get("seconds_total", kept[-1].get("seconds", 0.0))) if kept else 0.0
+  return restored.value, restored.step, seconds_before
+
+
 def fit(*, loss_fn: LossFn, optimizer: optax.GradientTransformation, trainable, frozen,
         batch_fn: Callable[[int, Any], Any], num_steps: int, key: jax.Array, workdir, mesh: Mesh | None = None,
         checkpoint_every: int = 100, max_to_keep: int = 3, eval_fn: Callable[[int, Any], dict] | None = None,
@@ -311,19 +328,7 @@ def fit(*, loss_fn: LossFn, optimizer: optax.GradientTransformation, trainable, 
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   metrics_path = workdir / "metrics.jsonl"
-  state = init_state(trainable, optimizer)
-  # The newest intact step; damaged newer ones are passed over (a line each) and deleted below.
-  restored = checkpoints_lib.restore(workdir / "checkpoints", state, discarding=True)
-  resumed_from = None
-  seconds_before = 0.0  # training seconds of earlier calls (a resumed run's total goes on from there)
-  if restored is not None:
-    state, resumed_from = restored.value, restored.step
-    kept = [r for r in read_metrics(metrics_path) if r.get("step", 0) <= resumed_from]
-    metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    if kept:
-      seconds_before = float(kept[-1].get("seconds_total", kept[-1].get("seconds", 0.0)))
-  elif metrics_path.exists():
-    metrics_path.unlink()  # a fresh run: no stale curve from an earlier run without checkpoints
+  state, resumed_from, seconds_before = _resume(workdir, init_state(trainable, optimizer))
   start = int(state.step)
   end = num_steps if stop_after is None else min(num_steps, stop_after)
   step_fn = make_train_step(loss_fn, optimizer, mesh)

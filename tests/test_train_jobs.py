@@ -1,0 +1,79 @@
+"""The training jobs as settings objects: one registry (``blockspec_jax.train.jobs``) that both entry points read,
+each job's settings one frozen dataclass registered with gin under the job's name, and a settings mistake one
+UsageError raised when the settings are made, before any model loads or anything is written."""
+
+import dataclasses
+import importlib
+
+import gin
+import pytest
+
+from blockspec_jax import checks
+from blockspec_jax import main as entry
+from blockspec_jax import sources
+from blockspec_jax.models import hub
+from blockspec_jax.train import __main__ as train_main
+from blockspec_jax.train import job_setup, jobs
+
+TINY = train_main.tiny_decoder()  # the config `@tiny_decoder()` gives
+#: job -> its settings class' name and the message of giving a real target and a tiny config at once
+SETTINGS = {"distill_job": ("DistillSettings", "not a mix"), "sprinter_job": ("SprinterSettings", "not a mix"),
+            "heads_job": ("HeadsSettings", "not both"), "steer_job": ("SteerSettings", "not a mix")}
+
+
+def test_both_entry_points_read_the_one_registry():
+  assert tuple(jobs.TRAINING_JOBS) == entry.TRAINING_JOBS == train_main.JOBS
+  assert set(SETTINGS) == set(jobs.TRAINING_JOBS) and jobs.DEFAULT_JOB in jobs.TRAINING_JOBS
+  found = train_main._jobs()
+  assert list(found) == list(jobs.TRAINING_JOBS)
+  for name, module in jobs.TRAINING_JOBS.items():
+    assert found[name] is getattr(importlib.import_module(module), name)
+  assert found["distill_job"] is train_main.distill_job and found["sprinter_job"] is train_main.sprinter_job
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_each_job_has_one_frozen_settings_object_bound_by_its_gin_name(name):
+  module = importlib.import_module(jobs.TRAINING_JOBS[name])
+  cls = getattr(module, SETTINGS[name][0])
+  assert dataclasses.is_dataclass(cls) and issubclass(cls, job_setup.JobSettings) and cls.JOB == name
+  gin.clear_config()
+  try:
+    gin.parse_config([f"{name}.target_config = @tiny_decoder()", f"{name}.num_steps = 7"]
+                     + ([f"{name}.drafter_config = @tiny_decoder()"] if issubclass(cls, job_setup.PairSettings)
+                        else []))
+    settings = cls()
+  finally:
+    gin.clear_config()
+  assert settings.num_steps == 7 and settings.target_config == TINY
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    settings.num_steps = 8
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+  def refuse(*args, **kwargs):
+    raise AssertionError("a model was loaded")
+
+  monkeypatch.setattr(sources, "load_model", refuse)
+  monkeypatch.setattr(hub, "load_model", refuse)
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_a_settings_mistake_is_one_usage_error_before_any_model_loads(name, tmp_path, no_model_loads):
+  job = train_main._jobs()[name]
+  cls = getattr(importlib.import_module(jobs.TRAINING_JOBS[name]), SETTINGS[name][0])
+  pair = issubclass(cls, job_setup.PairSettings)
+  tiny = dict(target_config=TINY, drafter_config=TINY) if pair else dict(target_config=TINY)
+  workdir = tmp_path / "never_written"
+  gin.clear_config()
+  try:
+    # the message first (gin may add the configurable it was raised in on a line of its own)
+    with pytest.raises(checks.UsageError, match=rf"^{name}\.num_steps must be an integer >= 1, got 0\b"):
+      job(workdir, num_steps=0, progress=False, **tiny)
+    with pytest.raises(checks.UsageError, match=SETTINGS[name][1]):
+      job(workdir, target="smollm2-135m", progress=False, **tiny)
+    with pytest.raises(checks.UsageError, match=SETTINGS[name][1]):
+      cls(target="smollm2-135m", **tiny)
+  finally:
+    gin.clear_config()
+  assert not workdir.exists()
