@@ -38,11 +38,17 @@ BIAS_P = 1e-6
 init_params = dec.init_params  # the tests' random models
 
 
+def tiny_config(**overrides) -> dec.DecoderConfig:
+  """The tests' tiny model: exactly ``DecoderConfig.tiny(**overrides)`` (V 64, D 32, 2 layers, 4 heads / 2 KV heads
+  of 8, F 64 unless ``overrides`` say otherwise). Every test model is built here or from :func:`small_config`."""
+  return dec.DecoderConfig.tiny(**overrides)
+
+
 def small_config(vocab_size: int = 64, **overrides) -> dec.DecoderConfig:
   """The tests' small drafter: ``DecoderConfig.tiny`` at half width (D 16, 2 heads / 1 KV head, F 32), one layer
   unless ``overrides`` say otherwise."""
   settings = dict(vocab_size=vocab_size, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, ffn_dim=32)
-  return dec.DecoderConfig.tiny(**{**settings, **overrides})
+  return tiny_config(**{**settings, **overrides})
 
 
 def perturbed(params, seed, scale):
@@ -56,13 +62,25 @@ def perturbed(params, seed, scale):
 @functools.lru_cache(maxsize=None)
 def model_pair(vocab=64, seed=0, noise=0.3, layers=2):
   """``(config, target params, drafter params)``: a tiny target and a perturbed copy as its drafter (one config)."""
-  config = dec.DecoderConfig.tiny(vocab_size=vocab, num_layers=layers)
+  config = tiny_config(vocab_size=vocab, num_layers=layers)
   target = init_params(config, seed)
   return config, target, perturbed(target, seed + 1, noise)
 
 
 #: Four ragged prompts (lengths 7, 2, 4, 1).
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+
+
+def run_train_main(argv):
+  """The training entry point (``python -m blockspec_jax.train``) in-process, with gin's configuration cleared before
+  and after (a test's bindings never leak into the next)."""
+  import gin
+  from blockspec_jax.train import __main__ as train_main
+  gin.clear_config()
+  try:
+    return train_main.main(argv)
+  finally:
+    gin.clear_config()
 
 
 def run_ar(config, params, prompts, keys, max_new, sampler=GREEDY, stop_ids=()):

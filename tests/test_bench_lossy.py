@@ -13,6 +13,7 @@ from blockspec_jax import methods
 from blockspec_jax.eval import bench_lossy
 from blockspec_jax.models import decoder as dec
 from blockspec_jax.train import sprinter as sprinter_train
+from helpers import tiny_config
 
 
 def test_method_specs_name_every_row():
@@ -35,7 +36,7 @@ def test_tabular_fidelity_is_exact_zero_for_lossless_rows_and_positive_for_lossy
 
 
 def test_target_loglik_matches_a_direct_forward():
-  config = dec.DecoderConfig.tiny(vocab_size=32)
+  config = tiny_config(vocab_size=32)
   params = dec.init_params(config, 0)
 
   @dataclasses.dataclass

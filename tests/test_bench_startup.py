@@ -11,10 +11,11 @@ import pytest
 from blockspec_jax import sources
 from blockspec_jax.eval import bench_startup
 from blockspec_jax.models import decoder as dec
+from helpers import tiny_config
 
 
 def test_linear_params_counts_the_layers_linear_weights_only():
-  config = dec.DecoderConfig.tiny(vocab_size=64)  # D 32, F 64, 4 heads / 2 KV of 8, 2 layers
+  config = tiny_config(vocab_size=64)  # D 32, F 64, 4 heads / 2 KV of 8, 2 layers
   params = dec.init_params(config, 0)
   d, f, kv = 32, 64, 2 * 8
   per_layer = d * d + 2 * kv * d + d * d + 3 * d * f  # q, k and v, o, gate / up / down
@@ -29,7 +30,7 @@ def test_matmul_peak_and_memory_bandwidth_are_positive_rates():
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_decode_weight_bytes_reads_the_embedding_table_only_when_it_is_the_lm_head(tie):
-  config = dec.DecoderConfig.tiny(vocab_size=64, tie_embeddings=tie)
+  config = tiny_config(vocab_size=64, tie_embeddings=tie)
   params = dec.init_params(config, 0)
   every = sum(leaf.size * 4 for leaf in jax.tree_util.tree_leaves(params))  # float32
   table = 64 * 32 * 4

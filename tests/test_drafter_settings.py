@@ -10,10 +10,10 @@ import pytest
 
 from blockspec_jax import drafters
 from blockspec_jax.drafters import heads as heads_lib, lattice, sprinter as sprinter_lib, steer as steer_lib
-from blockspec_jax.models import decoder as dec
 from blockspec_jax.train import heads as heads_train, sprinter as sprinter_train, steer as steer_train
+from helpers import tiny_config
 
-CONFIG = dec.DecoderConfig.tiny()  # V = 64, D = 32, 2 layers, F = 64: target and drafter alike
+CONFIG = tiny_config()  # V = 64, D = 32, 2 layers, F = 64: target and drafter alike
 V = CONFIG.vocab_size
 TRAINED = [name for name, cls in drafters.DRAFTERS.items() if getattr(cls, "run_setting", None) is not None]
 

@@ -9,6 +9,7 @@ same drafter on the same shapes compile it once."""
 import functools
 import itertools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +19,7 @@ from blockspec_jax import drafters, sampling, verify
 from blockspec_jax import contracts
 from blockspec_jax.models import decoder as dec
 from blockspec_jax.theory.stats import chi2_gof
+from helpers import tiny_config
 
 T1 = sampling.Sampler(temperature=1.0)
 TOP1 = sampling.Sampler(temperature=1.0, top_k=1)  # one token of positive mass per row
@@ -44,7 +46,7 @@ def setup(vocab=64, seed=0, layers=1):
   norms 1, weights ``[out, in]`` N(0, 1/in) (LeCun, as the decoder's initialiser), embeddings N(0, 1), so the rows
   are neither uniform nor one-hot. One layer by default (compile time): the tree mask shows in the logits, i.e. in
   every q row checked, and the slots and rotary positions in the cache entries the path-commit test compares."""
-  config = dec.DecoderConfig.tiny(vocab_size=vocab, num_layers=layers)
+  config = tiny_config(vocab_size=vocab, num_layers=layers)
   pos = jnp.zeros((1, 1), jnp.int32)
   shapes = jax.eval_shape(lambda: dec.Decoder(config).init(jax.random.key(0), pos, pos, dec.init_cache(config, 1, 4),
                                                            dec.causal_mask(pos, 4))["params"])
@@ -149,9 +151,10 @@ def check_draft(drafter, config, params, draft, contexts, sampler, gamma=GAMMA):
   batch = len(contexts)
   n_nodes = drafter.num_nodes(gamma)
   vocab = config.vocab_size
-  assert draft.tokens_BxN.shape == draft.parents_BxN.shape == (batch, n_nodes)
-  assert draft.tokens_BxN.dtype == draft.parents_BxN.dtype == jnp.int32
-  assert draft.q_BxNxV.shape == (batch, n_nodes, vocab) and draft.q_BxNxV.dtype == jnp.float32
+  chex.assert_shape([draft.tokens_BxN, draft.parents_BxN], (batch, n_nodes))
+  chex.assert_type([draft.tokens_BxN, draft.parents_BxN], jnp.int32)
+  chex.assert_shape(draft.q_BxNxV, (batch, n_nodes, vocab))
+  chex.assert_type(draft.q_BxNxV, jnp.float32)
   assert not draft.is_chain
   tokens, parents = np.asarray(draft.tokens_BxN), np.asarray(draft.parents_BxN)
   q = np.asarray(draft.q_BxNxV, np.float64)
@@ -359,7 +362,7 @@ def test_ngram_lookup_tables_and_jit():
   assert draft.q_BxNxV is None and draft.is_chain and state is None
   np.testing.assert_array_equal(draft.tokens_BxN, out)
   np.testing.assert_array_equal(draft.parents_BxN, contracts.chain_parents_BxN(len(NGRAM_TABLE), 3))
-  assert draft.q_rows(16).shape == (len(NGRAM_TABLE), 3, 16)
+  chex.assert_shape(draft.q_rows(16), (len(NGRAM_TABLE), 3, 16))
   assert d.commit(None, state, None) is None and d.num_nodes(5) == 5 and d.max_len is None
 
 

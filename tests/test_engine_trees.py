@@ -5,6 +5,7 @@ target's law at T = 1 and the autoregressive tokens at T = 0, without a test edi
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +18,7 @@ from blockspec_jax.models.scorer import DecoderScorer
 
 from helpers import (GREEDY, PROMPTS as RAGGED, T1, check_greedy_equals_autoregressive,
                      check_target_law_through_the_loop, init_params, lossless_rules, model_pair, registry_params,
-                     run_pair)
+                     run_pair, tiny_config)
 
 # Two rows with different trees (same N = 6); siblings consecutive, topological.
 PARENTS = np.array([[-1, -1, 0, 0, 1, 2],     # root → {0, 1}; 0 → {2, 3}; 1 → {4}; 2 → {5}
@@ -68,7 +69,7 @@ def fresh_pass(config, params, rows, cache_len):
 
 
 def test_tree_pass_scores_root_to_node_paths_and_path_commit_restores_the_cache():
-  config = dec.DecoderConfig.tiny(vocab_size=64, num_layers=2)
+  config = tiny_config(vocab_size=64, num_layers=2)
   params = init_params(config, 7)
   target = DecoderScorer(config)
   drafter = FixedTreeDrafter(config.vocab_size)
@@ -126,7 +127,7 @@ def test_accepted_path_and_hidden_rows():
 
 
 def test_a_chain_rule_refuses_a_tree_drafter_and_tree_rules_check_sampling():
-  config = dec.DecoderConfig.tiny(vocab_size=64, num_layers=1)
+  config = tiny_config(vocab_size=64, num_layers=1)
   params = init_params(config, 0)
   tokens_BxP, lens_B = spec.prepare_prompts(PROMPTS)
   keys = jax.random.split(jax.random.key(0), 2)
@@ -136,7 +137,7 @@ def test_a_chain_rule_refuses_a_tree_drafter_and_tree_rules_check_sampling():
   with pytest.raises(ValueError, match="needs siblings drawn with replacement"):
     spec.generate_speculative(params, None, keys, tokens_BxP, lens_B, verifier="rrs", **common)
   out = spec.generate_speculative(params, None, keys, tokens_BxP, lens_B, verifier="rrs_wor", **common)
-  assert out.tokens_BxN.shape == (2, 4)
+  chex.assert_shape(out.tokens_BxN, (2, 4))
 
 
 # --- every registered rule through the jitted loop, with every registered drafter it accepts ---------------------

@@ -21,7 +21,7 @@ from blockspec_jax.models import decoder as dec
 from blockspec_jax.theory import lossy
 from blockspec_jax.verify import rules
 
-from helpers import GREEDY, T1, model_pair, run_ar
+from helpers import GREEDY, T1, model_pair, run_ar, tiny_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:verifier 'mtad'")  # the lossy-rule warning at T = 1
 
@@ -211,7 +211,7 @@ def chain_log_q(draft):
 
 
 def test_registry_validation_and_rule_pairing():
-  config = dec.DecoderConfig.tiny(vocab_size=6, num_layers=1)
+  config = tiny_config(vocab_size=6, num_layers=1)
   d = drafters.make("beam", config=config, vocab_size=6, width=2, sample=False)
   assert isinstance(d, BeamDrafter) and (d.width, d.sample, d.num_nodes(5)) == (2, False, 5)
   assert d.is_chain and d.sibling_sampling == contracts.SAMPLING_BEAM == "beam"

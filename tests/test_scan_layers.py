@@ -7,6 +7,7 @@ numbers (and gradients) of the unstacked call."""
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,13 +15,14 @@ import pytest
 
 from blockspec_jax import kernels
 from blockspec_jax.models import decoder as dec
+from helpers import tiny_config
 
 GEMMA = dict(qk_norm=True, post_norms=True, embed_scale=True, mlp_activation="gelu_tanh", query_scale=0.3,
              sliding_window=3, layer_types=("sliding", "full", "sliding"), rope_theta_local=100.0, num_layers=3)
 
 
 def _pair(overrides, seed=0):
-  config = dec.DecoderConfig.tiny(**overrides)
+  config = tiny_config(**overrides)
   params = dec.init_params(config, seed)
   # Norm scales away from 1 and non-zero biases, so every parameter matters.
   params = jax.tree_util.tree_map_with_path(
@@ -77,26 +79,26 @@ def test_scanned_equals_unrolled_bit_for_bit(overrides):
 
 
 def test_stack_and_unstack_are_inverse_and_consume_frees_the_layers():
-  config = dec.DecoderConfig.tiny(num_layers=3)
+  config = tiny_config(num_layers=3)
   params = dec.init_params(config, 0)
   stacked = dec.stack_layers(params, 3)
   assert set(stacked) == {"embed", "final_norm", "lm_head", "layers"}
-  assert stacked["layers"]["attn"]["q"]["weight"].shape == (3, 32, 32)
+  chex.assert_shape(stacked["layers"]["attn"]["q"]["weight"], (3, 32, 32))
   back = dec.unstack_layers(stacked)
-  jax.tree.map(np.testing.assert_array_equal, back, params)
+  chex.assert_trees_all_equal(back, params)
   mutable = jax.tree.map(lambda x: x, params)
   dec.stack_layers(mutable, 3, consume=True)
   assert not any(k.startswith("layers_") for k in mutable)
   with pytest.raises(ValueError, match="missing"):
     dec.stack_layers({"embed": params["embed"]}, 3)
   scanned = dataclasses.replace(config, scan_layers=True)
-  jax.tree.map(np.testing.assert_array_equal, dec.init_params(scanned, 0), stacked)  # the same model
+  chex.assert_trees_all_equal(dec.init_params(scanned, 0), stacked)  # the same model
 
 
 def test_the_scanned_program_does_not_grow_with_depth():
   """The unrolled program grows with the number of layers; the scanned one stays the size of one layer."""
   def hlo_size(num_layers, scan):
-    cfg = dec.DecoderConfig.tiny(num_layers=num_layers, scan_layers=scan)
+    cfg = tiny_config(num_layers=num_layers, scan_layers=scan)
     params = dec.init_params(cfg, 0)
     tokens = jnp.zeros((1, 1), jnp.int32)
     cache = dec.init_cache(cfg, 1, 8)

@@ -1,6 +1,7 @@
 """The decoding engine: greedy equality, ragged rows, stop tokens, budgets, keys, errors (the model pair, prompts and
 runs: tests/helpers.py; the law at T = 1 for every registered rule and drafter: tests/test_engine_trees.py)."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,9 +10,8 @@ import pytest
 from blockspec_jax import sampling
 from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.drafters import ModelDrafter
-from blockspec_jax.models import decoder as dec
 
-from helpers import PROMPTS, init_params, model_pair, run_ar, run_spec
+from helpers import PROMPTS, init_params, model_pair, run_ar, run_spec, tiny_config
 
 
 # γ = 2 for every registered rule with every registered drafter, and the law at T = 1 for every lossless rule:
@@ -33,7 +33,7 @@ def test_greedy_speculative_equals_autoregressive(gamma, verifier):
 
 def test_greedy_with_a_smaller_drafter():
   config, target, _ = model_pair()
-  small = dec.DecoderConfig.tiny(vocab_size=64, num_layers=1)
+  small = tiny_config(vocab_size=64, num_layers=1)
   keys = jax.random.split(jax.random.key(0), 4)
   ar = run_ar(config, target, PROMPTS, keys, 12)
   out = run_spec(config, target, init_params(small, 5), PROMPTS, keys, 12, 3, drafter_config=small)
@@ -103,15 +103,15 @@ def test_prefill_then_decode_equals_one_program():
     whole = run_spec(config, target, drafter, PROMPTS, keys, 14, 3, verifier, t1)
     state = spec.prefill_speculative(target, drafter, tokens, lens, **common)
     split = spec.decode_speculative(target, drafter, keys, state, verifier=verifier, sampler=t1, **common)
-    jax.tree.map(np.testing.assert_array_equal, split, whole)
+    chex.assert_trees_all_equal(split, whole)
   whole = run_ar(config, target, PROMPTS, keys, 9, t1)
   state = spec.prefill_autoregressive(target, tokens, lens, target=config, max_new_tokens=9)
   split = spec.decode_autoregressive(target, keys, state, target=config, max_new_tokens=9, sampler=t1)
-  jax.tree.map(np.testing.assert_array_equal, split, whole)
+  chex.assert_trees_all_equal(split, whole)
   # Raw uint32 keys (jax.random.PRNGKey style, [B, 2]) are the same keys: the same output.
   raw = spec.decode_autoregressive(target, jax.random.key_data(keys), state, target=config, max_new_tokens=9,
                                    sampler=t1)
-  jax.tree.map(np.testing.assert_array_equal, raw, whole)
+  chex.assert_trees_all_equal(raw, whole)
   state = spec.prefill_speculative(target, drafter, tokens, lens, **common)
   with pytest.raises(ValueError, match="prefilled for 14 new tokens, decoding asks for 20"):
     spec.decode_speculative(target, drafter, keys, state, **dict(common, max_new_tokens=20))
@@ -131,10 +131,10 @@ def test_errors():
   keys = jax.random.split(jax.random.key(0), 4)
   with pytest.raises(ValueError, match="gamma must be >= 1"):
     run_spec(config, target, drafter, PROMPTS, keys, 8, 0)
-  other = dec.DecoderConfig.tiny(vocab_size=32)
+  other = tiny_config(vocab_size=32)
   with pytest.raises(ValueError, match="vocabulary mismatch"):
     run_spec(config, target, init_params(other, 0), PROMPTS, keys, 8, 2, drafter_config=other)
-  short = dec.DecoderConfig.tiny(vocab_size=64, max_len=16)
+  short = tiny_config(vocab_size=64, max_len=16)
   with pytest.raises(ValueError, match="prompt too long for the cache"):
     run_spec(short, target, drafter, PROMPTS, keys, 8, 2)
   with pytest.raises(ValueError, match="prompt too long for the cache"):

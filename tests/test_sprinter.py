@@ -17,7 +17,8 @@ from blockspec_jax.drafters.sprinter import SprinterDrafter, head_probs
 from blockspec_jax.models import decoder as dec
 from blockspec_jax.theory import lossy
 
-from helpers import GREEDY, PROMPTS as RAGGED, T1, model_pair, run_ar, target_sequence_law
+from helpers import (GREEDY, PROMPTS as RAGGED, T1, model_pair, run_ar, target_sequence_law,
+                     tiny_config)
 
 PROMPT = [1, 4]
 
@@ -199,4 +200,4 @@ def test_jobs_know_the_lossy_rules():
   for name in ("sprinter", "mtad", "lenient"):
     assert not verify.get_verifier(name).lossless_under(T1)
   with pytest.raises(checks.UsageError, match="needs a trained verifier head"):
-    methods.drafter_params(SprinterDrafter(dec.DecoderConfig.tiny()), None, None)
+    methods.drafter_params(SprinterDrafter(tiny_config()), None, None)

@@ -19,13 +19,13 @@ from blockspec_jax.drafters.sprinter import head_probs, init_head
 from blockspec_jax.models import decoder as dec
 from blockspec_jax.train import distill, sprinter, trainer
 from blockspec_jax.train import __main__ as train_main
+from helpers import run_train_main, small_config, tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(REPO, "gin/train/sprinter_smoke.gin")
 
-TARGET = dec.DecoderConfig.tiny(vocab_size=64, d_model=32, num_layers=2, max_len=64)
-DRAFTER = dec.DecoderConfig.tiny(vocab_size=64, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, ffn_dim=32,
-                                 max_len=64)
+TARGET = tiny_config(max_len=64)  # V 64, D 32, 2 layers
+DRAFTER = small_config(max_len=64)  # V 64, D 16, 1 layer, 2 heads / 1 KV head, F 32
 
 
 @functools.partial(jax.jit, static_argnames="config")
@@ -225,9 +225,6 @@ def test_save_load_round_trip_and_clear_errors(tmp_path):
     sprinter.save_head(tmp_path / "nan", {"w_D": jnp.full((3,), jnp.nan), "b": jnp.float32(0)})
 
 
-from test_train import _run_main  # noqa: E402  (gin cleared around the entry point)
-
-
 def _head(workdir):
   head, _ = sprinter.load_head(workdir)
   return np.asarray(head["w_D"]), float(head["b"])
@@ -237,7 +234,7 @@ def test_smoke_job_end_to_end_resumes_without_recollecting_and_keeps_held_out_pr
                                                                                            capsys):
   first = tmp_path / "first"
   base = ["--gin_file", SMOKE, "--gin_param", "sprinter_job.progress = False"]
-  assert _run_main(base + ["--workdir", str(first), "--gin_param", "sprinter_job.stop_after = 50"]) == 0
+  assert run_train_main(base + ["--workdir", str(first), "--gin_param", "sprinter_job.stop_after = 50"]) == 0
   stopped = json.loads((first / "metrics.json").read_text())
   assert stopped["steps"] == 50 and stopped["resumed_from"] is None and not stopped["labels_cached"]
   assert "sprinter_job.stop_after = 50" in (first / "config.gin").read_text()
@@ -246,7 +243,7 @@ def test_smoke_job_end_to_end_resumes_without_recollecting_and_keeps_held_out_pr
     raise AssertionError("labels were collected again")
 
   monkeypatch.setattr(sprinter, "collect_labels", no_collection)
-  assert _run_main(base + ["--workdir", str(first)]) == 0
+  assert run_train_main(base + ["--workdir", str(first)]) == 0
   summary = json.loads((first / "metrics.json").read_text())
   assert summary["steps"] == 100 and summary["resumed_from"] == 50 and summary["labels_cached"]
   assert "held-out head at threshold 0.5" in capsys.readouterr().out
@@ -275,7 +272,7 @@ def test_smoke_job_end_to_end_resumes_without_recollecting_and_keeps_held_out_pr
   second.mkdir()
   for name in ("labels_train.npz", "labels_heldout.npz"):
     shutil.copy(first / name, second / name)
-  assert _run_main(base + ["--workdir", str(second)]) == 0
+  assert run_train_main(base + ["--workdir", str(second)]) == 0
   w1, b1 = _head(first)
   w2, b2 = _head(second)
   np.testing.assert_array_equal(w1, w2)
@@ -283,7 +280,7 @@ def test_smoke_job_end_to_end_resumes_without_recollecting_and_keeps_held_out_pr
 
   # labels cached under other settings are refused, not mixed
   with pytest.raises(SystemExit):
-    _run_main(base + ["--workdir", str(first), "--gin_param", "sprinter_job.temperature = 0.5"])
+    run_train_main(base + ["--workdir", str(first), "--gin_param", "sprinter_job.temperature = 0.5"])
   assert "collected with other settings (temperature differ)" in capsys.readouterr().err
 
 
@@ -295,7 +292,7 @@ def test_entry_point_usage_errors(tmp_path, capsys):
                            ("sprinter_job.thresholds = (0.5, -1)", "thresholds must be numbers"),
                            ("sprinter_job.batch_size = 0", "sprinter_job.batch_size must be an integer >= 1")):
     with pytest.raises(SystemExit):
-      _run_main(base + ["--gin_param", binding])
+      run_train_main(base + ["--gin_param", binding])
     assert message in capsys.readouterr().err
 
 

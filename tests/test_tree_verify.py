@@ -1,4 +1,5 @@
-"""Tree verification (blockspec_jax.verify.tree): exact laws by χ² with fixed seeds, hand-made cases, errors.
+"""Tree verification (blockspec_jax.verify.tree): exact laws by χ² with fixed seeds, hand-made cases (one tree at a
+time jitted and not, ``chex.variants``, and in batches), errors.
 
 The law tests are parametrised over ``TREE_RULES``: a newly registered rule is tested against the target sequence
 law automatically, with trees drawn the way ``tree_sampling(rule)`` asks. Thresholds as in tests/test_laws.py:
@@ -8,6 +9,7 @@ p > 1e-3 where the law must be exact, p < 1e-6 where a bias must be detected (se
 import functools
 import itertools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,8 +22,6 @@ from blockspec_jax.verify import tree
 from helpers import BIAS_P, PASS_P, row_counts, stable_seed, top_k_pair
 
 NUM_SAMPLES = 150_000
-
-
 
 
 # --- drawing trees from tabular models (test helpers) --------------------------------------------------------------
@@ -324,6 +324,69 @@ def _verify_many(rule, args, seed):
   batched = [jnp.broadcast_to(x, (BATCH,) + x.shape) for x in args]
   res = _verify_runner(rule)(jax.random.split(jax.random.key(seed), BATCH), *batched)
   return jax.tree.map(np.asarray, res)
+
+
+@functools.lru_cache(maxsize=None)
+def _one_tree(rule):
+  """``tree_verify`` of one tree with ``rule`` bound: one function object per rule, so the jitted variants of the
+  tests below share their compilations."""
+  return functools.partial(tree.tree_verify, rule=rule)
+
+
+class HandTreeTest(chex.TestCase):
+  """Hand-made trees with determined outcomes, one tree at a time, jitted and not (``chex.variants``): each rule
+  gives the same τ, path and range of Y both ways; on a random tree, the same results both ways."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_equal_models_accept_first_child_everywhere(self):
+    row_V = np.array([0.4, 0.0, 0.3, 0.2, 0.1])
+    args = _constant_tree(row_V, row_V, [0, 2, 3, 0])
+    for rule in sorted(CHAIN_EQUIVALENT):
+      run = self.variant(_one_tree(rule))
+      for seed in range(2):
+        res = jax.tree.map(np.asarray, run(jax.random.key(seed), *args))
+        self.assertEqual(int(res.num_accepted), 2, rule)
+        np.testing.assert_array_equal(res.accepted_N, [True, False, True, False], err_msg=rule)
+        self.assertGreater(row_V[int(res.next_token)], 0, rule)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_disjoint_supports_accept_nothing(self):
+    q_V = np.array([0.6, 0.4, 0.0, 0.0, 0.0])
+    p_V = np.array([0.0, 0.0, 0.5, 0.3, 0.2])
+    args = _constant_tree(q_V, p_V, [0, 1, 0, 1])
+    for rule in sorted(CHAIN_EQUIVALENT):
+      run = self.variant(_one_tree(rule))
+      for seed in range(2):
+        res = jax.tree.map(np.asarray, run(jax.random.key(seed), *args))
+        self.assertEqual(int(res.num_accepted), 0, rule)
+        self.assertFalse(res.accepted_N.any(), rule)
+        self.assertIn(int(res.next_token), (2, 3, 4), rule)
+
+  def test_same_results_jitted_and_not(self):
+    """A random tree (Dirichlet rows, every outcome possible): every registered tree rule gives the same τ, path and
+    Y eagerly as under ``jax.jit`` for the same keys (the jitted functions are those of the variants above)."""
+    rng = np.random.default_rng(7)
+    n_nodes = len(HAND_PARENTS)
+    args = (jnp.asarray(rng.integers(0, 5, n_nodes), jnp.int32), jnp.asarray(HAND_PARENTS),
+            jnp.asarray(rng.dirichlet(np.ones(5), n_nodes), jnp.float32),
+            jnp.asarray(rng.dirichlet(np.ones(5), n_nodes + 1), jnp.float32))
+    for rule in sorted(tree.TREE_RULES):
+      jitted = jax.jit(_one_tree(rule))
+      for key in jax.random.split(jax.random.key(stable_seed("jitted_and_not")), 2):
+        chex.assert_trees_all_equal(_one_tree(rule)(key, *args), jitted(key, *args))
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_spectr_rho_table(self):
+    """ρ in closed form: p = q (ρ = 1), k = 1 (ρ = 1), and p = (½, ½, 0), q = (1, 0, 0), k = 2, where
+    β = 1/(2ρ) and 1 − (1 − β)² = ρβ give ρ = 1 + 1/√2 = c and β = 1 − 1/√2."""
+    rho_fn = self.variant(tree.spectr_rho)
+    one_hot = jnp.array([0.0, 1.0, 0.0])
+    self.assertEqual(float(rho_fn(one_hot, one_hot, 4)[0]), 1.0)
+    p_V, q_V = jnp.array([0.5, 0.5, 0.0]), jnp.array([1.0, 0.0, 0.0])
+    self.assertEqual(float(rho_fn(p_V, q_V, 1)[0]), 1.0)
+    rho, beta, scale = (float(v) for v in rho_fn(p_V, q_V, 2))
+    np.testing.assert_allclose([rho, beta, scale], [1 + 2**-0.5, 1 - 2**-0.5, 1 + 2**-0.5], rtol=1e-5)
+    self.assertLessEqual(scale, rho * (1 + 1e-6))  # the lossless side
 
 
 @pytest.mark.parametrize("rule", sorted(CHAIN_EQUIVALENT))

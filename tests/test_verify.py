@@ -1,7 +1,8 @@
 """Verification rules: exact tables, invariances, equality cases, numerics and input errors.
 
-The numerics, range and input-error tests run every registered single-block (chain) rule, jitted and not
-(``chex.variants``): a newly registered rule is covered without an edit. Laws against enumeration live in
+The exact tables run each rule jitted and not (``chex.variants``): the same numbers both ways. The numerics and range
+tests run every registered single-block (chain) rule, jitted and not, and the input-error tests every one: a newly
+registered rule is covered without an edit. Laws against enumeration live in
 test_laws.py (they need blockspec_jax.theory).
 """
 
@@ -49,7 +50,7 @@ class ExactTableTest(chex.TestCase):
     rule = self.variant(verify.block_verify)
     # Z_1 = Σ max(w1 p - q, 0) = max(1/6 - 2/3, 0) + max(1/3 - 1/3, 0) = 0 -> h_1 = 0; h_2 = w_2 = 1/4
     np.testing.assert_allclose(
-        verify.block_acceptance_thresholds(jnp.array([0.5, 0.25]), q, p), [0.0, 0.25], atol=1e-7)
+        self.variant(verify.block_acceptance_thresholds)(jnp.array([0.5, 0.25]), q, p), [0.0, 0.25], atol=1e-7)
     self.assertEqual(int(rule(key, tokens, q, p, jnp.array([0.0, 0.2])).num_accepted), 2)
     self.assertEqual(int(rule(key, tokens, q, p, jnp.array([0.0, 0.3])).num_accepted), 0)
     # (a, b): w1 = 1/2, w2 = min(1, 1/2 * 2) = 1, h_2 = 1: always accepted, even after a failed first coin
@@ -58,35 +59,52 @@ class ExactTableTest(chex.TestCase):
     self.assertEqual(int(res.num_accepted), 2)
     np.testing.assert_allclose(res.acceptance_probs, [0.5, 1.0], rtol=1e-6)
 
+  @chex.variants(with_jit=True, without_jit=True)
   def test_block_scans_past_a_failed_coin(self):
     # γ = 3, V = 3: the coin at position 1 fails, position 2 succeeds -> τ = 2 (token verification would stop at 0).
     q = jnp.array([[0.5, 0.25, 0.25], [0.2, 0.4, 0.4], [1 / 3, 1 / 3, 1 / 3]])
     p = jnp.array([[0.25, 0.5, 0.25], [0.6, 0.2, 0.2], [0.5, 0.25, 0.25], [0.1, 0.1, 0.8]])
     tokens = jnp.array([0, 0, 2])
     w = np.array([0.5, 1.0, 0.75])  # 0.25/0.5; min(1, 0.5*0.6/0.2); 1*0.25/(1/3)
-    res = verify.block_verify(jax.random.key(0), tokens, q, p, jnp.array([0.99, 0.5, 0.9]))
+    res = self.variant(verify.block_verify)(jax.random.key(0), tokens, q, p, jnp.array([0.99, 0.5, 0.9]))
     np.testing.assert_allclose(res.acceptance_probs, w, rtol=1e-6)
     self.assertEqual(int(res.num_accepted), 2)
-    tok = verify.token_verify(jax.random.key(0), tokens, q, p, jnp.array([0.99, 0.5, 0.9]))
+    tok = self.variant(verify.token_verify)(jax.random.key(0), tokens, q, p, jnp.array([0.99, 0.5, 0.9]))
     self.assertEqual(int(tok.num_accepted), 0)
 
+  @chex.variants(with_jit=True, without_jit=True)
   def test_greedy_table(self):
     p = jnp.array([[0.1, 0.7, 0.2], [0.5, 0.2, 0.3], [0.0, 0.0, 1.0]])
     q = jnp.full((2, 3), 1 / 3)
-    res = verify.greedy_verify(None, jnp.array([1, 0]), q, p)
+    rule = self.variant(verify.greedy_verify)
+    res = rule(None, jnp.array([1, 0]), q, p)
     self.assertEqual((int(res.num_accepted), int(res.next_token)), (2, 2))
-    res = verify.greedy_verify(None, jnp.array([1, 2]), q, p)
+    res = rule(None, jnp.array([1, 2]), q, p)
     self.assertEqual((int(res.num_accepted), int(res.next_token)), (1, 0))
-    res = verify.greedy_verify(None, jnp.array([0, 0]), q, p)
+    res = rule(None, jnp.array([0, 0]), q, p)
     self.assertEqual((int(res.num_accepted), int(res.next_token)), (0, 1))
 
+  @chex.variants(with_jit=True, without_jit=True)
   def test_exact_match_with_one_hot_target(self):
     p = jnp.array([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
     q = jnp.full((2, 3), 1 / 3)
-    res = verify.exact_match_verify(jax.random.key(3), jnp.array([1, 0]), q, p)
+    rule = self.variant(verify.exact_match_verify)
+    res = rule(jax.random.key(3), jnp.array([1, 0]), q, p)
     self.assertEqual((int(res.num_accepted), int(res.next_token)), (2, 2))
-    res = verify.exact_match_verify(jax.random.key(3), jnp.array([1, 1]), q, p)
+    res = rule(jax.random.key(3), jnp.array([1, 1]), q, p)
     self.assertEqual((int(res.num_accepted), int(res.next_token)), (1, 0))
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_w_near_one_keeps_precision(self):
+    """h = Z / (Z + (1 − w)) with w = 1 − 2^-24 and Z = 2^-25 (all exact in f32) is exactly 1/3.
+
+    Summing (Z + 1) − w instead would round 1 + 2^-25 to 1 and give 1/2.
+    """
+    w = jnp.array([1.0 - 2.0 ** -24, 1.0], jnp.float32)
+    q = jnp.array([[0.5, 0.5], [0.5 - 2.0 ** -24, 0.5 + 2.0 ** -24]], jnp.float32)
+    p = jnp.full((3, 2), 0.5, jnp.float32)
+    h = self.variant(verify.block_acceptance_thresholds)(w, q, p)
+    np.testing.assert_allclose(float(h[0]), 1 / 3, rtol=1e-6)
 
 
 def _random_batch(seed, batch, gamma, vocab, mismatch=1.0):
@@ -161,18 +179,6 @@ class EveryChainRuleTest(chex.TestCase):
       assert np.all((np.asarray(res.next_token) >= 0) & (np.asarray(res.next_token) < 11)), name
       probs = np.asarray(res.acceptance_probs)
       assert np.all((probs >= 0) & (probs <= 1)), name
-
-
-def test_w_near_one_keeps_precision():
-  """h = Z / (Z + (1 − w)) with w = 1 − 2^-24 and Z = 2^-25 (all exact in f32) is exactly 1/3.
-
-  Summing (Z + 1) − w instead would round 1 + 2^-25 to 1 and give 1/2.
-  """
-  w = jnp.array([1.0 - 2.0 ** -24, 1.0], jnp.float32)
-  q = jnp.array([[0.5, 0.5], [0.5 - 2.0 ** -24, 0.5 + 2.0 ** -24]], jnp.float32)
-  p = jnp.full((3, 2), 0.5, jnp.float32)
-  h = verify.block_acceptance_thresholds(w, q, p)
-  np.testing.assert_allclose(float(h[0]), 1 / 3, rtol=1e-6)
 
 
 def test_same_key_same_output_and_row_independence():
