@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +19,8 @@ import pytest
 from blockspec_jax.data import prompts as prompts_lib
 from blockspec_jax.models import decoder as dec
 from blockspec_jax.train import distill, divergences, params as params_lib, recipe as recipe_lib, trainer
-from blockspec_jax.train import __main__ as train_main
+
+from helpers import run_train_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -596,14 +596,6 @@ def test_eight_devices_equal_one_device():
 
 # --- the entry point --------------------------------------------------------------------------------------------------
 
-def _run_main(argv):
-  gin.clear_config()
-  try:
-    return train_main.main(argv)
-  finally:
-    gin.clear_config()
-
-
 def test_eval_curves_merge_points_measured_outside_the_loop():
   rows = [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.4, "eval_heldout_tv": 0.30},
           {"step": 4, "loss": 0.3, "eval_heldout_tv": 0.25, "eval_other": 1.0}]
@@ -617,7 +609,7 @@ def test_eval_curves_merge_points_measured_outside_the_loop():
 
 def test_smoke_job_end_to_end(tmp_path, capsys):
   workdir = tmp_path / "smoke"
-  rc = _run_main(["--gin_file", os.path.join(REPO, "gin/train/distill_smoke.gin"), "--workdir", str(workdir),
+  rc = run_train_main(["--gin_file", os.path.join(REPO, "gin/train/distill_smoke.gin"), "--workdir", str(workdir),
                   "--gin_param", "distill_job.num_steps = 40", "--gin_param", "distill_job.num_prompts = 64",
                   "--gin_param", "distill_job.progress = False", "--gin_param", "make_optimizer.learning_rate = 1e-2"])
   assert rc == 0
@@ -646,7 +638,7 @@ def test_entry_point_usage_errors(tmp_path, capsys):
                            ("distill_job.source = 'replay'", "unknown data source"),
                            ("distill_job.target = 'smollm2-135m'", "not a mix")):
     with pytest.raises(SystemExit) as e:
-      _run_main(base + ["--gin_param", binding])
+      run_train_main(base + ["--gin_param", binding])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
 
