@@ -60,6 +60,7 @@ def test_target_loglik_matches_a_direct_forward():
   np.testing.assert_allclose(per_seq, [e / len(o) for e, o in zip(expected, outputs)], rtol=1e-5)
 
 
+@pytest.mark.heavy  # the longest SmolLM2 run of the default suite (~4-5 min); by default the fast tests cover the bench's grid and test_run the lossy rules on SmolLM2
 def test_bench_on_smollm2_end_to_end(tmp_path, capsys):
   """SmolLM2 as drafter and target, a zero head (every context gets sigmoid(b)): one threshold below and one above
   it, one τ, 2 prompts × 8 tokens; the table, the JSON and the plot are written, and the rows behave as they must

@@ -60,6 +60,7 @@ def test_main_job_on_smollm2(tmp_path, capsys):
   assert len(texts["block@T=0.0"].strip()) > 0
 
 
+@pytest.mark.heavy  # tests/test_scan_layers.py checks SmolLM2 scanned = unrolled bit for bit in the default run
 def test_the_stacked_and_unrolled_layouts_emit_the_same_tokens(tmp_path):
   """The main job on SmolLM2 with its layers compiled once (the default) and unrolled: block verification emits the
   same token ids at T = 1 (same keys) with the same acceptance (the decoder-level equality, every path, is
