@@ -59,7 +59,10 @@ def selected_job() -> Callable:
   configured = cli.bound_jobs(JOBS)
   if len(configured) > 1:
     raise checks_lib.UsageError(f"the gin files configure {' and '.join(configured)}; a run trains one job")
-  return _jobs()[configured[0] if configured else jobs_lib.DEFAULT_JOB]
+  name = configured[0] if configured else jobs_lib.DEFAULT_JOB
+  # Only the selected job's module: a bound job's is imported already (its settings are registered), and importing
+  # another job's module would register configurables in a locked gin config.
+  return getattr(importlib.import_module(jobs_lib.TRAINING_JOBS[name]), name)
 
 
 def _print_result(job: Callable, summary: dict, workdir: pathlib.Path) -> None:
