@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import csv
 import datetime
-import json
 import math
 import pathlib
 import platform
