@@ -1,4 +1,6 @@
 import os
+import pathlib
+import re
 
 # The test run compiles thousands of small programs and runs most of them for milliseconds, so XLA's compile time is
 # most of its time: LLVM at optimisation level 0 compiles them about 1.5x faster (tests/test_speculative.py 142 s ->
@@ -7,7 +9,8 @@ import os
 # under one setting (the layouts, the rules, sharded vs one device); the level moves float32 results by ulps
 # (SmolLM2's logits by up to 2e-4) but not such comparisons (SmolLM2's stacked and unrolled logits are bit-identical
 # at level 0 and at the default level alike). Figures the README reports come from the jobs at XLA's default level,
-# never from here, and the 8-device sharding tests run in subprocesses at the default level. A level of your own in
+# never from here; the 8-device sharding subprocesses inherit the tests' level (helpers.fake_devices_env; the sharded
+# loop script 107 -> 72 s), and the SmolLM2 main job's recorded ids run at the default level. A level of your own in
 # XLA_FLAGS wins (e.g. XLA_FLAGS=--xla_backend_optimization_level=2 python -m pytest ... for the product's level).
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
@@ -37,6 +40,27 @@ os.environ.setdefault("BLOCKSPEC_JAX_COMPILE_CACHE", "off")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
+def pytest_xdist_make_scheduler(config, log):
+  """Under ``-n`` (pytest-xdist's default ``load`` scheduling), a test file with a module- or class-scoped fixture
+  runs on one worker, so the fixture is built once per run and not once per worker (the SmolLM2 distillation and SD²
+  runs, the converted models: 1-2 minutes each); every other test is handed out one by one, as ``load`` does. (The
+  ``xdist_group`` mark cannot do this under pytest 9: xdist puts the group into a test id pytest no longer reads.)"""
+  if config.getvalue("dist") != "load":
+    return None  # a --dist of the user's own
+  from xdist.scheduler import LoadScopeScheduling
+  root = pathlib.Path(str(config.rootpath))
+  shared = re.compile(r"@pytest\.fixture\(\s*scope\s*=\s*[\"'](module|class)[\"']")
+  grouped = {path.relative_to(root).as_posix() for path in (root / "tests").glob("test_*.py")
+             if shared.search(path.read_text(encoding="utf-8"))}
+
+  class FixtureGroups(LoadScopeScheduling):
+    def _split_scope(self, nodeid):
+      path = nodeid.split("::", 1)[0]
+      return path if path in grouped else nodeid
+
+  return FixtureGroups(config, log)
+
+
 @pytest.fixture(autouse=True)
 def _release_compiled_programs():
   """A test worker compiles thousands of programs, and XLA's CPU backend holds each one's code in anonymous memory
@@ -46,3 +70,4 @@ def _release_compiled_programs():
   is in use (no single test adds more than about ten thousand); later tests compile what they need again."""
   yield
   runtime.release_programs_if_near_map_limit()
+

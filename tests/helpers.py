@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import os
 import zlib
 
 import jax
@@ -36,6 +37,14 @@ BIAS_P = 1e-6
 # --- models, prompts, runs -----------------------------------------------------------------------------------------
 
 init_params = dec.init_params  # the tests' random models
+
+
+def fake_devices_env(count: int) -> dict[str, str]:
+  """The environment for a subprocess on ``count`` fake CPU devices: this process's, with the device count added to
+  its ``XLA_FLAGS`` (so the subprocess compiles at the tests' optimisation level too: ``tests/conftest.py``)."""
+  flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "force_host_platform_device_count" not in f)
+  return dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={count}".strip(),
+              JAX_PLATFORMS="cpu")
 
 
 def tiny_config(**overrides) -> dec.DecoderConfig:

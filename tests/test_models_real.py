@@ -421,7 +421,7 @@ def test_converted_cache_roundtrip_and_corruption(smol, tmp_path, capsys):
 def test_the_converted_cache_is_read_once_into_aligned_arrays(smol, dtype, tmp_path):
   """The cache reader puts every parameter's bytes straight into a 64-byte-aligned array (the CPU device then takes
   it without a copy), the layers straight into their stacks: the same bytes as np.load in both layouts; a
-  compressed file falls back to np.load with the same result."""
+  compressed file (checked on the bfloat16 cache) falls back to np.load with the same result."""
   hub.load_model("smollm2-135m", dtype=dtype, progress=False)  # converted, if it was not yet
   spec, path = registry.MODELS["smollm2-135m"], hub.converted_cache_path("smollm2-135m", dtype)
   with np.load(path) as npz:
@@ -438,6 +438,8 @@ def test_the_converted_cache_is_read_once_into_aligned_arrays(smol, dtype, tmp_p
   assert jax.tree.structure(stacked["params"]) == jax.tree.structure(expected)
   for a, b in zip(jax.tree.leaves(stacked["params"]), jax.tree.leaves(expected)):
     assert a.dtype == b.dtype and a.ctypes.data % 64 == 0 and a.tobytes() == b.tobytes()
+  if dtype != "bfloat16":
+    return  # the fallback does not depend on the dtype: compressing the float32 file (540 MB) once more takes a minute
   compressed = tmp_path / path.name
   with np.load(path) as npz:
     np.savez_compressed(compressed, **{k: npz[k] for k in npz.files})

@@ -10,12 +10,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from blockspec_jax import parallel
+from helpers import fake_devices_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_sharded_equals_unsharded_on_eight_devices():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = fake_devices_env(8)
   proc = subprocess.run([sys.executable, os.path.join(HERE, "sharded_equality_script.py")], env=env,
                         capture_output=True, text=True, timeout=900)
   print(proc.stdout[-3000:], proc.stderr[-3000:])

@@ -20,7 +20,7 @@ from blockspec_jax.data import prompts as prompts_lib
 from blockspec_jax.models import decoder as dec
 from blockspec_jax.train import distill, divergences, params as params_lib, recipe as recipe_lib, trainer
 
-from helpers import run_train_main
+from helpers import fake_devices_env, run_train_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -587,7 +587,7 @@ SHARDED_SCRIPT = textwrap.dedent("""
 
 
 def test_eight_devices_equal_one_device():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = fake_devices_env(8)
   proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], env=env, capture_output=True, text=True,
                         timeout=600, cwd=REPO)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
