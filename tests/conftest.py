@@ -40,6 +40,7 @@ os.environ.setdefault("BLOCKSPEC_JAX_COMPILE_CACHE", "off")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown (and unused) under -p no:xdist
 def pytest_xdist_make_scheduler(config, log):
   """Under ``-n`` (pytest-xdist's default ``load`` scheduling), a test file with a module- or class-scoped fixture
   runs on one worker, so the fixture is built once per run and not once per worker (the SmolLM2 distillation and SD²

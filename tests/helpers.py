@@ -47,6 +47,36 @@ def fake_devices_env(count: int) -> dict[str, str]:
               JAX_PLATFORMS="cpu")
 
 
+def free_port() -> int:
+  """A TCP port on 127.0.0.1 that was free a moment ago (the coordinator of a multi-process test binds it next)."""
+  import socket
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    return sock.getsockname()[1]
+
+
+def run_processes(script: str, count: int, args: tuple[str, ...], devices_each: int = 2, timeout: float = 420.0
+                  ) -> list[tuple[int | None, str]]:
+  """Start ``count`` processes of ``python <script> <process id> <count> <port> *args`` at once, each on
+  ``devices_each`` fake CPU devices (:func:`fake_devices_env`), and wait for them with one deadline: ``[(return code
+  or None if it was still running at the deadline and was killed, output)]`` in process order."""
+  import subprocess
+  import sys
+  import time
+  port = free_port()
+  procs = [subprocess.Popen([sys.executable, script, str(i), str(count), str(port), *args], env=fake_devices_env(
+      devices_each), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(count)]
+  deadline, results = time.monotonic() + timeout, []
+  for proc in procs:
+    try:
+      out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+      results.append((proc.returncode, out))
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      results.append((None, proc.communicate()[0]))
+  return results
+
+
 def tiny_config(**overrides) -> dec.DecoderConfig:
   """The tests' tiny model: exactly ``DecoderConfig.tiny(**overrides)`` (V 64, D 32, 2 layers, 4 heads / 2 KV heads
   of 8, F 64 unless ``overrides`` say otherwise). Every test model is built here or from :func:`small_config`."""

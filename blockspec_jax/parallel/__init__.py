@@ -10,12 +10,15 @@ Mesh axes: ``data`` (batch rows) and ``model`` (weights and KV heads). Rules:
 
 Because each row's randomness is ``fold_in(row_key, iteration)``, a sharded run emits the same tokens as one device.
 
-Multi-host (TPU pods): call :func:`initialize_multihost` first on every host (it wraps
-``jax.distributed.initialize()``, which reads the coordinator from the TPU environment, or takes
-``coordinator_address``, ``num_processes`` and ``process_id`` explicitly on GPU clusters); then build the mesh from
-``jax.devices()`` (all hosts' devices), give every host the same prompts and keys, and put the batch on the mesh
-with :func:`shard_batch`. Outputs are global arrays: use ``jax.experimental.multihost_utils.process_allgather`` to
-read them on one host.
+Multi-host (TPU pods, GPU clusters, or several processes on one machine): call :func:`initialize_multihost` first
+in every process (it wraps ``jax.distributed.initialize()``, which reads the coordinator from the TPU environment,
+or takes ``coordinator_address``, ``num_processes`` and ``process_id`` explicitly; CPU devices talk through gloo);
+then build the mesh from ``jax.devices()`` (every process's devices). A process can put on the mesh only the parts
+its own devices hold, so :func:`shard_params` and :func:`shard_batch` build global arrays from the values each
+process holds (the same parameters everywhere; the same full batch everywhere, or with ``process_local=True`` each
+process's own rows); the loops check the prompt rows each process holds, and :func:`gather` reads a global output
+on every process (``multihost_utils.process_allgather``). On one process these are today's ``jax.device_put`` and
+``np.asarray``, bit for bit. ``tests/test_multihost.py`` runs the loops in 2 processes joined on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.models.scorer import as_scorer
 
 __all__ = ["DATA", "MODEL", "make_mesh", "initialize_multihost", "param_spec", "param_shardings", "shard_params",
-           "batch_sharding", "shard_batch", "cache_sharding", "sharded_speculative", "sharded_autoregressive"]
+           "batch_sharding", "shard_batch", "gather", "cache_sharding", "sharded_speculative",
+           "sharded_autoregressive"]
 
 DATA, MODEL = "data", "model"
 
@@ -103,8 +107,35 @@ def param_shardings(params, mesh: Mesh):
       lambda path, x: NamedSharding(mesh, param_spec(_path_names(path), tuple(x.shape), mesh)), params)
 
 
+def _is_key(x) -> bool:
+  return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
+def _put_global(x, sharding: NamedSharding):
+  """A value every process holds in full (the same on each) as a global array on ``sharding``. One process
+  addressing every device: ``jax.device_put``. Otherwise a ``device_put`` onto other processes' devices is refused,
+  so each process places only the slices its own devices hold (``jax.make_array_from_callback``); typed PRNG keys
+  travel as their ``key_data``."""
+  if sharding.is_fully_addressable:
+    return jax.device_put(x, sharding)
+  if _is_key(x):
+    return jax.random.wrap_key_data(_put_global(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
+  host = np.asarray(x)
+  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _put_process_local(x, sharding: NamedSharding):
+  """This process's rows of a batch-leading array (every process the same number, in process order) as the
+  global array of all processes' rows on ``sharding``."""
+  if _is_key(x):
+    data = _put_process_local(jax.random.key_data(x), sharding)
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+  return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+
 def shard_params(params, mesh: Mesh):
-  return jax.device_put(params, param_shardings(params, mesh))
+  """The parameters on ``mesh`` by :func:`param_spec` (every process passes the same parameters)."""
+  return jax.tree.map(_put_global, params, param_shardings(params, mesh))
 
 
 def batch_sharding(mesh: Mesh, batch: int) -> NamedSharding:
@@ -113,9 +144,46 @@ def batch_sharding(mesh: Mesh, batch: int) -> NamedSharding:
   return NamedSharding(mesh, P(DATA))
 
 
-def shard_batch(mesh: Mesh, *arrays):
-  """Put batch-leading arrays (keys, tokens, lengths) on the mesh, rows split over ``data``."""
-  return tuple(jax.device_put(a, batch_sharding(mesh, a.shape[0])) for a in arrays)
+def shard_batch(mesh: Mesh, *arrays, process_local: bool = False):
+  """Put batch-leading arrays (keys, tokens, lengths) on the mesh, rows split over ``data``.
+
+  ``process_local=False``: every process passes the same global batch (each places the rows its devices hold).
+  ``process_local=True``: each process passes only its own rows, the same number in every process; the global batch
+  is process 0's rows, then process 1's, and so on (``jax.make_array_from_process_local_data``). On one process both
+  are the same.
+  """
+  count = jax.process_count() if process_local else 1
+  out = []
+  for a in arrays:
+    sharding = batch_sharding(mesh, a.shape[0] * count)
+    out.append(_put_process_local(a, sharding) if process_local and count > 1 else _put_global(a, sharding))
+  return tuple(out)
+
+
+def gather(tree):
+  """Every leaf of ``tree`` as a numpy array of its global value, on every process (a collective: all processes
+  call it): ``np.asarray`` where this process holds the whole value, else
+  ``multihost_utils.process_allgather``."""
+  from jax.experimental import multihost_utils
+
+  def read(x):
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+      return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+  return jax.tree.map(read, tree)
+
+
+def _check_prompts(tokens_BxP, prompt_len_B, target) -> None:
+  """The loops' prompt value checks, on the rows this process holds (a global array's other rows are checked by
+  the processes that hold them)."""
+  vocab = as_scorer(target).vocab_size
+  if not isinstance(tokens_BxP, jax.Array) or tokens_BxP.is_fully_addressable:
+    spec.check_prompt_values(tokens_BxP, prompt_len_B, vocab)
+    return
+  lengths = {shard.device: shard.data for shard in prompt_len_B.addressable_shards}
+  for shard in tokens_BxP.addressable_shards:
+    spec.check_prompt_values(shard.data, lengths[shard.device], vocab)
 
 
 def _output_shardings(out_shape, mesh: Mesh):
@@ -169,7 +237,7 @@ def sharded_speculative(mesh: Mesh, target_params, drafter_params, keys_B, token
   sampler, stop_ids, pad_id). The compiled program is cached per (settings, mesh, shapes): a second call with the
   same shapes does not recompile.
   """
-  spec.check_prompt_values(tokens_BxP, prompt_len_B, as_scorer(static["target"]).vocab_size)
+  _check_prompts(tokens_BxP, prompt_len_B, static["target"])
   with _mesh_context(mesh):
     fn = _compiled(spec.speculative_program, static, mesh, (target_params, drafter_params),
                    (keys_B, tokens_BxP, prompt_len_B))
@@ -178,7 +246,7 @@ def sharded_speculative(mesh: Mesh, target_params, drafter_params, keys_B, token
 
 def sharded_autoregressive(mesh: Mesh, target_params, keys_B, tokens_BxP, prompt_len_B, **static):
   """The autoregressive baseline on ``mesh`` (see :func:`sharded_speculative`)."""
-  spec.check_prompt_values(tokens_BxP, prompt_len_B, as_scorer(static["target"]).vocab_size)
+  _check_prompts(tokens_BxP, prompt_len_B, static["target"])
   with _mesh_context(mesh):
     fn = _compiled(spec.autoregressive_program, static, mesh, (target_params,), (keys_B, tokens_BxP, prompt_len_B))
     return fn(target_params, keys_B, tokens_BxP, prompt_len_B)

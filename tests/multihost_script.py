@@ -1,0 +1,89 @@
+"""One process of a multi-process run on this machine (tests/test_multihost.py starts every process, each on its own
+fake CPU devices, joined through ``jax.distributed`` on 127.0.0.1 with gloo collectives).
+
+    python tests/multihost_script.py <process id> <number of processes> <coordinator port> <mode>
+
+``mode``: ``loops`` runs the sharded speculative (block, RSD-C with traversal; T = 1) and autoregressive loops on a
+global (data, model) mesh over every process's devices, with the batch given in full to every process and
+as each process's own rows, reads the outputs back on every process (``parallel.gather``) and compares them with the
+same loops on this process's first device alone; prints ``EQUAL <case>`` per case and ``ALL EQUAL`` at the end.
+``hang``: joins, then process 1 exits at once while process 0 waits in a collective for it (the test expects process 0
+to end with an error, not to hang).
+"""
+
+import sys
+
+
+def main():
+  process_id, count, port, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+  from blockspec_jax import parallel
+  parallel.initialize_multihost(coordinator_address=f"127.0.0.1:{port}", num_processes=count, process_id=process_id,
+                                initialization_timeout=60, heartbeat_timeout_seconds=10)
+  import jax
+  assert jax.process_count() == count and len(jax.devices()) == count * len(jax.local_devices()), jax.devices()
+  print(f"process {jax.process_index()} of {jax.process_count()}: {len(jax.local_devices())} local devices, "
+        f"{len(jax.devices())} in all", flush=True)
+  if mode == "hang":
+    from jax.experimental import multihost_utils
+    if process_id == 1:
+      import os
+      os._exit(0)  # no goodbye: the others must notice on their own
+    multihost_utils.sync_global_devices("waits for a process that is gone")
+    print("the collective returned", flush=True)
+    return 0
+  return loops(process_id, count)
+
+
+def loops(process_id, count):
+  import jax
+  import numpy as np
+
+  from blockspec_jax import parallel, sampling
+  from blockspec_jax.decoding import speculative as spec
+  from blockspec_jax.drafters import ModelDrafter, make
+  from blockspec_jax.models import decoder as dec
+
+  def init(config, seed):
+    cache = dec.init_cache(config, 1, 4)
+    pos = np.zeros((1, 1), np.int32)
+    return dec.Decoder(config).init(jax.random.key(seed), pos, pos, cache, dec.causal_mask(pos, 4))["params"]
+
+  config = dec.DecoderConfig.tiny(vocab_size=64, qkv_bias=True)
+  small = dec.DecoderConfig.tiny(vocab_size=64, num_layers=1)
+  target, drafter = init(config, 0), init(small, 1)  # the same seeds: the same parameters in every process
+  prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11], [12, 13, 14, 15], [16, 17], [18], [19, 20, 21]]
+  tokens, lens = spec.prepare_prompts(prompts)
+  keys = jax.random.split(jax.random.key(0), len(prompts))
+  devices = len(jax.devices())
+  # A chain rule on a data x model mesh, a tree rule on a data-only one (T = 0 and more meshes: the 8-device test).
+  cases = ((sampling.Sampler(1.0), ModelDrafter(small), "block", (devices // 2, 2)),
+           (sampling.Sampler(1.0), make("rsd_c", config=small, branching=(2, 1, 1)), "traversal", (devices, 1)))
+  ok = True
+  rows = len(prompts) // count
+  mine = slice(process_id * rows, (process_id + 1) * rows)
+  for sampler, drafter_obj, rule, (data, model) in cases:
+    static = dict(target=config, drafter=drafter_obj, gamma=3, max_new_tokens=12, verifier=rule, sampler=sampler)
+    alone = spec.generate_speculative(target, drafter, keys, tokens, lens, **static)
+    ar_alone = spec.generate_autoregressive(target, keys, tokens, lens, target=config, max_new_tokens=12,
+                                            sampler=sampler)
+    mesh = parallel.make_mesh(data, model)
+    t_sh, d_sh = parallel.shard_params(target, mesh), parallel.shard_params(drafter, mesh)
+    for local in (False, True):
+      batch = (keys[mine], tokens[mine], lens[mine]) if local else (keys, tokens, lens)
+      k_sh, tok_sh, len_sh = parallel.shard_batch(mesh, *batch, process_local=local)
+      out = parallel.sharded_speculative(mesh, t_sh, d_sh, k_sh, tok_sh, len_sh, **static)
+      ar = parallel.sharded_autoregressive(mesh, t_sh, k_sh, tok_sh, len_sh, target=config, max_new_tokens=12,
+                                           sampler=sampler)
+      got, got_ar = parallel.gather((out.tokens_BxN, out.metrics.num_accepted_tokens)), parallel.gather(ar.tokens_BxN)
+      same = (np.array_equal(got[0], np.asarray(alone.tokens_BxN))
+              and np.array_equal(got[1], np.asarray(alone.metrics.num_accepted_tokens))
+              and np.array_equal(got_ar, np.asarray(ar_alone.tokens_BxN)))
+      name = f"{rule} T={sampler.temperature} mesh {data}x{model} {'process-local rows' if local else 'full batch'}"
+      print(f"{'EQUAL' if same else 'DIFFERENT'} {name}", flush=True)
+      ok &= same
+  print("ALL EQUAL" if ok else "MISMATCH", flush=True)
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,52 @@
+"""Multi-host with real processes on this machine: every process of a run is its own JAX process on its own fake CPU
+devices, joined through ``jax.distributed`` on 127.0.0.1 (a free port found at run time) with gloo collectives, and
+the sharded loops run on one global mesh over all of them (``tests/multihost_script.py``). A TPU pod or a GPU cluster
+is out of reach here; these are the same multi-controller code paths (global arrays built from each process's values,
+collectives between processes, outputs gathered on every process)."""
+
+import os
+
+import numpy as np
+import pytest
+import jax
+
+from blockspec_jax import parallel
+from helpers import run_processes
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multihost_script.py")
+
+
+@pytest.mark.parametrize("count", [2, pytest.param(4, marks=pytest.mark.heavy)])
+def test_processes_on_one_global_mesh_emit_one_devices_tokens(count):
+  """2 processes × 2 devices (4 processes in the heavy run): block and RSD-C traversal at T = 1, speculative and
+  autoregressive, the batch given in full to every process and as each process's own rows: every process reads back
+  the tokens and acceptance counts that one device computes alone."""
+  results = run_processes(SCRIPT, count, ("loops",), devices_each=2, timeout=420)
+  for i, (code, out) in enumerate(results):
+    assert code == 0, f"process {i} ended with {code}:\n{out[-3000:]}"
+    assert out.count("EQUAL ") == 4 and "DIFFERENT" not in out and "ALL EQUAL" in out, out[-3000:]
+    assert f"process {i} of {count}: 2 local devices, {2 * count} in all" in out
+
+
+def test_a_process_that_dies_ends_the_others_with_an_error_not_a_hang():
+  """Process 1 exits without a word while process 0 waits in a collective for it: process 0 ends with the
+  distributed runtime's error (missing heartbeats: 10 s in the script) well within the test's deadline."""
+  results = run_processes(SCRIPT, 2, ("hang",), devices_each=2, timeout=120)
+  (code0, out0), (code1, _) = results
+  assert code1 == 0
+  assert code0 is not None, "process 0 was still waiting at the deadline"
+  assert code0 != 0 and "the collective returned" not in out0
+  assert "another task died" in out0 or "stopped sending heartbeats" in out0, out0[-3000:]
+
+
+def test_one_process_puts_and_gathers_as_device_put_and_asarray():
+  """On one process the multi-host paths are today's: process-local rows are the global batch, and gather is
+  np.asarray."""
+  mesh = parallel.make_mesh()
+  keys = jax.random.split(jax.random.key(3), 4)
+  tokens = np.arange(12, dtype=np.int32).reshape(4, 3)
+  full = parallel.shard_batch(mesh, keys, tokens)
+  local = parallel.shard_batch(mesh, keys, tokens, process_local=True)
+  np.testing.assert_array_equal(jax.random.key_data(full[0]), jax.random.key_data(local[0]))
+  assert parallel.gather(full[1]).tolist() == parallel.gather(local[1]).tolist() == tokens.tolist()
+  assert isinstance(parallel.gather({"t": full[1]})["t"], np.ndarray)
