@@ -7,7 +7,9 @@ fake CPU devices, joined through ``jax.distributed`` on 127.0.0.1 with gloo coll
 global (data, model) mesh over every process's devices, with the batch given in full to every process and
 as each process's own rows, reads the outputs back on every process (``parallel.gather``) and compares them with the
 same loops on this process's first device alone; prints ``EQUAL <case>`` per case and ``ALL EQUAL`` at the end.
-``hang``: joins, then process 1 exits at once while process 0 waits in a collective for it (the test expects process 0
+``train``: three data-parallel train steps of a tiny DistillSpec pair on a data mesh over every process's devices
+(every process passing the same global batches) reach the parameters of the same steps on one device (``TRAIN
+EQUAL``). ``hang``: joins, then process 1 exits at once while process 0 waits in a collective for it (the test expects process 0
 to end with an error, not to hang).
 """
 
@@ -31,7 +33,42 @@ def main():
     multihost_utils.sync_global_devices("waits for a process that is gone")
     print("the collective returned", flush=True)
     return 0
-  return loops(process_id, count)
+  return train() if mode == "train" else loops(process_id, count)
+
+
+def train():
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from blockspec_jax import parallel
+  from blockspec_jax.models import decoder as dec
+  from blockspec_jax.train import distill, trainer
+  target_cfg = dec.DecoderConfig.tiny(vocab_size=64, matmul="xla")
+  drafter_cfg = dec.DecoderConfig.tiny(vocab_size=64, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                                       ffn_dim=32, matmul="xla")
+  target, drafter = dec.init_params(target_cfg, 0), dec.init_params(drafter_cfg, 1)
+  loss_fn = distill.DistillLoss(target_cfg, drafter_cfg, "fkl", 1.0)
+  opt = trainer.make_optimizer("adamw", 1e-3, "cosine", 1, 3, 0.01, 1.0)
+  rng = np.random.default_rng(0)
+  batches = [{"tokens_BxT": rng.integers(0, 64, (8, 12)).astype(np.int32),
+              "mask_BxT": (rng.random((8, 12)) < 0.7).astype(np.float32)} for _ in range(3)]
+  frozen = {"target": target, "drafter": {}}
+  results = []
+  for mesh in (None, parallel.make_mesh(data=len(jax.devices()), model=1)):
+    step = trainer.make_train_step(loss_fn, opt, mesh)
+    state = trainer.init_state(drafter, opt)
+    for s in range(3):
+      state, metrics = step(state, frozen, jax.tree.map(jnp.asarray, batches[s]) if mesh is None else batches[s],
+                            jax.random.key(s))
+    results.append(parallel.gather(state.trainable))
+  diff = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])))
+  moved = max(float(np.max(np.abs(a - np.asarray(b)))) for a, b in zip(jax.tree.leaves(results[0]),
+                                                                         jax.tree.leaves(drafter)))
+  print(f"max diff {diff:.3g}, moved {moved:.3g}", flush=True)
+  ok = diff <= 1e-6 and moved > 1e-4
+  print("TRAIN EQUAL" if ok else "TRAIN DIFFERENT", flush=True)
+  return 0 if ok else 1
 
 
 def loops(process_id, count):

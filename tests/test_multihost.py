@@ -28,6 +28,15 @@ def test_processes_on_one_global_mesh_emit_one_devices_tokens(count):
     assert f"process {i} of {count}: 2 local devices, {2 * count} in all" in out
 
 
+def test_data_parallel_train_steps_across_processes_reach_one_devices_parameters():
+  """2 processes × 2 devices: three train steps of a tiny DistillSpec pair on a 4 x 1 data mesh (every process passing
+  the same global batches; the trainer places the rows each process's devices hold) reach the parameters one device
+  reaches, within 1e-6 (the mean over rows is summed in another order)."""
+  results = run_processes(SCRIPT, 2, ("train",), devices_each=2, timeout=300)
+  for i, (code, out) in enumerate(results):
+    assert code == 0 and "TRAIN EQUAL" in out, f"process {i} ended with {code}:\n{out[-3000:]}"
+
+
 def test_a_process_that_dies_ends_the_others_with_an_error_not_a_hang():
   """Process 1 exits without a word while process 0 waits in a collective for it: process 0 ends with the
   distributed runtime's error (missing heartbeats: 10 s in the script) well within the test's deadline."""

@@ -33,7 +33,7 @@ from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.models.scorer import as_scorer
 
 __all__ = ["DATA", "MODEL", "make_mesh", "initialize_multihost", "param_spec", "param_shardings", "shard_params",
-           "batch_sharding", "shard_batch", "gather", "cache_sharding", "sharded_speculative",
+           "batch_sharding", "put_global", "shard_batch", "gather", "cache_sharding", "sharded_speculative",
            "sharded_autoregressive"]
 
 DATA, MODEL = "data", "model"
@@ -111,15 +111,15 @@ def _is_key(x) -> bool:
   return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
 
 
-def _put_global(x, sharding: NamedSharding):
-  """A value every process holds in full (the same on each) as a global array on ``sharding``. One process
+def put_global(x, sharding: NamedSharding):
+  """``jax.device_put(x, sharding)`` for a multi-host run: a value every process holds in full (the same on each) as a global array on ``sharding``. One process
   addressing every device: ``jax.device_put``. Otherwise a ``device_put`` onto other processes' devices is refused,
   so each process places only the slices its own devices hold (``jax.make_array_from_callback``); typed PRNG keys
   travel as their ``key_data``."""
   if sharding.is_fully_addressable:
     return jax.device_put(x, sharding)
   if _is_key(x):
-    return jax.random.wrap_key_data(_put_global(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
+    return jax.random.wrap_key_data(put_global(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
   host = np.asarray(x)
   return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
@@ -135,7 +135,7 @@ def _put_process_local(x, sharding: NamedSharding):
 
 def shard_params(params, mesh: Mesh):
   """The parameters on ``mesh`` by :func:`param_spec` (every process passes the same parameters)."""
-  return jax.tree.map(_put_global, params, param_shardings(params, mesh))
+  return jax.tree.map(put_global, params, param_shardings(params, mesh))
 
 
 def batch_sharding(mesh: Mesh, batch: int) -> NamedSharding:
@@ -156,7 +156,7 @@ def shard_batch(mesh: Mesh, *arrays, process_local: bool = False):
   out = []
   for a in arrays:
     sharding = batch_sharding(mesh, a.shape[0] * count)
-    out.append(_put_process_local(a, sharding) if process_local and count > 1 else _put_global(a, sharding))
+    out.append(_put_process_local(a, sharding) if process_local and count > 1 else put_global(a, sharding))
   return tuple(out)
 
 
@@ -169,6 +169,8 @@ def gather(tree):
   def read(x):
     if not isinstance(x, jax.Array) or x.is_fully_addressable:
       return np.asarray(x)
+    if x.is_fully_replicated:
+      return np.asarray(x.addressable_data(0))
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
   return jax.tree.map(read, tree)

@@ -47,7 +47,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from blockspec_jax import runtime
+from blockspec_jax import parallel, runtime
 from blockspec_jax.checks import check_int
 from blockspec_jax.train import checkpoints as checkpoints_lib
 
@@ -198,8 +198,10 @@ def _make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, m
       if np.ndim(leaf) == 0 or np.shape(leaf)[0] % data_size:
         raise ValueError(f"every batch leaf needs a leading batch dimension divisible by the data axis size "
                          f"{data_size}; got shape {np.shape(leaf)}")
-    state, frozen, key = jax.device_put((state, frozen, key), replicated)
-    batch = jax.device_put(batch, rows)
+    # parallel.put_global: jax.device_put on one host; across hosts each places what its devices hold (every host
+    # passes the same state and the same global batch)
+    state, frozen, key = jax.tree.map(lambda x: parallel.put_global(x, replicated), (state, frozen, key))
+    batch = jax.tree.map(lambda x: parallel.put_global(x, rows), batch)
     with _mesh_context(mesh):
       return sharded(state, frozen, batch, key)
 
