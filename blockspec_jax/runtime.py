@@ -29,7 +29,8 @@ from blockspec_jax.paths import default_cache_dir
 
 __all__ = ["peak_rss_gb", "mapped_regions", "max_mapped_regions", "release_programs_if_near_map_limit",
            "backend_compiles", "compiling", "COMPILE_CACHE_ENV_VAR", "COMPILE_CACHE_MAX_BYTES",
-           "enable_compilation_cache", "is_main_process", "check_output_dir", "check_output_file", "write_report"]
+           "enable_compilation_cache", "is_main_process", "sync_processes", "check_output_dir", "check_output_file",
+           "write_report"]
 
 
 def peak_rss_gb() -> float:
@@ -187,6 +188,15 @@ def is_main_process() -> bool:
   """Whether this process writes the run's files: always on one host, process 0 of a multi-host run."""
   import jax
   return jax.process_index() == 0
+
+
+def sync_processes(name: str) -> None:
+  """Wait until every process of a multi-host run reaches the barrier ``name`` (the same name in every process);
+  nothing on one process. For steps that read a directory another process is about to write."""
+  import jax
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
 
 
 def check_output_dir(path, what: str) -> pathlib.Path:

@@ -9,7 +9,9 @@ as each process's own rows, reads the outputs back on every process (``parallel.
 same loops on this process's first device alone; prints ``EQUAL <case>`` per case and ``ALL EQUAL`` at the end.
 ``train``: three data-parallel train steps of a tiny DistillSpec pair on a data mesh over every process's devices
 (every process passing the same global batches) reach the parameters of the same steps on one device (``TRAIN
-EQUAL``). ``hang``: joins, then process 1 exits at once while process 0 waits in a collective for it (the test expects process 0
+EQUAL``). ``fit <work dir>``: ``trainer.fit`` on that mesh for 2 of 4 steps (checkpoints through orbax's
+multi-process path), then again to resume and finish; process 0 writes ``final.npz`` (the trained parameters).
+``hang``: joins, then process 1 exits at once while process 0 waits in a collective for it (the test expects process 0
 to end with an error, not to hang).
 """
 
@@ -33,15 +35,16 @@ def main():
     multihost_utils.sync_global_devices("waits for a process that is gone")
     print("the collective returned", flush=True)
     return 0
+  if mode == "fit":
+    return fit(sys.argv[5])
   return train() if mode == "train" else loops(process_id, count)
 
 
-def train():
-  import jax
-  import jax.numpy as jnp
+def _distill_pair():
+  """``(loss_fn, optimizer, drafter params, frozen, four batches of 8 rows)``: a tiny DistillSpec pair, the same in
+  every process (fixed seeds)."""
   import numpy as np
 
-  from blockspec_jax import parallel
   from blockspec_jax.models import decoder as dec
   from blockspec_jax.train import distill, trainer
   target_cfg = dec.DecoderConfig.tiny(vocab_size=64, matmul="xla")
@@ -52,14 +55,45 @@ def train():
   opt = trainer.make_optimizer("adamw", 1e-3, "cosine", 1, 3, 0.01, 1.0)
   rng = np.random.default_rng(0)
   batches = [{"tokens_BxT": rng.integers(0, 64, (8, 12)).astype(np.int32),
-              "mask_BxT": (rng.random((8, 12)) < 0.7).astype(np.float32)} for _ in range(3)]
-  frozen = {"target": target, "drafter": {}}
+              "mask_BxT": (rng.random((8, 12)) < 0.7).astype(np.float32)} for _ in range(4)]
+  return loss_fn, opt, drafter, {"target": target, "drafter": {}}, batches
+
+
+def fit(workdir):
+  import jax
+  import numpy as np
+
+  from blockspec_jax import parallel
+  from blockspec_jax.train import trainer
+  loss_fn, opt, drafter, frozen, batches = _distill_pair()
+  mesh = parallel.make_mesh(data=len(jax.devices()), model=1)
+  for stop in (2, None):
+    fitted = trainer.fit(loss_fn=loss_fn, optimizer=opt, trainable=drafter, frozen=frozen,
+                         batch_fn=lambda step, trainable: batches[step], num_steps=4, key=jax.random.key(0),
+                         workdir=workdir, mesh=mesh, checkpoint_every=2, progress=False, plot=False,
+                         stop_after=stop)
+    print(f"fit stopped after {stop}: resumed from {fitted.resumed_from}, {len(fitted.history)} steps", flush=True)
+  leaves = parallel.gather(jax.tree.leaves(fitted.state.trainable))
+  if jax.process_index() == 0:
+    np.savez(f"{workdir}/final.npz", *leaves)
+  print("FIT DONE", flush=True)
+  return 0
+
+
+def train():
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from blockspec_jax import parallel
+  from blockspec_jax.train import trainer
+  loss_fn, opt, drafter, frozen, batches = _distill_pair()
   results = []
   for mesh in (None, parallel.make_mesh(data=len(jax.devices()), model=1)):
     step = trainer.make_train_step(loss_fn, opt, mesh)
     state = trainer.init_state(drafter, opt)
     for s in range(3):
-      state, metrics = step(state, frozen, jax.tree.map(jnp.asarray, batches[s]) if mesh is None else batches[s],
+      state, _ = step(state, frozen, jax.tree.map(jnp.asarray, batches[s]) if mesh is None else batches[s],
                             jax.random.key(s))
     results.append(parallel.gather(state.trainable))
   diff = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])))

@@ -295,10 +295,13 @@ def _resume(workdir: pathlib.Path, state: TrainState) -> tuple[TrainState, int |
   ``metrics.jsonl`` (a fresh run)."""
   metrics_path = workdir / "metrics.jsonl"
   restored = checkpoints_lib.restore(workdir / "checkpoints", state, discarding=True)
+  main = runtime.is_main_process()  # only process 0 of a multi-host run keeps metrics.jsonl
   if restored is None:
-    if metrics_path.exists():
+    if main and metrics_path.exists():
       metrics_path.unlink()  # a fresh run: no stale curve from an earlier run without checkpoints
     return state, None, 0.0
+  if not main:
+    return restored.value, restored.step, 0.0
   kept = [r for r in read_metrics(metrics_path) if r.get("step", 0) <= restored.step]
   metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
   seconds_before = float(kept[-1].get("seconds_total", kept[-1].get("seconds", 0.0))) if kept else 0.0
@@ -331,6 +334,8 @@ def fit(*, loss_fn: LossFn, optimizer: optax.GradientTransformation, trainable, 
   workdir.mkdir(parents=True, exist_ok=True)
   metrics_path = workdir / "metrics.jsonl"
   state, resumed_from, seconds_before = _resume(workdir, init_state(trainable, optimizer))
+  # Multi-host sharing one work directory: every process has read the checkpoints before any creates or prunes them.
+  runtime.sync_processes("blockspec_jax.fit: checkpoints read")
   start = int(state.step)
   end = num_steps if stop_after is None else min(num_steps, stop_after)
   step_fn = make_train_step(loss_fn, optimizer, mesh)
@@ -341,7 +346,8 @@ def fit(*, loss_fn: LossFn, optimizer: optax.GradientTransformation, trainable, 
   t0 = time.perf_counter()
   bar = None
   try:
-    with open(metrics_path, "a") as log:
+    # metrics.jsonl (and the loss plot) from process 0 only: every process of a multi-host run computes the same rows
+    with (open(metrics_path, "a") if runtime.is_main_process() else contextlib.nullcontext()) as log:
       for step in range(start, end):
         batch = batch_fn(step, state.trainable)
         step_key = jax.random.fold_in(key, step)
@@ -358,8 +364,9 @@ def fit(*, loss_fn: LossFn, optimizer: optax.GradientTransformation, trainable, 
         row["seconds"] = time.perf_counter() - t0
         row["seconds_total"] = seconds_before + row["seconds"]
         row["peak_rss_gb"] = runtime.peak_rss_gb()
-        log.write(json.dumps(row) + "\n")
-        log.flush()
+        if log is not None:
+          log.write(json.dumps(row) + "\n")
+          log.flush()
         history.append(row)
         checkpoints_lib.save(manager, done, state, force=(done == end))
         if progress and bar is None:  # opened after the compiling step, so the two do not share a line
@@ -375,7 +382,7 @@ def fit(*, loss_fn: LossFn, optimizer: optax.GradientTransformation, trainable, 
     manager.close()
     if bar is not None:
       bar.close()
-  if plot:
+  if plot and runtime.is_main_process():
     plot_losses(read_metrics(metrics_path), workdir / "loss.png")
   return FitResult(state=state, history=history, resumed_from=resumed_from, seconds=time.perf_counter() - t0)
 
