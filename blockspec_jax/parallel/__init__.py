@@ -112,10 +112,10 @@ def _is_key(x) -> bool:
 
 
 def put_global(x, sharding: NamedSharding):
-  """``jax.device_put(x, sharding)`` for a multi-host run: a value every process holds in full (the same on each) as a global array on ``sharding``. One process
-  addressing every device: ``jax.device_put``. Otherwise a ``device_put`` onto other processes' devices is refused,
-  so each process places only the slices its own devices hold (``jax.make_array_from_callback``); typed PRNG keys
-  travel as their ``key_data``."""
+  """``jax.device_put(x, sharding)`` for a multi-host run: a value every process holds in full (the same on each)
+  as a global array on ``sharding``. One process addressing every device: ``jax.device_put``. Otherwise a
+  ``device_put`` onto other processes' devices is refused, so each process places only the slices its own devices
+  hold (``jax.make_array_from_callback``); typed PRNG keys travel as their ``key_data``."""
   if sharding.is_fully_addressable:
     return jax.device_put(x, sharding)
   if _is_key(x):

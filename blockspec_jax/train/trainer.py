@@ -292,7 +292,8 @@ def _resume(workdir: pathlib.Path, state: TrainState) -> tuple[TrainState, int |
   """``(state, resumed_from, seconds_before)``: the newest intact checkpoint of ``workdir`` (damaged newer ones are
   passed over, a line each, and deleted by :func:`fit`) with ``metrics.jsonl`` cut back to its step and the training
   seconds of the earlier calls (a resumed run's total goes on from there); else ``state``, None and 0 with no stale
-  ``metrics.jsonl`` (a fresh run)."""
+  ``metrics.jsonl`` (a fresh run). Only process 0 of a multi-host run reads or rewrites ``metrics.jsonl`` (the others
+  get 0 seconds: they write no metrics)."""
   metrics_path = workdir / "metrics.jsonl"
   restored = checkpoints_lib.restore(workdir / "checkpoints", state, discarding=True)
   main = runtime.is_main_process()  # only process 0 of a multi-host run keeps metrics.jsonl
