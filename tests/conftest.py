@@ -71,4 +71,3 @@ def _release_compiled_programs():
   is in use (no single test adds more than about ten thousand); later tests compile what they need again."""
   yield
   runtime.release_programs_if_near_map_limit()
-
