@@ -145,19 +145,17 @@ def add_gin_search_path() -> None:
 def bound_jobs(names) -> list[str]:
   """Which of the configurable jobs ``names`` the parsed gin configuration binds settings of (in ``names`` order):
   how an entry point tells what its gin files ask it to run."""
-  import gin
-  return [name for name in names if _registered(name) and gin.get_bindings(name)]
+  return [name for name in names if _bindings(name)]
 
 
-def _registered(name: str) -> bool:
-  """Whether a configurable ``name`` is known to gin in this process (a job whose module was not imported has no
-  bindings: gin refuses bindings of unknown names when it parses)."""
+def _bindings(name: str) -> dict:
+  """gin's bindings of configurable ``name``; none for a name gin does not know in this process (a job whose module
+  was not imported has no bindings: gin refuses bindings of unknown names when it parses)."""
   import gin
   try:
-    gin.get_bindings(name)
+    return gin.get_bindings(name)
   except ValueError:
-    return False
-  return True
+    return {}
 
 
 MULTIHOST_ENV_VAR = "BLOCKSPEC_JAX_MULTIHOST"

@@ -82,7 +82,6 @@ def fit(workdir):
 
 def train():
   import jax
-  import jax.numpy as jnp
   import numpy as np
 
   from blockspec_jax import parallel
@@ -93,8 +92,7 @@ def train():
     step = trainer.make_train_step(loss_fn, opt, mesh)
     state = trainer.init_state(drafter, opt)
     for s in range(3):
-      state, _ = step(state, frozen, jax.tree.map(jnp.asarray, batches[s]) if mesh is None else batches[s],
-                            jax.random.key(s))
+      state, _ = step(state, frozen, batches[s], jax.random.key(s))
     results.append(parallel.gather(state.trainable))
   diff = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])))
   moved = max(float(np.max(np.abs(a - np.asarray(b)))) for a, b in zip(jax.tree.leaves(results[0]),
@@ -114,14 +112,9 @@ def loops(process_id, count):
   from blockspec_jax.drafters import ModelDrafter, make
   from blockspec_jax.models import decoder as dec
 
-  def init(config, seed):
-    cache = dec.init_cache(config, 1, 4)
-    pos = np.zeros((1, 1), np.int32)
-    return dec.Decoder(config).init(jax.random.key(seed), pos, pos, cache, dec.causal_mask(pos, 4))["params"]
-
   config = dec.DecoderConfig.tiny(vocab_size=64, qkv_bias=True)
   small = dec.DecoderConfig.tiny(vocab_size=64, num_layers=1)
-  target, drafter = init(config, 0), init(small, 1)  # the same seeds: the same parameters in every process
+  target, drafter = dec.init_params(config, 0), dec.init_params(small, 1)  # the same seeds: the same parameters in every process
   prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11], [12, 13, 14, 15], [16, 17], [18], [19, 20, 21]]
   tokens, lens = spec.prepare_prompts(prompts)
   keys = jax.random.split(jax.random.key(0), len(prompts))

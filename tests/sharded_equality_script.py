@@ -15,18 +15,12 @@ from blockspec_jax.drafters import ModelDrafter, make
 from blockspec_jax.models import decoder as dec
 
 
-def init(config, seed):
-  cache = dec.init_cache(config, 1, 4)
-  pos = np.zeros((1, 1), np.int32)
-  return dec.Decoder(config).init(jax.random.key(seed), pos, pos, cache, dec.causal_mask(pos, 4))["params"]
-
-
 def main():
   assert len(jax.devices()) == 8, jax.devices()
   # 4 heads / 2 KV heads, ffn 64, V 64: every split dimension is divisible by model = 2.
   config = dec.DecoderConfig.tiny(vocab_size=64, qkv_bias=True)
   small = dec.DecoderConfig.tiny(vocab_size=64, num_layers=1)
-  target, drafter = init(config, 0), init(small, 1)
+  target, drafter = dec.init_params(config, 0), dec.init_params(small, 1)
   prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11], [12, 13, 14, 15], [16, 17], [18], [19, 20, 21]]
   tokens, lens = spec.prepare_prompts(prompts)
   keys = jax.random.split(jax.random.key(0), 8)

@@ -76,8 +76,6 @@ __all__ = ["WITH_REPLACEMENT", "WITHOUT_REPLACEMENT", "TREE_LAWS", "TreeLaw", "t
            "tree_tau_law", "tree_expected_accepted", "tree_emitted_prefix_law", "tree_lossless_error"]
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class TreeLaw:
   """One tree rule's exact conditional law (registered by :func:`tree_law`): ``fn(tokens_TxN, parents, q_TxNxV,
