@@ -21,7 +21,8 @@ from blockspec_jax import runtime
 from blockspec_jax import sources
 from blockspec_jax.checks import UsageError
 
-__all__ = ["Models", "MethodGrid", "SamplerSettings", "DataSettings", "OutputSettings", "check_switch"]
+__all__ = ["Models", "MethodGrid", "SamplerSettings", "DataSettings", "OutputSettings", "check_switch",
+           "check_mesh_shape"]
 
 
 def check_switch(value, name: str) -> bool:
@@ -52,6 +53,10 @@ class Models:
   #: JAX's persistent compilation cache directory (None: ``$BLOCKSPEC_JAX_COMPILE_CACHE`` or
   #: ``<cache dir>/jax_compilation``; ``"off"`` disables it): a second run loads its compiled programs from there.
   compilation_cache: str | None = None
+  #: The device mesh ``(data, model)`` the job decodes on, ``data × model`` = every device of the run (all
+  #: processes'): prompt rows over ``data`` (one row per ``data`` shard at a time), parameters and KV caches over
+  #: ``model`` (``parallel``). None: ``(devices, 1)``. On one device the job runs today's batch-1 programs.
+  mesh: tuple[int, int] | None = None
 
   def __post_init__(self):
     drafters = (self.drafters,) if isinstance(self.drafters, str) else tuple(self.drafters)
@@ -60,10 +65,44 @@ class Models:
       raise UsageError("drafter: give at least one drafter")
     methods_lib.check_settings(dtype=self.dtype, models=(self.target, *drafters))
     check_switch(self.scan_layers, "scan_layers")
+    object.__setattr__(self, "mesh", check_mesh_shape(self.mesh))
+
+  def device_mesh(self):
+    """The ``jax.sharding.Mesh`` of :attr:`mesh` over every device, or None on one device (today's programs)."""
+    import jax
+    if jax.device_count() == 1:
+      return None
+    from blockspec_jax import parallel
+    return parallel.make_mesh(*self.mesh)
 
   def load(self):
-    """Load the target and every drafter (``sources.load_models``): ``(target_model, drafter_models, seconds)``."""
-    return sources.load_models(self.target, self.drafters, self.dtype, self.cache_dir, self.scan_layers)
+    """Load the target and every drafter (``sources.load_models``): ``(target_model, drafter_models, seconds)``; on
+    several devices their parameters are laid out on :meth:`device_mesh` once, here."""
+    target, drafters, seconds = sources.load_models(self.target, self.drafters, self.dtype, self.cache_dir,
+                                                    self.scan_layers)
+    mesh = self.device_mesh()
+    if mesh is not None:
+      from blockspec_jax import parallel
+      target, *drafters = [parallel.shard_model(m, mesh) for m in (target, *drafters)]
+    return target, drafters, seconds
+
+
+def check_mesh_shape(shape) -> tuple[int, int]:
+  """``(data, model)`` of a job's mesh: ``shape`` (two positive integers whose product is the run's device count) or,
+  for None, ``(devices, 1)``; a :class:`UsageError` naming the problem otherwise. Touches the JAX backend (a
+  multi-host run must have joined before)."""
+  import jax
+  devices = jax.device_count()
+  if shape is None:
+    return (devices, 1)
+  if (isinstance(shape, (str, bytes)) or not hasattr(shape, "__len__") or len(shape) != 2
+      or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape)):
+    raise UsageError(f"mesh must be (data, model), two positive integers, got {shape!r}")
+  data, model = shape
+  if data * model != devices:
+    raise UsageError(f"mesh {data} x {model} (data x model) must cover the run's {devices} device(s): data × model "
+                     f"= {devices}")
+  return (data, model)
 
 
 @dataclasses.dataclass(frozen=True)

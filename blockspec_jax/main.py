@@ -4,7 +4,8 @@
     python -m blockspec_jax.main --gin_file gin/train/distill_smoke.gin [--workdir DIR]
 
 The job is the one whose settings the gin files bind (``JOBS``: the main job ``run_job``, the evaluation suites
-``suite``, the benchmarks ``bench_lossy`` and ``bench_startup``, the theory report ``theory_report``; the training
+``suite``, the benchmarks ``bench_lossy``, ``bench_startup`` and
+``bench_mesh``, the theory report ``theory_report``; the training
 jobs ``distill_job``, ``sprinter_job``, ``heads_job``, ``steer_job``, which also take ``--workdir``; and the
 argparse commands ``ARGPARSE_JOBS`` (``paired``, ``bench_decode``, ``bench_peer``, ``bench_trees``,
 ``bench_verify``, ``build_prompts``), whose gin settings are their options by dest with the parser's defaults,
@@ -32,6 +33,7 @@ JOBS = {
     "suite": "blockspec_jax.eval.suite",
     "bench_lossy": "blockspec_jax.eval.bench_lossy",
     "bench_startup": "blockspec_jax.eval.bench_startup",
+    "bench_mesh": "blockspec_jax.eval.bench_mesh",
     "theory_report": "blockspec_jax.__main__",
 }
 #: Training jobs: run by the training entry point (``--workdir``, checkpoints, metrics); the names of the one

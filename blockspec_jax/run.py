@@ -85,15 +85,16 @@ def run_job(target: str = methods_lib.DEFAULT_TARGET, drafter=methods_lib.DEFAUL
             seed: int = 0, chat: bool = True, output_json: str | None = "results/run.json",
             cache_dir: str | None = None, show_text: bool = True, compilation_cache: str | None = None,
             drafter_settings: dict | None = None, verifier_settings: dict | None = None,
-            scan_layers: bool = True, share_prefills: bool = True) -> dict:
+            scan_layers: bool = True, share_prefills: bool = True, mesh: tuple[int, int] | None = None) -> dict:
   """The main job (see the module docstring), from its flat gin bindings (``run_job.gamma = 6``, …): builds the
   settings (:mod:`blockspec_jax.job_config`, where each one is documented; every one checked there, before a model is
   loaded) and runs :func:`main_job`. ``drafter``: ``job_config.Models.drafters`` (a name, or a tuple of them);
   ``gamma``: the one γ of ``job_config.MethodGrid.gammas``; ``prompts_path``: ``job_config.DataSettings.prompts``.
-  ``share_prefills``: see :func:`main_job`."""
+  ``share_prefills``: see :func:`main_job`; ``mesh``: ``job_config.Models.mesh`` ((data, model); None: every device
+  over data)."""
   methods_lib.check_gamma(gamma)  # the one γ, named as it is bound (MethodGrid says "every gamma")
   models = job_config.Models(target=target, drafters=drafter, dtype=dtype, scan_layers=scan_layers,
-                             cache_dir=cache_dir, compilation_cache=compilation_cache)
+                             cache_dir=cache_dir, compilation_cache=compilation_cache, mesh=mesh)
   grid = job_config.MethodGrid(methods=methods, gammas=(gamma,), drafter_settings=drafter_settings,
                                verifier_settings=verifier_settings)
   sampler = job_config.SamplerSettings(temperatures=temperatures, seed=seed)
@@ -116,9 +117,11 @@ def main_job(models: job_config.Models, grid: job_config.MethodGrid, sampler: jo
   if not rows:
     raise checks.UsageError(f"no prompts in {data.prompts}")
   compile_dir = runtime.enable_compilation_cache(models.compilation_cache)
+  compiles_before = runtime.backend_compiles()
   target_model, drafter_models, load_s = models.load()
+  mesh = models.device_mesh()
   print(f"loaded {', '.join(map(str, models.drafters))} → {models.target} ({models.dtype}) in {load_s:.1f} s; "
-        f"{len(rows)} prompts; jax {jax.__version__} on {jax.devices()[0].platform}; compilation cache "
+        f"{len(rows)} prompts; jax {jax.__version__} on {runtime.describe_devices(mesh)}; compilation cache "
         f"{compile_dir or 'off'}", flush=True)
   prompt_ids = prompts_lib.encode_prompts(target_model, rows, data.chat)
   width = max(len(p) for p in prompt_ids)
@@ -127,7 +130,7 @@ def main_job(models: job_config.Models, grid: job_config.MethodGrid, sampler: jo
   prefills = harness.PrefillCache() if share_prefills else None
   labels = methods_lib.drafter_labels(models.drafters)
   results, texts, generated = _decode_grid(grid, sampler, data, target_model, list(zip(labels, drafter_models)),
-                                           prompt_ids, width, prefills)
+                                           prompt_ids, width, prefills, mesh)
   several = len(drafter_models) > 1
   print()
   print(format_table(results, labels if several else None))
@@ -139,17 +142,21 @@ def main_job(models: job_config.Models, grid: job_config.MethodGrid, sampler: jo
   print(f"\npeak resident memory of this job: {rss_gb:.2f} GB (10^9 bytes)")
   report = dict(target=models.target, drafter=list(models.drafters) if several else models.drafters[0],
                 dtype=models.dtype, gamma=grid.gammas[0], max_new_tokens=data.max_new_tokens, peak_rss_gb=rss_gb,
+                devices=runtime.describe_devices(mesh), mesh=list(models.mesh),
+                programs_compiled=runtime.backend_compiles() - compiles_before,
                 prompts=[dict(id=r["id"], task=r["task"], source=r["source"], licence=r["licence"]) for r in rows],
                 results=results, sample_text=texts, generated_ids=generated)
-  if output.output_json:
+  if output.output_json and runtime.is_main_process():
     print(f"\nwrote {runtime.write_report(output.output_json, report)}")
   return report
 
 
 def _decode_grid(grid: job_config.MethodGrid, sampler: job_config.SamplerSettings, data: job_config.DataSettings,
-                 target_model, drafters: list, prompt_ids: list, width: int, prefills) -> tuple[list, dict, dict]:
-  """Every method with each ``(label, drafter model)`` of ``drafters`` at each temperature: the summary rows (speedups
-  over the temperature's autoregressive row), the first prompt's text and every prompt's token ids by row name."""
+                 target_model, drafters: list, prompt_ids: list, width: int, prefills,
+                 mesh=None) -> tuple[list, dict, dict]:
+  """Every method with each ``(label, drafter model)`` of ``drafters`` at each temperature (on ``mesh``: see
+  ``harness.run_method``): the summary rows (speedups over the temperature's autoregressive row), the first prompt's
+  text and every prompt's token ids by row name."""
   several = len(drafters) > 1
   gamma = grid.gammas[0]
   results, texts, generated = [], {}, {}
@@ -162,7 +169,8 @@ def _decode_grid(grid: job_config.MethodGrid, sampler: job_config.SamplerSetting
                                               max_new_tokens=data.max_new_tokens, temperature=temperature,
                                               seed=sampler.seed, stop_ids=target_model.stop_ids,
                                               drafter_settings=grid.drafter_settings,
-                                              verifier_settings=grid.verifier_settings, prefills=prefills)
+                                              verifier_settings=grid.verifier_settings, prefills=prefills,
+                                              mesh=mesh)
         if label is not None:
           summary["drafter"] = label
         if method == methods_lib.AUTOREGRESSIVE:

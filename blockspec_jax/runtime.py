@@ -30,7 +30,7 @@ from blockspec_jax.paths import default_cache_dir
 __all__ = ["peak_rss_gb", "mapped_regions", "max_mapped_regions", "release_programs_if_near_map_limit",
            "backend_compiles", "compiling", "COMPILE_CACHE_ENV_VAR", "COMPILE_CACHE_MAX_BYTES",
            "enable_compilation_cache", "is_main_process", "sync_processes", "check_output_dir", "check_output_file",
-           "write_report"]
+           "write_report", "describe_devices"]
 
 
 def peak_rss_gb() -> float:
@@ -188,6 +188,21 @@ def is_main_process() -> bool:
   """Whether this process writes the run's files: always on one host, process 0 of a multi-host run."""
   import jax
   return jax.process_index() == 0
+
+
+def describe_devices(mesh=None) -> str:
+  """What a job runs on, for its first lines: ``"cpu"`` on one device, else e.g. ``"8 cpu devices in 2 processes,
+  mesh 8 x 1 (data x model)"``."""
+  import jax
+  platform = jax.devices()[0].platform
+  if jax.device_count() == 1:
+    return platform
+  text = f"{jax.device_count()} {platform} devices"
+  if jax.process_count() > 1:
+    text += f" in {jax.process_count()} processes"
+  if mesh is not None:
+    text += f", mesh {mesh.shape['data']} x {mesh.shape['model']} (data x model)"
+  return text
 
 
 def sync_processes(name: str) -> None:

@@ -58,10 +58,14 @@ def load_models(target: str, drafters: Sequence[str], dtype: str = "float32", ca
                 scan_layers: bool = True):
   """The target and each drafter (``hub.LoadedModel``, via :func:`load_model`; by default in the decoding layout,
   layers compiled once), every drafter checked against the target (:func:`check_pair`); returns ``(target_model,
-  [drafter_model, …], seconds)``."""
+  [drafter_model, …], seconds)``. A name given twice (a model drafting for itself) is loaded once: one object, one
+  copy of its parameters in memory."""
   start = time.perf_counter()
-  target_model = load_model(target, dtype, cache_dir, scan_layers=scan_layers)
-  drafter_models = [load_model(d, dtype, cache_dir, scan_layers=scan_layers) for d in drafters]
+  loaded = {target: load_model(target, dtype, cache_dir, scan_layers=scan_layers)}
+  for d in drafters:
+    if d not in loaded:
+      loaded[d] = load_model(d, dtype, cache_dir, scan_layers=scan_layers)
+  target_model, drafter_models = loaded[target], [loaded[d] for d in drafters]
   for drafter_model in drafter_models:
     check_pair(target_model, drafter_model)
   return target_model, drafter_models, time.perf_counter() - start

@@ -39,10 +39,13 @@ BIAS_P = 1e-6
 init_params = dec.init_params  # the tests' random models
 
 
-def fake_devices_env(count: int) -> dict[str, str]:
+def fake_devices_env(count: int, product_level: bool = False) -> dict[str, str]:
   """The environment for a subprocess on ``count`` fake CPU devices: this process's, with the device count added to
-  its ``XLA_FLAGS`` (so the subprocess compiles at the tests' optimisation level too: ``tests/conftest.py``)."""
-  flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "force_host_platform_device_count" not in f)
+  its ``XLA_FLAGS`` (so the subprocess compiles at the tests' optimisation level too: ``tests/conftest.py``).
+  ``product_level``: without the tests' optimisation level, so it compiles at XLA's default, as the jobs do (results
+  compared with the recorded token ids of ``tests/test_main_job_ids.py``)."""
+  drop = ("force_host_platform_device_count",) + (("xla_backend_optimization_level",) if product_level else ())
+  flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if not any(d in f for d in drop))
   return dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={count}".strip(),
               JAX_PLATFORMS="cpu")
 
@@ -55,17 +58,18 @@ def free_port() -> int:
     return sock.getsockname()[1]
 
 
-def run_processes(script: str, count: int, args: tuple[str, ...], devices_each: int = 2, timeout: float = 420.0
-                  ) -> list[tuple[int | None, str]]:
+def run_processes(script: str, count: int, args: tuple[str, ...], devices_each: int = 2, timeout: float = 420.0,
+                  product_level: bool = False) -> list[tuple[int | None, str]]:
   """Start ``count`` processes of ``python <script> <process id> <count> <port> *args`` at once, each on
-  ``devices_each`` fake CPU devices (:func:`fake_devices_env`), and wait for them with one deadline: ``[(return code
-  or None if it was still running at the deadline and was killed, output)]`` in process order."""
+  ``devices_each`` fake CPU devices (:func:`fake_devices_env`, with ``product_level``), and wait for them with one
+  deadline: ``[(return code or None if it was still running at the deadline and was killed, output)]`` in process
+  order."""
   import subprocess
   import sys
   import time
   port = free_port()
   procs = [subprocess.Popen([sys.executable, script, str(i), str(count), str(port), *args], env=fake_devices_env(
-      devices_each), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(count)]
+      devices_each, product_level), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(count)]
   deadline, results = time.monotonic() + timeout, []
   for proc in procs:
     try:

@@ -11,6 +11,10 @@ same loops on this process's first device alone; prints ``EQUAL <case>`` per cas
 (every process passing the same global batches) reach the parameters of the same steps on one device (``TRAIN
 EQUAL``). ``fit <work dir>``: ``trainer.fit`` on that mesh for 2 of 4 steps (checkpoints through orbax's
 multi-process path), then again to resume and finish; process 0 writes ``final.npz`` (the trained parameters).
+``jobs <out dir>``: the SmolLM2 main job and the smoke suite (two categories; ``tests/test_main_job_ids.py``) on the
+global mesh (rows over a data axis of every process's devices), each process with its own suite directory
+``<out dir>/suite_<process id>``; every process writes the numbers it read back to ``<out dir>/record_<process
+id>.json``.
 ``hang``: joins, then process 1 exits at once while process 0 waits in a collective for it (the test expects process 0
 to end with an error, not to hang).
 """
@@ -37,7 +41,22 @@ def main():
     return 0
   if mode == "fit":
     return fit(sys.argv[5])
+  if mode == "jobs":
+    return jobs(process_id, sys.argv[5])
   return train() if mode == "train" else loops(process_id, count)
+
+
+def jobs(process_id: int, out_dir: str) -> int:
+  import json
+  import pathlib
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+  import test_main_job_ids as ids
+  out = pathlib.Path(out_dir)
+  record = dict(ids.main_job_record(), **ids.smoke_suite_record(out / f"suite_{process_id}",
+                                                                [f"suite.tasks = {ids.SUITE_TASKS!r}"]))
+  (out / f"record_{process_id}.json").write_text(json.dumps(record))
+  print("JOBS DONE", flush=True)
+  return 0
 
 
 def _distill_pair():

@@ -49,6 +49,17 @@ def main():
             f"{spec_layout}, "
             f"q weight {t_sh['layers_0']['attn']['q']['weight'].sharding.spec}")
       ok &= same
+  # Any number of rows (5 on a data axis of 4: padded to 8, the padding cut): parallel.autoregressive_rows gives
+  # one device's 5 rows, read back as numpy.
+  rows_ref = spec.generate_autoregressive(target, keys[:5], tokens[:5], lens[:5], target=config, max_new_tokens=12,
+                                          sampler=sampling.Sampler(1.0))
+  rows = parallel.autoregressive_rows(parallel.make_mesh(4, 2), target, keys[:5], tokens[:5], lens[:5],
+                                      target=config, max_new_tokens=12, sampler=sampling.Sampler(1.0))
+  same = (isinstance(rows.tokens_BxN, np.ndarray) and rows.tokens_BxN.shape[0] == 5
+          and np.array_equal(rows.tokens_BxN, np.asarray(rows_ref.tokens_BxN))
+          and np.array_equal(rows.metrics.num_drafts, np.asarray(rows_ref.metrics.num_drafts)))
+  print(f"autoregressive_rows, 5 rows on data=4 model=2: equal={same}")
+  ok &= same
   # The stacked layout (layers compiled once, what the decoding jobs load) under a data x model mesh: the same
   # tokens as the unrolled model on one device (stacked leaves split as their one-layer counterparts, never over L).
   import dataclasses

@@ -4,6 +4,7 @@ types from their gin bindings."""
 
 import dataclasses
 
+import jax
 import pytest
 
 from blockspec_jax import checks
@@ -20,6 +21,12 @@ BAD_FIELDS = [
      "dtype must be 'float32' or 'bfloat16'"),
     (job_config.Models, dict(target="smollm2-135m", drafters="smollm2-135m", scan_layers="yes"),
      "scan_layers must be True or False"),
+    (job_config.Models, dict(target="smollm2-135m", drafters="smollm2-135m", mesh=(1,)),
+     r"mesh must be \(data, model\), two positive integers, got \(1,\)"),
+    (job_config.Models, dict(target="smollm2-135m", drafters="smollm2-135m", mesh=(1, 0)), "two positive integers"),
+    (job_config.Models, dict(target="smollm2-135m", drafters="smollm2-135m", mesh=(1, True)), "two positive integers"),
+    (job_config.Models, dict(target="smollm2-135m", drafters="smollm2-135m", mesh=(jax.device_count() + 1, 1)),
+     r"x 1 \(data x model\) must cover the run's \d+ device"),
     (job_config.MethodGrid, dict(methods=("blok",)), "unknown method 'blok'"),
     (job_config.MethodGrid, dict(gammas=(0,)), "every gamma must be >= 1"),
     (job_config.MethodGrid, dict(gammas=3), r"gammas must be a tuple or list, e.g. \(3,\)"),
@@ -40,7 +47,7 @@ BAD_FIELDS = [
 
 
 @pytest.mark.parametrize("cls, fields, message", BAD_FIELDS,
-                         ids=[f"{c.__name__}-{next(iter(f))}" for c, f, _ in BAD_FIELDS])
+                         ids=[f"{c.__name__}-{list(f)[-1]}" for c, f, _ in BAD_FIELDS])
 def test_each_settings_class_refuses_a_bad_field_before_any_model_loads(cls, fields, message, monkeypatch):
   monkeypatch.setattr(hub, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
   monkeypatch.setattr(sources, "load_models", lambda *a, **k: pytest.fail("a model was loaded"))
@@ -51,6 +58,9 @@ def test_each_settings_class_refuses_a_bad_field_before_any_model_loads(cls, fie
 def test_settings_are_frozen_and_normalised(tmp_path):
   models = job_config.Models(target="smollm2-135m", drafters="smollm2-135m")
   assert models.drafters == ("smollm2-135m",)
+  assert models.mesh == (jax.device_count(), 1)  # by default every device over data
+  assert job_config.Models(target="smollm2-135m", drafters="smollm2-135m", mesh=[1, jax.device_count()]).mesh == (
+      1, jax.device_count())
   grid = job_config.MethodGrid(methods=["autoregressive", "block", "token"], gammas=[2, 4],
                                method_gammas={"block": [8]})
   assert grid.methods == ("autoregressive", "block", "token") and grid.all_gammas == (2, 4, 8)

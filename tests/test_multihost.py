@@ -64,6 +64,23 @@ def test_a_fit_stopped_and_resumed_across_processes_equals_one_process(tmp_path)
       np.testing.assert_allclose(two[name], one[name], rtol=1e-6, atol=1e-7)
 
 
+def test_the_main_job_and_the_smoke_suite_across_processes_give_the_recorded_numbers(tmp_path):
+  """2 processes × 2 devices, each running the SmolLM2 main job and the smoke suite on the global 4 x 1 mesh: every
+  process reads back the token ids, target calls, block efficiencies and acceptance that one device recorded
+  (``tests/test_main_job_ids.py``), and only process 0 writes the suite's files."""
+  import test_main_job_ids as ids
+  results = run_processes(SCRIPT, 2, ("jobs", str(tmp_path)), devices_each=2, timeout=840, product_level=True)
+  for i, (code, out) in enumerate(results):
+    assert code == 0 and "JOBS DONE" in out, f"process {i} ended with {code}:\n{out[-3000:]}"
+    got = json.loads((tmp_path / f"record_{i}.json").read_text())
+    ids.assert_matches_record(got)
+    assert {key.rsplit("@", 1)[1] for key in got["smoke_suite_rows"]} == set(ids.SUITE_TASKS)
+  assert (tmp_path / "suite_0" / "results.json").exists()
+  assert not (tmp_path / "suite_1" / "results.json").exists()
+  settings = json.loads((tmp_path / "suite_0" / "results.json").read_text())
+  assert settings["settings"]["mesh"] == [4, 1] and settings["environment"]["processes"] == 2
+
+
 def test_a_process_that_dies_ends_the_others_with_an_error_not_a_hang():
   """Process 1 exits without a word while process 0 waits in a collective for it: process 0 ends with the
   distributed runtime's error (missing heartbeats: 10 s in the script) well within the test's deadline."""

@@ -82,9 +82,16 @@ def check_prompt_values(tokens_BxP, prompt_len_B, vocab_size: int) -> None:
   length in ``[1, P]`` and every prompt id (before each row's length) in ``[0, V)``. Raises ValueError naming the rows.
 
   Under ``jit`` the loop cannot raise on values; an out-of-vocabulary id there gives NaN logits, which the loop's
-  ``invalid_prob_rows`` counter reports.
+  ``invalid_prob_rows`` counter reports. A global array of a multi-host run is checked on the rows this process
+  holds (the other processes check theirs; fetching the whole array is refused there).
   """
   if isinstance(tokens_BxP, jax.core.Tracer) or isinstance(prompt_len_B, jax.core.Tracer):
+    return
+  if (isinstance(tokens_BxP, jax.Array) and isinstance(prompt_len_B, jax.Array)
+      and not tokens_BxP.is_fully_addressable):
+    lengths = {shard.device: shard.data for shard in prompt_len_B.addressable_shards}
+    for shard in tokens_BxP.addressable_shards:
+      check_prompt_values(shard.data, lengths[shard.device], vocab_size)
     return
   import numpy as np  # host-side check
   tokens_BxP, lens_B = np.asarray(tokens_BxP), np.asarray(prompt_len_B)

@@ -38,7 +38,6 @@ from blockspec_jax import job_config
 from blockspec_jax.eval import harness
 from blockspec_jax import methods as methods_lib
 from blockspec_jax import runtime
-from blockspec_jax import sources
 from blockspec_jax.data import prompts as prompts_lib
 from blockspec_jax.eval.fidelity import target_loglik
 
@@ -213,12 +212,13 @@ def bench_lossy_job(target: str = methods_lib.DEFAULT_TARGET, drafter: str = met
                     output_json: str | None = "results/bench_lossy.json",
                     plot: str | None = "results/bench_lossy.png", cache_dir: str | None = None,
                     compilation_cache: str | None = None, share_prefills: bool = True,
-                    humaneval_unsafe_no_sandbox: bool = False) -> dict:
+                    humaneval_unsafe_no_sandbox: bool = False, mesh: tuple[int, int] | None = None) -> dict:
   """The bench (module docstring) from its flat gin bindings (``bench_lossy.gamma = 4``, …): builds the settings
   (:mod:`blockspec_jax.job_config` and :class:`LossyGrid`, where each one is documented; every one checked there,
-  before a model is loaded) and runs :func:`lossy_bench`, which documents the rest."""
+  before a model is loaded; ``mesh``: ``job_config.Models.mesh``) and runs :func:`lossy_bench`, which documents the
+  rest."""
   models = job_config.Models(target=target, drafters=(drafter,), dtype=dtype, scan_layers=True, cache_dir=cache_dir,
-                             compilation_cache=compilation_cache)
+                             compilation_cache=compilation_cache, mesh=mesh)
   sampler = job_config.SamplerSettings(temperatures=(temperature,), seed=seed)
   data = job_config.DataSettings(prompts=prompts_path, num_prompts=num_prompts, chat=chat,
                                  max_new_tokens=max_new_tokens)
@@ -258,19 +258,17 @@ def lossy_bench(models: job_config.Models, grid: LossyGrid, sampler: job_config.
         + "; ".join(f"{r['rule']} E[τ] {r['expected_accepted']:.4f} TV {r['tv']:.4f}" for r in same), flush=True)
   rows = prompts_lib.load_prompts(data.prompts, limit=data.num_prompts)
   compile_dir = runtime.enable_compilation_cache(models.compilation_cache)
-  target_model = sources.load_model(models.target, models.dtype, models.cache_dir, scan_layers=models.scan_layers)
-  drafter_model = sources.load_model(models.drafters[0], models.dtype, models.cache_dir,
-                                     scan_layers=models.scan_layers)
-  sources.check_pair(target_model, drafter_model)
+  target_model, (drafter_model,), _ = models.load()
+  mesh = models.device_mesh()
   print(f"loaded {models.drafters[0]} → {models.target} ({models.dtype}); {len(rows)} prompts; T = {temperature:g}; "
-        f"compilation cache {compile_dir or 'off'}", flush=True)
+        f"on {runtime.describe_devices(mesh)}; compilation cache {compile_dir or 'off'}", flush=True)
   prompt_ids = prompts_lib.encode_prompts(target_model, rows, data.chat)
   width = max(len(p) for p in prompt_ids)
   needed = max(methods_lib.method_gamma(s["method"], gamma, s["verifier_settings"]) for s in specs)
   methods_lib.check_cache_room(width, data.max_new_tokens, needed, target_model.config, drafter_model.config)
   scorer = _humaneval_scorer(rows, humaneval_timeout_s, humaneval_unsafe_no_sandbox)
   results = _bench_rows(grid, sampler, data, (target_model, drafter_model), rows, prompt_ids, width, tabular, scorer,
-                        harness.PrefillCache() if share_prefills else None)
+                        harness.PrefillCache() if share_prefills else None, mesh)
   print()
   print(format_table(results))
   rss_gb = runtime.peak_rss_gb()
@@ -281,9 +279,9 @@ def lossy_bench(models: job_config.Models, grid: LossyGrid, sampler: job_config.
                 peak_rss_gb=rss_gb, seconds=time.perf_counter() - start,
                 prompts=[dict(id=r["id"], task=r["task"]) for r in rows], tabular_tv=tabular,
                 tabular_same_drafts=same, results=results)
-  if output.output_json:
+  if output.output_json and runtime.is_main_process():
     print(f"wrote {runtime.write_report(output.output_json, report)}")
-  if plot and _plot(results, pathlib.Path(plot), f"{models.drafters[0]} → {models.target}, T = {temperature:g}, "
+  if plot and runtime.is_main_process() and _plot(results, pathlib.Path(plot), f"{models.drafters[0]} → {models.target}, T = {temperature:g}, "
                     f"{len(rows)} prompts × {data.max_new_tokens} tokens"):
     print(f"wrote {plot}")
   return report
@@ -303,8 +301,9 @@ def _humaneval_scorer(rows: list[dict], timeout_s: float, unsafe_no_sandbox: boo
 
 def _bench_rows(grid: LossyGrid, sampler: job_config.SamplerSettings, data: job_config.DataSettings, pair: tuple,
                 rows: list[dict], prompt_ids: list, width: int, tabular: dict, scorer,
-                prefills: harness.PrefillCache | None) -> list[dict]:
-  """Every row of ``grid`` decoded with the loaded ``(target, drafter)`` ``pair``, with its speed, its target
+                prefills: harness.PrefillCache | None, mesh=None) -> list[dict]:
+  """Every row of ``grid`` decoded with the loaded ``(target, drafter)`` ``pair`` (on ``mesh``:
+  ``harness.run_method``), with its speed, its target
   log-likelihood against autoregressive decoding's, its tabular TV and (with a ``scorer``) its HumanEval score."""
   target_model, drafter_model = pair
   drafter_settings = grid.drafter_settings()
@@ -314,7 +313,7 @@ def _bench_rows(grid: LossyGrid, sampler: job_config.SamplerSettings, data: job_
                                           gamma=grid.gamma, max_new_tokens=data.max_new_tokens,
                                           temperature=sampler.temperatures[0], seed=sampler.seed,
                                           stop_ids=target_model.stop_ids, drafter_settings=drafter_settings,
-                                          verifier_settings=s["verifier_settings"], prefills=prefills)
+                                          verifier_settings=s["verifier_settings"], prefills=prefills, mesh=mesh)
     summary["label"] = s["label"]
     summary["verifier_settings"] = s["verifier_settings"]
     total, count, per_seq = target_loglik(target_model, prompt_ids, outputs)

@@ -62,16 +62,23 @@ class PrefillCache:
 
 
 def _phases(method: str, target, drafter, gamma: int, max_new_tokens: int, sampler, stop_ids,
-            drafter_settings=None, verifier_settings=None):
+            drafter_settings=None, verifier_settings=None, mesh=None):
   """The method's two compiled phases: ``prefill(tokens, lens) -> state`` and ``decode(keys, state) ->
   DecodeOutput`` (together exactly ``generate_autoregressive`` / ``generate_speculative``), and the key of its
   prefill (:class:`PrefillCache`: equal for methods whose prefills are the same program on the same parameters;
-  None when the drafter cannot be hashed, then nothing is shared)."""
+  None when the drafter cannot be hashed, then nothing is shared). ``mesh``: both models' parameters laid out on
+  it (``parallel.shard_params``: a no-op for parameters already there) and the KV caches as
+  ``parallel.cache_sharding`` says."""
   from blockspec_jax.decoding import speculative as spec
   tp = target.params["params"]
+  placed = {}
+  if mesh is not None:
+    from blockspec_jax import parallel
+    tp = parallel.shard_params(tp, mesh)
+    placed = dict(cache_sharding=parallel.cache_sharding(mesh, target.config))
   rule, drafter_name = parse_method(method)
   if rule == AUTOREGRESSIVE:
-    common = dict(target=target.config, max_new_tokens=max_new_tokens)
+    common = dict(target=target.config, max_new_tokens=max_new_tokens, **placed)
     return (lambda tokens, lens: spec.prefill_autoregressive(tp, tokens, lens, **common),
             lambda keys, state: spec.decode_autoregressive(tp, keys, state, sampler=sampler, stop_ids=stop_ids,
                                                            **common),
@@ -81,7 +88,9 @@ def _phases(method: str, target, drafter, gamma: int, max_new_tokens: int, sampl
   rule = verify.get_verifier(rule, **dict((verifier_settings or {}).get(rule, {})))
   drafter_obj = build_drafter(drafter_name, target, drafter, drafter_settings, gamma)
   dp = drafter_params(drafter_obj, drafter, target)
-  common = dict(target=target.config, drafter=drafter_obj, gamma=gamma, max_new_tokens=max_new_tokens)
+  if mesh is not None:
+    dp = parallel.shard_params(dp, mesh)
+  common = dict(target=target.config, drafter=drafter_obj, gamma=gamma, max_new_tokens=max_new_tokens, **placed)
   # The drafter object (its settings: a trained drafter's path, a tree's shape) and the two models determine ``dp``.
   key = ("speculative", id(target), id(drafter), drafter_obj, gamma, max_new_tokens)
   try:
@@ -96,51 +105,72 @@ def _phases(method: str, target, drafter, gamma: int, max_new_tokens: int, sampl
 
 def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tokens, temperature, seed, stop_ids,
                drafter_settings=None, verifier_settings=None, top_k: int = 0, top_p: float = 1.0,
-               warm: bool = False, prefills: PrefillCache | None = None):
-  """Decode every prompt at batch 1 with ``method`` ("autoregressive", a verifier name, or
-  ``"<verifier>@<drafter>"``, see :func:`parse_method`; ``drafter_settings`` as in :func:`build_drafter`); returns
-  the summary row and the generated token lists.
+               warm: bool = False, prefills: PrefillCache | None = None, mesh=None):
+  """Decode every prompt with ``method`` ("autoregressive", a verifier name, or ``"<verifier>@<drafter>"``, see
+  :func:`parse_method`; ``drafter_settings`` as in :func:`build_drafter`); returns the summary row and the generated
+  token lists.
+
+  Prompt ``i`` decodes with the key ``fold_in(key(seed), i)`` whatever the layout. Without ``mesh`` (or on a mesh of
+  one device) every prompt decodes at batch 1. On a ``mesh`` (``parallel.make_mesh``) of several devices the prompts
+  decode in batches of one row per ``data`` shard, the parameters and KV caches laid out as ``parallel`` says; the
+  last batch is padded by repeating its last prompt, and the padded rows are dropped before anything is counted. A row
+  samples from its own key at each iteration, so a row's tokens do not depend on the rows beside it. Across the
+  processes of a multi-host run every process passes the same prompts and reads every row back
+  (``parallel.gather``).
 
   Prefill and decode phase are compiled and timed apart (each ends in ``block_until_ready``): ``wall_s`` is their
-  sum, ``prefill_s`` the prompt forwards (target, and drafter for speculative methods), ``decode_s`` the loop, which
-  is the phase the ideal speedup BE / (1 + γ·c) describes. Before the timed prompts, the first prompt's prefill runs
-  once untimed and the decode program is compiled on a finished state (no loop iteration), so compiling costs no
-  extra decode.
+  sum over the batches, ``prefill_s`` the prompt forwards (target, and drafter for speculative methods), ``decode_s``
+  the loop, which is the phase the ideal speedup BE / (1 + γ·c) describes. Before the timed prompts, the first
+  batch's prefill runs once untimed and the decode program is compiled on a finished state (no loop iteration), so
+  compiling costs no extra decode.
   ``temperature``, ``top_k`` and ``top_p`` make the sampler both models decode with (``sampling.Sampler``).
-  ``warm``: a previous call compiled the same programs (same method, γ, sampler, width and models), so the untimed
-  first run is skipped (a suite's later categories).
-  ``prefills``: a :class:`PrefillCache` shared by the job's calls: a prompt whose prefill another method already
-  ran (same models, drafter, γ and budget) starts from that state, and this row's ``prefill_s`` counts the time it
-  took there (``prefills_reused`` says for how many prompts).
+  ``warm``: a previous call compiled the same programs (same method, γ, sampler, width, models and mesh), so the
+  untimed first run is skipped (a suite's later categories).
+  ``prefills``: a :class:`PrefillCache` shared by the job's calls: a batch whose prefill another method already
+  ran (same models, drafter, γ, budget and prompts) starts from that state, and this row's ``prefill_s`` counts the
+  time it took there (``prefills_reused`` says for how many prompts).
   """
   import jax
   from blockspec_jax import sampling
   from blockspec_jax.decoding import speculative as spec
+  if mesh is not None and mesh.size == 1:
+    mesh = None  # one device: today's batch-1 programs, bit for bit
   if not warm:  # a long sweep of methods and shapes in one process; never between a warm call and its programs
     release_programs_if_near_map_limit()
   sampler = sampling.Sampler(temperature=temperature, top_k=top_k, top_p=top_p)
   prefill, decode, prefill_key = _phases(method, target, drafter, gamma, max_new_tokens, sampler, stop_ids,
-                                         drafter_settings, verifier_settings)
+                                         drafter_settings, verifier_settings, mesh)
   if prefill_key is None:
     prefills = None
   padded = [(ids + [0] * (width - len(ids))) for ids in prompt_ids]
   key = jax.random.key(seed)
+  rows_per_batch = 1 if mesh is None else mesh.shape["data"]
+  batches = [list(range(i, min(i + rows_per_batch, len(padded)))) for i in range(0, len(padded), rows_per_batch)]
   reused = 0
 
-  def one(keys, row, length, compile_only=False):
-    """One prompt: (output, prefill seconds, decode seconds, programs compiled inside the two timed calls).
-    ``compile_only``: the decode phase starts from a state whose rows are all finished, so it compiles the very
-    program the timed prompts run (same shapes, same static arguments) but its loop runs no iteration. A state
-    from ``prefills`` is used as it is and its recorded time returned; a timed prefill is kept there."""
+  def one(index, compile_only=False):
+    """The prompts ``index`` (at most one per ``data`` shard, padded to that by repeating the last): (their output,
+    prefill seconds, decode seconds, programs compiled inside the two timed calls). ``compile_only``: the decode phase
+    starts from a state whose rows are all finished, so it compiles the very program the timed prompts run (same
+    shapes, same static arguments) but its loop runs no iteration. A state from ``prefills`` is used as it is and its
+    recorded time returned; a timed prefill is kept there."""
     nonlocal reused
-    tokens, lens = np.asarray([row], np.int32), np.asarray([length], np.int32)
-    cache_key = (prefill_key, tuple(row), length) if prefills is not None else None
+    full = index + [index[-1]] * (rows_per_batch - len(index))
+    tokens = np.asarray([padded[i] for i in full], np.int32)
+    lens = np.asarray([len(prompt_ids[i]) for i in full], np.int32)
+    keys = (jax.random.fold_in(key, full[0])[None] if len(full) == 1 else
+            jax.numpy.stack([jax.random.fold_in(key, i) for i in full]))
+    if mesh is not None:
+      from blockspec_jax import parallel
+      keys, tokens, lens = parallel.shard_batch(mesh, keys, tokens, lens)
+    cache_key = (prefill_key, tuple(tuple(padded[i]) for i in full), tuple(len(prompt_ids[i]) for i in full)
+                 ) if prefills is not None else None
     shared = prefills.get(cache_key) if cache_key is not None else None
     compiled = backend_compiles()
     start = time.perf_counter()
     if shared is not None:
       state, prefill_s = shared
-      reused += not compile_only
+      reused += 0 if compile_only else len(index)
     else:
       state = jax.block_until_ready(prefill(tokens, lens))
       prefill_s = time.perf_counter() - start
@@ -153,25 +183,32 @@ def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tok
     middle = time.perf_counter()
     out = jax.block_until_ready(decode(keys, state))
     end = time.perf_counter()
+    if mesh is not None:
+      from blockspec_jax import parallel
+      out = parallel.gather(out)
     return out, prefill_s, end - middle, backend_compiles() - compiled
 
   label = f"{method} (T = {temperature:g}" + ("" if method == "autoregressive" else
                                                f", γ = {method_gamma(method.partition('@')[0], gamma, verifier_settings)}") + ")"
+  if mesh is not None:
+    label += f" on a {mesh.shape['data']} x {mesh.shape['model']} (data x model) mesh"
   if not warm:
     with compiling(label):
-      # Compile both phases once per method and T: one prompt's prefill, and the decode loop with no iteration.
-      one(jax.random.split(key, 1), padded[0], len(prompt_ids[0]), compile_only=True)
+      # Compile both phases once per method and T: one batch's prefill, and the decode loop with no iteration.
+      one(batches[0], compile_only=True)
   prefill_s, decode_s, tokens, calls, outputs, metrics, extras = 0.0, 0.0, 0, 0, [], [], []
   compiles = 0
-  for i, (row, ids) in enumerate(zip(padded, prompt_ids)):
-    out, p_s, d_s, c = one(jax.random.fold_in(key, i)[None], row, len(ids))
+  for index in batches:
+    out, p_s, d_s, c = one(index)
     prefill_s, decode_s, compiles = prefill_s + p_s, decode_s + d_s, compiles + c
-    n = int(out.num_tokens_B[0])
-    tokens += n
-    calls += n if method == AUTOREGRESSIVE else int(out.metrics.num_drafts[0])
-    outputs.append(np.asarray(out.tokens_BxN[0, :n]).tolist())
-    metrics.append(out.metrics)
-    extras.append(out.extra)
+    real = len(index)  # the padded rows end here: nothing below sees them
+    for b in range(real):
+      n = int(out.num_tokens_B[b])
+      tokens += n
+      calls += n if method == AUTOREGRESSIVE else int(out.metrics.num_drafts[b])
+      outputs.append(np.asarray(out.tokens_BxN[b, :n]).tolist())
+    metrics.append(jax.tree.map(lambda x: np.asarray(x)[:real], out.metrics))
+    extras.append(None if out.extra is None else jax.tree.map(lambda x: np.asarray(x)[:real], out.extra))
   wall = prefill_s + decode_s
   if compiles:
     print(f"WARNING: {label}: {compiles} program(s) compiled inside the timed prompts; its times include "

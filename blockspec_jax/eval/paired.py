@@ -182,12 +182,15 @@ def build_contexts(prompt_ids: Sequence[Sequence[int]], samples: Sequence[Sequen
 
 def sampled_contexts(target, prompt_ids, temperature: float, args, owners: list | None = None,
                      offsets: list | None = None) -> list:
-  """Prompts extended by prefixes of one target sample each at ``temperature`` (see :func:`build_contexts`)."""
+  """Prompts extended by prefixes of one target sample each at ``temperature`` (see :func:`build_contexts`), sampled
+  with the rows over every device (``parallel.autoregressive_rows``: the same tokens as one device)."""
   from blockspec_jax import runtime
   tokens_BxP, prompt_len_B = spec.prepare_prompts(prompt_ids)
   keys_B = jax.random.split(jax.random.key(args.seed + 1), len(prompt_ids))
+  from blockspec_jax import parallel
+  mesh = parallel.make_mesh() if jax.device_count() > 1 else None  # rows over every device; one device: as before
   with runtime.compiling(f"the target's sampling loop at T = {temperature:g} (compiled and run once)"):
-    out = spec.generate_autoregressive(target.params["params"], keys_B, tokens_BxP, prompt_len_B,
+    out = parallel.autoregressive_rows(mesh, target.params["params"], keys_B, tokens_BxP, prompt_len_B,
                                        target=target.config, max_new_tokens=args.sample_tokens,
                                        sampler=sampling.Sampler(temperature=temperature), stop_ids=target.stop_ids)
   samples = [np.asarray(out.tokens_BxN[b, :int(out.num_tokens_B[b])]).tolist() for b in range(len(prompt_ids))]

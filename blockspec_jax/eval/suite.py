@@ -332,14 +332,14 @@ def suite_job(name: str = "suite", target: str = methods_lib.DEFAULT_TARGET, dra
               method_gammas: dict | None = None, width_bucket: int = 64, out_dir: str | None = None,
               cache_dir: str | None = None, compilation_cache: str | None = None, plots: bool = True,
               progress: bool = True, fidelity: bool | None = None, scan_layers: bool = True,
-              share_prefills: bool = True) -> dict:
+              share_prefills: bool = True, mesh: tuple[int, int] | None = None) -> dict:
   """Run a suite (see the module docstring) from its flat gin bindings (``suite.gammas = (2, 4)``, …): builds the
   settings (:mod:`blockspec_jax.job_config`, where each one is documented; every one checked there, before a model is
   loaded) and runs :func:`run_suite`, which documents ``name``, ``width_bucket``, ``fidelity`` and
   ``share_prefills``. ``drafter``: the one drafter of ``job_config.Models.drafters``; ``out_dir``: default
-  ``results/suites/<name>-<UTC time>``."""
+  ``results/suites/<name>-<UTC time>``; ``mesh``: ``job_config.Models.mesh``."""
   models = job_config.Models(target=target, drafters=(drafter,), dtype=dtype, scan_layers=scan_layers,
-                             cache_dir=cache_dir, compilation_cache=compilation_cache)
+                             cache_dir=cache_dir, compilation_cache=compilation_cache, mesh=mesh)
   grid = job_config.MethodGrid(methods=methods, gammas=gammas, drafter_settings=drafter_settings,
                                verifier_settings=verifier_settings, method_gammas=method_gammas)
   sampler = job_config.SamplerSettings(temperatures=temperatures, top_k=top_k, top_p=top_p, seed=seed)
@@ -371,16 +371,17 @@ def run_suite(name: str, models: job_config.Models, grid: job_config.MethodGrid,
   job_config.check_switch(share_prefills, "share_prefills")
   compile_dir = runtime.enable_compilation_cache(models.compilation_cache)
   target_model, (drafter_model,), load_s = models.load()
+  mesh = models.device_mesh()
   ids = {t: prompts_lib.encode_prompts(target_model, task_rows, data.chat) for t, task_rows in by_task.items()}
   width = bucket_width(max(len(p) for task_ids in ids.values() for p in task_ids), width_bucket)
   methods_lib.check_methods_fit(grid.methods, grid.all_gammas, target_model, [drafter_model], width,
                                 data.max_new_tokens, grid.drafter_settings, grid.verifier_settings)
   print(f"suite {name}: loaded {models.drafters[0]} → {models.target} ({models.dtype}) in {load_s:.1f} s; "
         f"{sum(map(len, by_task.values()))} prompts in {len(tasks)} categories, width {width}; jax {jax.__version__} "
-        f"on {jax.devices()[0].platform}; compilation cache {compile_dir or 'off'}", flush=True)
+        f"on {runtime.describe_devices(mesh)}; compilation cache {compile_dir or 'off'}", flush=True)
   start = time.perf_counter()
   results = _run_grid(name, grid, sampler, data, (target_model, drafter_model), ids, width, bool(fidelity),
-                      harness.PrefillCache() if share_prefills else None, output.progress)
+                      harness.PrefillCache() if share_prefills else None, output.progress, mesh)
   wall = time.perf_counter() - start
   settings = dict(target=models.target, drafter=models.drafters[0], prompts=str(data.prompts), tasks=tasks,
                   prompts_per_task=data.prompts_per_task, methods=list(grid.methods), gammas=list(grid.gammas),
@@ -388,7 +389,7 @@ def run_suite(name: str, models: job_config.Models, grid: job_config.MethodGrid,
                   max_new_tokens=data.max_new_tokens, dtype=models.dtype, seed=sampler.seed, chat=data.chat,
                   drafter_settings=grid.drafter_settings, verifier_settings=grid.verifier_settings,
                   method_gammas=grid.method_gammas or None, width_bucket=width_bucket, fidelity=bool(fidelity),
-                  scan_layers=models.scan_layers, share_prefills=share_prefills)
+                  scan_layers=models.scan_layers, share_prefills=share_prefills, mesh=list(models.mesh))
   report = _report(name, settings, by_task, width, wall, output.out_dir, results)
   if runtime.is_main_process():
     _write_directory(name, report, results, output)
@@ -409,7 +410,7 @@ def _select_prompts(data: job_config.DataSettings) -> tuple[list[str], dict[str,
 
 def _run_grid(name: str, grid: job_config.MethodGrid, sampler: job_config.SamplerSettings,
               data: job_config.DataSettings, pair: tuple, ids: dict[str, list], width: int, fidelity: bool,
-              prefills: harness.PrefillCache | None, progress: bool) -> list[dict]:
+              prefills: harness.PrefillCache | None, progress: bool, mesh=None) -> list[dict]:
   """Every run of the grid on every category of ``ids`` with the loaded ``(target, drafter)`` ``pair``: the rows, in
   the grid's order, with their speedups (and an ``all`` row per run when there are several categories)."""
   # Runs: autoregressive once per temperature (γ does not apply), every other method at every γ; categories
@@ -422,7 +423,7 @@ def _run_grid(name: str, grid: job_config.MethodGrid, sampler: job_config.Sample
   bar = tqdm(total=len(runs) * len(ids), desc=f"suite {name}", unit="run", disable=not progress, file=sys.stderr)
   by_run = {}
   for j in order:
-    per_task = _run_categories(runs[j], grid, sampler, data, pair, ids, width, fidelity, prefills, bar)
+    per_task = _run_categories(runs[j], grid, sampler, data, pair, ids, width, fidelity, prefills, bar, mesh)
     by_run[j] = per_task + ([_pooled(per_task)] if len(ids) > 1 else [])
   bar.close()
   results = [row for j in range(len(runs)) for row in by_run[j]]
@@ -432,9 +433,9 @@ def _run_grid(name: str, grid: job_config.MethodGrid, sampler: job_config.Sample
 
 def _run_categories(run: tuple, grid: job_config.MethodGrid, sampler: job_config.SamplerSettings,
                     data: job_config.DataSettings, pair: tuple, ids: dict[str, list], width: int, fidelity: bool,
-                    prefills: harness.PrefillCache | None, bar) -> list[dict]:
-  """One ``(temperature, method, γ)`` run over every category of ``ids``: one summary row per category (the first
-  compiles, the others reuse its programs)."""
+                    prefills: harness.PrefillCache | None, bar, mesh=None) -> list[dict]:
+  """One ``(temperature, method, γ)`` run over every category of ``ids`` (on ``mesh``: ``harness.run_method``): one
+  summary row per category (the first compiles, the others reuse its programs)."""
   temperature, method, gamma = run
   target_model, drafter_model = pair
   per_task = []
@@ -446,7 +447,7 @@ def _run_categories(run: tuple, grid: job_config.MethodGrid, sampler: job_config
                                           seed=sampler.seed, stop_ids=target_model.stop_ids,
                                           drafter_settings=grid.drafter_settings,
                                           verifier_settings=grid.verifier_settings, top_k=sampler.top_k,
-                                          top_p=sampler.top_p, warm=i > 0, prefills=prefills)
+                                          top_p=sampler.top_p, warm=i > 0, prefills=prefills, mesh=mesh)
     summary.update(task=task, top_k=sampler.top_k, top_p=sampler.top_p, peak_rss_gb=runtime.peak_rss_gb())
     if fidelity:  # one program for every row: the shape is the bucketed width + the token budget
       total, count, _ = fidelity_lib.target_loglik(target_model, task_ids, outputs,

@@ -33,8 +33,8 @@ from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.models.scorer import as_scorer
 
 __all__ = ["DATA", "MODEL", "make_mesh", "initialize_multihost", "param_spec", "param_shardings", "shard_params",
-           "batch_sharding", "put_global", "shard_batch", "gather", "cache_sharding", "sharded_speculative",
-           "sharded_autoregressive"]
+           "shard_model", "batch_sharding", "put_global", "shard_batch", "gather", "cache_sharding",
+           "sharded_speculative", "sharded_autoregressive", "autoregressive_rows"]
 
 DATA, MODEL = "data", "model"
 
@@ -118,6 +118,8 @@ def put_global(x, sharding: NamedSharding):
   hold (``jax.make_array_from_callback``); typed PRNG keys travel as their ``key_data``."""
   if sharding.is_fully_addressable:
     return jax.device_put(x, sharding)
+  if isinstance(x, jax.Array) and x.sharding == sharding:
+    return x  # already there (e.g. parameters placed when the job loaded them)
   if _is_key(x):
     return jax.random.wrap_key_data(put_global(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
   host = np.asarray(x)
@@ -136,6 +138,13 @@ def _put_process_local(x, sharding: NamedSharding):
 def shard_params(params, mesh: Mesh):
   """The parameters on ``mesh`` by :func:`param_spec` (every process passes the same parameters)."""
   return jax.tree.map(put_global, params, param_shardings(params, mesh))
+
+
+def shard_model(model, mesh: Mesh):
+  """A loaded model (``models.hub.LoadedModel``: ``params = {"params": tree}``) with its parameters on ``mesh``."""
+  import dataclasses
+  params = dict(model.params, params=shard_params(model.params["params"], mesh))
+  return dataclasses.replace(model, params=params)
 
 
 def batch_sharding(mesh: Mesh, batch: int) -> NamedSharding:
@@ -177,15 +186,8 @@ def gather(tree):
 
 
 def _check_prompts(tokens_BxP, prompt_len_B, target) -> None:
-  """The loops' prompt value checks, on the rows this process holds (a global array's other rows are checked by
-  the processes that hold them)."""
-  vocab = as_scorer(target).vocab_size
-  if not isinstance(tokens_BxP, jax.Array) or tokens_BxP.is_fully_addressable:
-    spec.check_prompt_values(tokens_BxP, prompt_len_B, vocab)
-    return
-  lengths = {shard.device: shard.data for shard in prompt_len_B.addressable_shards}
-  for shard in tokens_BxP.addressable_shards:
-    spec.check_prompt_values(shard.data, lengths[shard.device], vocab)
+  """The loops' prompt value checks (on the rows this process holds, for a global array)."""
+  spec.check_prompt_values(tokens_BxP, prompt_len_B, as_scorer(target).vocab_size)
 
 
 def _output_shardings(out_shape, mesh: Mesh):
@@ -252,3 +254,22 @@ def sharded_autoregressive(mesh: Mesh, target_params, keys_B, tokens_BxP, prompt
   with _mesh_context(mesh):
     fn = _compiled(spec.autoregressive_program, static, mesh, (target_params,), (keys_B, tokens_BxP, prompt_len_B))
     return fn(target_params, keys_B, tokens_BxP, prompt_len_B)
+
+
+def autoregressive_rows(mesh: Mesh | None, target_params, keys_B, tokens_BxP, prompt_len_B, **static):
+  """``generate_autoregressive`` over any number of rows on ``mesh``, read back as numpy (a ``DecodeOutput`` of the
+  ``B`` rows given, on every process): the rows padded to a multiple of the ``data`` axis by repeating the last one,
+  decoded by :func:`sharded_autoregressive`, gathered, and the padding cut before anything is returned. Row ``b``
+  samples from ``keys_B[b]`` whatever the layout. ``mesh`` None or of one device: the one-device loop."""
+  if mesh is None or mesh.size == 1:
+    out = spec.generate_autoregressive(target_params, keys_B, tokens_BxP, prompt_len_B, **static)
+    return gather(out)
+  rows = int(np.shape(tokens_BxP)[0])
+  pad = -rows % mesh.shape[DATA]
+  index = np.concatenate([np.arange(rows), np.full(pad, rows - 1)])  # the last row again, ``pad`` times
+  keys_B, tokens_BxP, prompt_len_B = shard_batch(mesh, keys_B[index], np.asarray(tokens_BxP)[index],
+                                                 np.asarray(prompt_len_B)[index])
+  out = gather(sharded_autoregressive(mesh, shard_params(target_params, mesh), keys_B, tokens_BxP, prompt_len_B,
+                                      **static))
+  return out.replace(tokens_BxN=out.tokens_BxN[:rows], num_tokens_B=out.num_tokens_B[:rows],
+                     stopped_B=out.stopped_B[:rows], metrics=jax.tree.map(lambda x: x[:rows], out.metrics))

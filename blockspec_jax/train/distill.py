@@ -171,10 +171,12 @@ def build_sequences(tokens_BxP, prompt_len_B, generated_BxN, num_generated_B,
 
 def sample_sequences(config: decoder_lib.DecoderConfig, params, tokens_BxP, prompt_len_B, keys_B, *,
                      max_new_tokens: int, temperature: float, stop_ids: tuple[int, ...] = (),
-                     pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
-  """Continuations sampled from ``config``/``params`` (``generate_autoregressive``; row ``b`` uses ``keys_B[b]``),
-  returned as :func:`build_sequences` arrays."""
-  out = spec.generate_autoregressive(params, keys_B, jnp.asarray(tokens_BxP), jnp.asarray(prompt_len_B),
+                     pad_id: int = 0, mesh=None) -> tuple[np.ndarray, np.ndarray]:
+  """Continuations sampled from ``config``/``params`` (``generate_autoregressive``; row ``b`` uses ``keys_B[b]``, so
+  on a ``mesh`` (``parallel.autoregressive_rows``: rows over ``data``, any number of them) the same tokens as on one
+  device), returned as :func:`build_sequences` arrays."""
+  from blockspec_jax import parallel
+  out = parallel.autoregressive_rows(mesh, params, keys_B, np.asarray(tokens_BxP), np.asarray(prompt_len_B),
                                      target=config, max_new_tokens=max_new_tokens,
                                      sampler=sampling.Sampler(temperature), stop_ids=tuple(stop_ids), pad_id=pad_id)
   return build_sequences(tokens_BxP, prompt_len_B, out.tokens_BxN, out.num_tokens_B, pad_id)
@@ -202,6 +204,7 @@ class DistillData:
   on_policy_fraction: float = 0.0
   seed: int = 0
   stop_ids: tuple[int, ...] = ()
+  mesh: Any = None  # where on-policy samples are drawn (``parallel.autoregressive_rows``); None: one device
 
 
 def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter: decoder_lib.DecoderConfig,
@@ -210,7 +213,7 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
                       heldout_fraction: float = 0.125, seed: int = 0, stop_ids: tuple[int, ...] = (),
                       split: tuple[np.ndarray, np.ndarray] | None = None, progress: bool = False,
                       samples_path=None, samples_meta: dict | None = None,
-                      sample_batch_size: int | None = None, reuse_samples=None) -> DistillData:
+                      sample_batch_size: int | None = None, reuse_samples=None, mesh=None) -> DistillData:
   """Split the prompts and sample the target's continuations (in batches of ``sample_batch_size`` rows, default
   ``batch_size``, one compiled program), row ``i`` with key ``fold_in(key(seed), i)``: the law of a row does not
   depend on the rows sampled beside it, so a wider sampling batch changes the cost (each decode step reads the
@@ -228,6 +231,8 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
   held-out prompts (the held-out TV is measured on them) and, unless ``source = "on_policy"`` (which never reads
   them), the training prompts; rows not sampled keep an empty mask.
 
+  ``mesh``: the target's continuations, and later the drafter's on-policy samples, are drawn with their rows over
+  its ``data`` axis (the same tokens as one device: each row has its own key); None: one device.
   ``reuse_samples``: another run's samples file (e.g. the run whose prompt pool this one widens): a row whose prompt
   (its tokens, exactly) has a continuation there takes it instead of a new sample. That file must have been made
   with the same target and sampling settings (``max_new_tokens``, ``sample_temperature``, ``stop_ids`` and
@@ -273,7 +278,7 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
     rows = need[np.arange(start, start + sample_batch_size) % len(need)]  # the last one wraps: no recompile
     tokens_BxT, mask_BxT = sample_sequences(target, target_params, prompts_NxP[rows], prompt_len_N[rows],
                                             _row_keys(key, rows), max_new_tokens=max_new_tokens,
-                                            temperature=sample_temperature, stop_ids=stop_ids)
+                                            temperature=sample_temperature, stop_ids=stop_ids, mesh=mesh)
     fixed_tokens_NxT[rows], fixed_mask_NxT[rows] = tokens_BxT, mask_BxT
     done_N[rows] = True
     if partial_path is not None:  # each row has its own key: a resume samples the rest to the same arrays
@@ -284,7 +289,7 @@ def make_distill_data(target: decoder_lib.DecoderConfig, target_params, drafter:
     partial_path.unlink(missing_ok=True)
   return DistillData(target, drafter, prompts_NxP, prompt_len_N, train_idx, heldout_idx, fixed_tokens_NxT,
                      fixed_mask_NxT, batch_size, max_new_tokens, float(sample_temperature), source,
-                     float(on_policy_fraction), seed, tuple(stop_ids))
+                     float(on_policy_fraction), seed, tuple(stop_ids), mesh)
 
 
 def _checked_split(split, num: int, heldout_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -444,7 +449,7 @@ def make_batch_fn(data: DistillData, frozen_drafter, assemble: Assemble = params
       tokens_BxT, mask_BxT = sample_sequences(
           data.drafter, drafter_params, data.prompts_NxP[rows], data.prompt_len_N[rows],
           _row_keys(jax.random.fold_in(sample_key, step), rows), max_new_tokens=data.max_new_tokens,
-          temperature=data.sample_temperature, stop_ids=data.stop_ids)
+          temperature=data.sample_temperature, stop_ids=data.stop_ids, mesh=data.mesh)
       on_policy_B = np.ones((len(rows),), np.float32)
     else:
       tokens_BxT, mask_BxT = data.fixed_tokens_NxT[rows], data.fixed_mask_NxT[rows]

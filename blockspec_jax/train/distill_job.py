@@ -79,7 +79,8 @@ class DistillSettings(job_setup.PairSettings):
   embeddings and head included, frozen)."""
   data_parallel: bool = False
   """Split every batch over all devices (a ``(data, 1)`` mesh; ``batch_size`` must be a multiple of the device
-  count), same updates as one device."""
+  count), same updates as one device; the target's continuations and the on-policy samples are drawn on that mesh
+  too (the same tokens as one device)."""
   init_from: str | None = None
   """The work directory of an earlier real distillation run with the same drafter recipe (``<dir>@<step>`` for a
   kept step other than its newest): training starts from its trained parameters with a fresh optimizer (a new
@@ -199,7 +200,7 @@ def _init_from(workdir: pathlib.Path, s: DistillSettings, setup: job_setup.Setup
   return dataclasses.replace(parts, trainable=trainable)
 
 
-def _data(workdir: pathlib.Path, s: DistillSettings, setup: job_setup.Setup):
+def _data(workdir: pathlib.Path, s: DistillSettings, setup: job_setup.Setup, mesh=None):
   with job_setup.usage_errors():
     return distill.make_distill_data(
         setup.target_config, setup.target_params, setup.drafter_config, setup.prompts_NxP, setup.prompt_len_N,
@@ -208,7 +209,7 @@ def _data(workdir: pathlib.Path, s: DistillSettings, setup: job_setup.Setup):
         stop_ids=setup.stop_ids, split=setup.split, progress=s.progress and s.real,
         samples_path=pools.samples_path(workdir), samples_meta=pools.samples_meta(s.target if s.real else None,
                                                                                   s.target_seed),
-        sample_batch_size=s.sample_batch_size, reuse_samples=s.reuse_samples)
+        sample_batch_size=s.sample_batch_size, reuse_samples=s.reuse_samples, mesh=mesh)
 
 
 def _train(workdir: pathlib.Path, s: DistillSettings, setup: job_setup.Setup, parts: recipe_lib.DrafterParts,
@@ -248,7 +249,7 @@ def run(workdir, settings: DistillSettings) -> dict:
   setup, parts = _real_models(workdir, s) if s.real else _random_models(s)
   if s.init_from is not None:
     parts = _init_from(workdir, s, setup, parts)
-  data = _data(workdir, s, setup)
+  data = _data(workdir, s, setup, mesh)
   tv_before, result, tv_after = _train(workdir, s, setup, parts, data, mesh)
   rows = trainer.read_metrics(workdir / "metrics.jsonl")
   trainer.plot_losses(rows, workdir / "loss.png",  # the held-out curve from step 0 to the last
