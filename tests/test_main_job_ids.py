@@ -105,9 +105,9 @@ def test_the_smollm2_main_job_emits_the_recorded_token_ids(tmp_path):
 def test_on_8_devices_the_main_job_and_the_smoke_suite_give_the_recorded_numbers(tmp_path):
   """Rows over a data axis of 8 (3 prompts: one batch, 5 padded rows; a suite category of 1 prompt: 7 padded rows):
   the same token ids, target calls, block efficiencies and acceptance as one device."""
+  suite_params = [f"suite.tasks = {SUITE_TASKS!r}"]
   got = _in_subprocess(tmp_path, 8, f"out.update(t.main_job_record(['run_job.mesh = (8, 1)'])); "
-                                    f"out.update(t.smoke_suite_record({str(tmp_path / 'suite')!r}, "
-                                    f"['suite.tasks = {SUITE_TASKS!r}']))")
+                                    f"out.update(t.smoke_suite_record({str(tmp_path / 'suite')!r}, {suite_params!r}))")
   assert_matches_record(got)
   assert {key.rsplit("@", 1)[1] for key in got["smoke_suite_rows"]} == set(SUITE_TASKS)
   report = json.loads((tmp_path / "suite" / "results.json").read_text())
