@@ -374,6 +374,7 @@ def smol_hf(smol_hf_dir):
   return hub.load_model(smol_hf_dir, progress=False)
 
 
+@pytest.mark.slow  # converts SmolLM2 to an HF directory; tiny HF directories are checked by default
 def test_smollm2_hf_dir_config(smol_hf, smol_ref, smol_hf_dir):
   assert isinstance(smol_hf.spec, hub.LocalSource) and smol_hf.spec.kind == "hf"
   assert smol_hf.spec.name == str(smol_hf_dir.resolve())
@@ -382,6 +383,7 @@ def test_smollm2_hf_dir_config(smol_hf, smol_ref, smol_hf_dir):
   assert "lm_head" not in smol_hf.params["params"]
 
 
+@pytest.mark.slow  # converts SmolLM2 to an HF directory; tiny HF directories are checked by default
 def test_smollm2_hf_dir_matches_gguf(smol_hf, smol_ref):
   prompts_ids = [smol_ref.tokenizer.encode(p) for p in PROMPTS]
   _check_same_model(smol_hf, smol_ref, prompts_ids, "smollm2-135m HF dir vs GGUF", atol=LOGIT_ATOL)

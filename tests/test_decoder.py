@@ -232,9 +232,11 @@ def _randomize_norms(params, seed=0):
 
 @pytest.mark.parametrize("overrides", [
     GEMMA_OPTIONS,
-    dict(GEMMA_OPTIONS, norm_plus_one=True, rope_style="interleaved", qkv_bias=True),
-    dict(GEMMA_OPTIONS, sliding_window=WINDOW, layer_types=("sliding", "full"), rope_theta_local=100.0),
-    dict(sliding_window=WINDOW, layer_types=("full", "sliding")),
+    pytest.param(dict(GEMMA_OPTIONS, norm_plus_one=True, rope_style="interleaved", qkv_bias=True),
+                 marks=pytest.mark.slow),
+    pytest.param(dict(GEMMA_OPTIONS, sliding_window=WINDOW, layer_types=("sliding", "full"), rope_theta_local=100.0),
+                 marks=pytest.mark.slow),
+    pytest.param(dict(sliding_window=WINDOW, layer_types=("full", "sliding")), marks=pytest.mark.slow),
 ])
 def test_incremental_equals_full_gemma_options(overrides):
   config = DecoderConfig.tiny(**overrides)

@@ -55,6 +55,7 @@ def fast_pair(tmp_path_factory):
   return workdir, json.loads((workdir / "metrics.json").read_text())
 
 
+@pytest.mark.slow  # SmolLM2 distillation end to end; the default run trains, resumes and loads back tiny pairs (test_train, test_multihost)
 def test_fast_pair_job_and_its_drafter_loaded_back(fast_pair):
   workdir, summary = fast_pair
   assert summary["steps"] == 3 and summary["num_train_prompts"] == 6 and summary["num_heldout_prompts"] == 3
@@ -93,6 +94,7 @@ def _train(workdir, *params):
     gin.clear_config()
 
 
+@pytest.mark.slow  # SmolLM2 distillation end to end; the default run trains, resumes and loads back tiny pairs (test_train, test_multihost)
 def test_a_run_started_from_another_runs_checkpoint(fast_pair, tmp_path, capsys):
   """distill_job.init_from: the new run starts from the earlier run's trained parameters (its @init is them), trains
   on with a fresh optimizer (here 2 steps accumulated into one update); a bad init_from fails before any model
@@ -130,6 +132,7 @@ def test_a_run_started_from_another_runs_checkpoint(fast_pair, tmp_path, capsys)
     assert message in out.err and "loaded" not in out.out  # refused before any model loads
 
 
+@pytest.mark.slow  # SmolLM2 distillation end to end; the default run trains, resumes and loads back tiny pairs (test_train, test_multihost)
 def test_main_job_runs_a_trained_drafter_beside_its_base_losslessly(fast_pair, capsys):
   workdir, _ = fast_pair
   report = run.run_job(target="smollm2-135m", drafter=("smollm2-135m", str(workdir)), num_prompts=1, gamma=3,
@@ -146,6 +149,7 @@ def test_main_job_runs_a_trained_drafter_beside_its_base_losslessly(fast_pair, c
   assert len(texts) == 1  # greedy speculative decoding with either drafter = the target's own greedy text
 
 
+@pytest.mark.slow  # SmolLM2 distillation end to end; the default run trains, resumes and loads back tiny pairs (test_train, test_multihost)
 def test_paired_drafters_resume_and_take_appended_drafters(fast_pair, tmp_path, capsys):
   """eval.paired --drafters on SmolLM2: a finished comparison takes another drafter appended (only its tables are
   measured, on the same contexts), records each context's offset, reports by category and by offset, and refuses a

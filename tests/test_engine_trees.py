@@ -162,6 +162,7 @@ def test_greedy_decoding_equals_autoregressive_for_every_rule(rule, kind):
   check_greedy_equals_autoregressive(rule, kind)
 
 
+@pytest.mark.slow  # row independence is tested by default for the chain loop and the sprinter loop
 def test_rows_with_different_trees_stay_independent():
   """RSD-S draws a different tree for every row: a row's output does not depend on its batch neighbours."""
   config, target, drafter = model_pair()

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import helpers
+import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RECORD = REPO / "tests" / "data" / "smollm2_main_job_ids.json"
@@ -102,6 +103,7 @@ def test_the_smollm2_main_job_emits_the_recorded_token_ids(tmp_path):
   assert_matches_record(_in_subprocess(tmp_path, 1, "out.update(t.main_job_record())"))
 
 
+@pytest.mark.slow  # the same record across 2 processes x 2 devices runs by default (tests/test_multihost.py)
 def test_on_8_devices_the_main_job_and_the_smoke_suite_give_the_recorded_numbers(tmp_path):
   """Rows over a data axis of 8 (3 prompts: one batch, 5 padded rows; a suite category of 1 prompt: 7 padded rows):
   the same token ids, target calls, block efficiencies and acceptance as one device."""

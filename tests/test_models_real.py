@@ -350,6 +350,7 @@ def _greedy_at_width(model, prompts_ids, rows, width, num_new):
   return np.asarray(out.tokens_BxN)
 
 
+@pytest.mark.slow  # batch independence is tested by default on tiny models (test_speculative, test_kernels)
 def test_a_float32_row_does_not_depend_on_its_batch_and_a_bfloat16_row_stays_close(smol):
   """Batch composition at T = 0 on SmolLM2 (prompts of different lengths, one padded width). float32: every row of a
   batch of 3 decodes the tokens it decodes alone, bit for bit (the documented guarantee). bfloat16: rows are not
@@ -417,7 +418,7 @@ def test_converted_cache_roundtrip_and_corruption(smol, tmp_path, capsys):
   assert again.tokenizer.encode(PROMPTS[1]) == first.tokenizer.encode(PROMPTS[1])
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_the_converted_cache_is_read_once_into_aligned_arrays(smol, dtype, tmp_path):
   """The cache reader puts every parameter's bytes straight into a 64-byte-aligned array (the CPU device then takes
   it without a copy), the layers straight into their stacks: the same bytes as np.load in both layouts; a

@@ -49,6 +49,7 @@ def test_summary_arithmetic():
   assert s["gain"] == pytest.approx(2.3 / 2.1 - 1) and (s["contexts"], s["draws"]) == (3, 2)
 
 
+@pytest.mark.slow  # a second SmolLM2 paired table
 def test_length_buckets_give_the_one_batch_table():
   """Contexts measured in batches of similar length draw the same drafts (row keys follow the context, not its
   place in a batch), so the table is the one-batch table up to float rounding of the padding."""

@@ -115,6 +115,7 @@ def test_new_tasks_rebuild_from_the_pinned_packages_and_their_training_pool_is_d
   assert all(len(r["text"]) < 2000 for r in big)
 
 
+@pytest.mark.slow  # rebuilds two training pools; the pinned rebuild and disjointness run by default
 def test_a_wider_training_pool_starts_with_the_narrower_one(download_dir):
   """Raising per_task keeps the smaller pool's rows first in every category (so a wider run can reuse the narrower
   run's target samples), and 400 GSM-symbolic instances are drawn although some templates' generators give up on

@@ -75,6 +75,7 @@ def test_the_stacked_and_unrolled_layouts_emit_the_same_tokens(tmp_path):
     run.run_job(target="smollm2-135m", drafter="smollm2-135m", scan_layers="yes")
 
 
+@pytest.mark.slow  # a second SmolLM2 main job; PrefillCache's budget rule is tested by default
 def test_shared_prefills_change_no_token_and_charge_every_row(tmp_path):
   """Rows that run the same prefill share it (autoregressive decoding at both temperatures; token and block at one
   γ): the same token ids, acceptance and target calls as when every row runs its own, each shared prefill computed
@@ -315,6 +316,7 @@ def test_methods_name_every_registered_rule_and_drafter():
   assert isinstance(methods_lib.build_drafter("ngram", model, model, None, gamma=4), drafters.NGramDrafter)
 
 
+@pytest.mark.slow  # a SmolLM2 main job per lossy rule; the rules' laws and errors are tested on tiny models by default
 def test_main_job_runs_the_lossy_rules_from_gin(tmp_path, capsys):
   """gin/runs/qwen_lossy.gin's methods and settings, on SmolLM2 (drafter = target) with a zero head: the table marks
   SPRINTER and MTAD lossy, SPRINTER's γ is its cap, and its counters reach the report."""
@@ -379,6 +381,7 @@ def test_method_variants_and_trained_drafter_entries(tmp_path):
     methods_lib.drafter_params(raw, small, target)
 
 
+@pytest.mark.slow  # a SmolLM2 main job per target-reading drafter; test_target_reading covers them on tiny models
 def test_main_job_runs_the_target_reading_drafters_from_gin(tmp_path, capsys):
   """gin/runs/qwen_read_target.gin on SmolLM2 (drafter = target): untrained BPD heads (W2 = 0: each head is the
   target's own next-token head) raw and rescored, and a zero SD² map (exactly the plain drafter, so block@steered

@@ -38,8 +38,8 @@ def _run(config, params, tokens_BxT, positions_BxT, cache, **kw):
   return fn(params, tokens_BxT, positions_BxT, cache, mask)
 
 
-@pytest.mark.parametrize("overrides", [dict(), dict(qkv_bias=True, tie_embeddings=True), GEMMA,
-                                       dict(dtype=jnp.bfloat16, num_layers=3)], ids=["llama", "qwen", "gemma", "bf16"])
+@pytest.mark.parametrize("overrides", [dict(), dict(qkv_bias=True, tie_embeddings=True), pytest.param(GEMMA, marks=pytest.mark.slow),
+                                       pytest.param(dict(dtype=jnp.bfloat16, num_layers=3), marks=pytest.mark.slow)], ids=["llama", "qwen", "gemma", "bf16"])
 def test_scanned_equals_unrolled_bit_for_bit(overrides):
   """Prefill of 20 tokens (XLA's GEMM) then steps of 1 and verify passes of 5 (the CPU kernel), with taps and a
   steering delta: every output equal to the last bit."""
@@ -135,6 +135,7 @@ def test_linear_reads_one_layer_of_a_stack(impl, dtype):
     kernels.linear(x, w[0], impl=impl, layer=jnp.int32(0))
 
 
+@pytest.mark.slow  # the tiny llama and qwen layouts are checked bit for bit by default
 def test_smollm2_scanned_equals_unrolled_bit_for_bit():
   """The real 30-layer SmolLM2, loaded in both layouts: prefill (XLA GEMM), a step and a verify pass (the kernel)
   give the same logits to the last bit, and greedy decoding emits the same tokens."""

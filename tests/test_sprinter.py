@@ -82,7 +82,7 @@ def empirical(out):
   return counts
 
 
-@pytest.mark.parametrize("cap", [2, 3])
+@pytest.mark.parametrize("cap", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_sprinter_loop_has_its_exact_law(cap):
   """T = 1, V = 6, a random head accepting about half the contexts: the first 3 emitted tokens follow the exact law
   ``p`` where flagged, ``q`` where the head accepts, segments capped at ``cap`` (χ², 30k seeded rows), and that law

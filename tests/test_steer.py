@@ -287,7 +287,7 @@ def decoded_history_state(tp, params, drafter, prompt, history, stride, gamma):
   return state.replace(tokens_BxS=tokens_1xS, length_B=jnp.asarray([length]), drafter_state=ds)
 
 
-@pytest.mark.parametrize("stride", [1, 3])
+@pytest.mark.parametrize("stride", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_replayed_history_is_the_state_decoding_leaves(stride):
   """speculative_prefill(history_B=h, replay_stride=s) on prompt + history: a steered drafter's first draft has the
   q rows of the drafter that decoded the history in rounds of s committed tokens (its cache written under each
@@ -332,6 +332,7 @@ def test_replayed_history_is_the_state_decoding_leaves(stride):
                              max_new_tokens=1, history_B=history_B, replay_stride=0)
 
 
+@pytest.mark.slow  # a paired table over a steered drafter; the replay itself is tested by default (stride 1)
 def test_paired_acceptance_replays_a_steered_drafter_history(tmp_path):
   """eval.paired with each context's offset: a steered drafter's rows change exactly where a context has tokens past
   its prompt (and with the stride), stride 0 or no offsets is the prompt prefill, a plain drafter's table does not
@@ -641,6 +642,7 @@ def test_smoke_job_runs_and_resumes(tmp_path):
   assert steer_dims(steer) == {"target_d_model": 32, "num_taps": 3, "width": 64, "rank": None}
 
 
+@pytest.mark.slow  # the blocks scheme's training step is tested by default (test_blocks_scheme_trains_every_offset_in_one_pass)
 def test_smoke_job_trains_with_the_blocks_scheme(tmp_path):
   """steer_job(scheme="blocks") on the smoke job: recorded in metrics.json and the map's record, the steered held-out
   TV drops below the plain drafter's; an unknown scheme is a usage error naming the setting's values. A second run

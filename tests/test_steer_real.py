@@ -46,6 +46,7 @@ def joint_run(tmp_path_factory):
   return workdir, summary
 
 
+@pytest.mark.slow  # SmolLM2 joint steering run; the default run covers the steer job on tiny models (test_steer)
 def test_joint_run_records_and_loads_back_as_drafter_and_map(joint_run):
   workdir, summary = joint_run
   assert summary["steps"] == 3 and summary["num_heldout_prompts"] == 2
@@ -65,6 +66,7 @@ def test_joint_run_records_and_loads_back_as_drafter_and_map(joint_run):
   assert info["drafter"] == str(workdir.resolve()) and info["drafter_base"] == MODEL and info["drafter_step"] == 3
 
 
+@pytest.mark.slow  # SmolLM2 joint steering run; the default run covers the steer job on tiny models (test_steer)
 def test_joint_run_decodes_losslessly_and_refuses_other_drafters(joint_run):
   workdir, _ = joint_run
   settings = {"steered": {"steer": str(workdir)}}
