@@ -9,8 +9,11 @@ as each process's own rows, reads the outputs back on every process (``parallel.
 same loops on this process's first device alone; prints ``EQUAL <case>`` per case and ``ALL EQUAL`` at the end.
 ``train``: three data-parallel train steps of a tiny DistillSpec pair on a data mesh over every process's devices
 (every process passing the same global batches) reach the parameters of the same steps on one device (``TRAIN
-EQUAL``). ``fit <work dir>``: ``trainer.fit`` on that mesh for 2 of 4 steps (checkpoints through orbax's
-multi-process path), then again to resume and finish; process 0 writes ``final.npz`` (the trained parameters).
+EQUAL``). ``distill <work dir>``: the distillation smoke job (``gin/train/distill_smoke.gin``, 4 steps) on the
+default mesh over every process's devices (the target's continuations drawn and every batch split over ``data``),
+stopped after 2 steps (checkpoints through orbax's multi-process path) and run again to resume and finish; every
+process writes the summary it returned to ``<work dir>/summary_<process id>.json``; then a batch that does not split
+over the devices is refused before anything runs (``BATCH REFUSED``).
 ``jobs <out dir>``: the SmolLM2 main job and the smoke suite (two categories; ``tests/test_main_job_ids.py``) on the
 global mesh (rows over a data axis of every process's devices), each process with its own suite directory
 ``<out dir>/suite_<process id>``; every process writes the numbers it read back to ``<out dir>/record_<process
@@ -39,8 +42,8 @@ def main():
     multihost_utils.sync_global_devices("waits for a process that is gone")
     print("the collective returned", flush=True)
     return 0
-  if mode == "fit":
-    return fit(sys.argv[5])
+  if mode == "distill":
+    return distill(process_id, sys.argv[5])
   if mode == "jobs":
     return jobs(process_id, sys.argv[5])
   return train() if mode == "train" else loops(process_id, count)
@@ -78,24 +81,34 @@ def _distill_pair():
   return loss_fn, opt, drafter, {"target": target, "drafter": {}}, batches
 
 
-def fit(workdir):
-  import jax
-  import numpy as np
+#: The distillation smoke job's settings for the multi-process test: 4 steps of 16 rows from 32 prompts.
+DISTILL_BINDINGS = ("distill_job.num_steps = 4", "distill_job.checkpoint_every = 2", "distill_job.num_prompts = 32",
+                    "distill_job.progress = False", "make_optimizer.warmup_steps = 1")
 
-  from blockspec_jax import parallel
-  from blockspec_jax.train import trainer
-  loss_fn, opt, drafter, frozen, batches = _distill_pair()
-  mesh = parallel.make_mesh(data=len(jax.devices()), model=1)
-  for stop in (2, None):
-    fitted = trainer.fit(loss_fn=loss_fn, optimizer=opt, trainable=drafter, frozen=frozen,
-                         batch_fn=lambda step, trainable: batches[step], num_steps=4, key=jax.random.key(0),
-                         workdir=workdir, mesh=mesh, checkpoint_every=2, progress=False, plot=False,
-                         stop_after=stop)
-    print(f"fit stopped after {stop}: resumed from {fitted.resumed_from}, {len(fitted.history)} steps", flush=True)
-  leaves = parallel.gather(jax.tree.leaves(fitted.state.trainable))
-  if jax.process_index() == 0:
-    np.savez(f"{workdir}/final.npz", *leaves)
-  print("FIT DONE", flush=True)
+
+def distill(process_id: int, workdir: str) -> int:
+  import json
+  import pathlib
+
+  import gin
+
+  from blockspec_jax import checks, cli
+  from blockspec_jax.train import distill_job
+  gin_file = str(pathlib.Path(__file__).resolve().parents[1] / "gin" / "train" / "distill_smoke.gin")
+  cli.parse_gin([gin_file], list(DISTILL_BINDINGS))
+  try:
+    stopped = distill_job.distill_job(workdir, stop_after=2)
+    print(f"stopped: {stopped}", flush=True)
+    summary = distill_job.distill_job(workdir)
+    print(f"resumed from {summary['resumed_from']}, {summary['steps']} steps", flush=True)
+    pathlib.Path(workdir, f"summary_{process_id}.json").write_text(json.dumps(summary))
+    try:
+      distill_job.distill_job(pathlib.Path(workdir, "refused"), batch_size=6)
+    except checks.UsageError as e:
+      print(f"BATCH REFUSED: {e}", flush=True)
+  finally:
+    gin.clear_config()
+  print("DISTILL DONE", flush=True)
   return 0
 
 

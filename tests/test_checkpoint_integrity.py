@@ -35,9 +35,10 @@ def run(workdir, stop_after=None):
   init = {"w": jax.random.normal(jax.random.key(1), (64, 64)), "b": jnp.ones(8)}
   return trainer.fit(loss_fn=loss_fn, optimizer=trainer.make_optimizer("adamw", 0.05, "cosine", total_steps=NUM_STEPS),
                      trainable=init, frozen={"scale": jnp.float32(2.0)},
-                     batch_fn=lambda step, t: {"y": jnp.full((64, 64), 0.1 * step, jnp.float32)}, num_steps=NUM_STEPS,
-                     key=jax.random.key(0), workdir=workdir, checkpoint_every=2, max_to_keep=2, progress=False,
-                     plot=False, stop_after=stop_after)
+                     batch_fn=lambda step, t: {"y": jnp.full((64, 64), 0.1 * step, jnp.float32)},
+                     key=jax.random.key(0), workdir=workdir,
+                     loop=trainer.Loop(num_steps=NUM_STEPS, checkpoint_every=2, max_to_keep=2, progress=False,
+                                       plot=False, stop_after=stop_after))
 
 
 @pytest.fixture(scope="module")

@@ -115,9 +115,9 @@ def test_head_separates_a_linearly_separable_set_and_its_loss_decreases(tmp_path
 
   train_X, train_y = make(1024)
   held_X, held_y = make(512)
-  head, result = sprinter.train_head(train_X, train_y, workdir=tmp_path, num_steps=150, batch_size=128,
-                                     learning_rate=0.05, seed=0, heldout=(held_X, held_y), eval_every=50,
-                                     progress=False)
+  head, result = sprinter.train_head(train_X, train_y, workdir=tmp_path, batch_size=128, learning_rate=0.05,
+                                     seed=0, heldout=(held_X, held_y),
+                                     loop=trainer.Loop(num_steps=150, eval_every=50, progress=False))
   assert head["w_D"].shape == (6,) and head["w_D"].dtype == jnp.float32 and head["b"].shape == ()
   rows = trainer.read_metrics(tmp_path / "metrics.jsonl")
   assert len(rows) == 150 and "eval_heldout_loss" in rows[49] and "eval_heldout_accuracy" in rows[-1]
@@ -131,7 +131,7 @@ def test_head_separates_a_linearly_separable_set_and_its_loss_decreases(tmp_path
   assert row["accuracy"] > 0.95 and row["accuracy"] == pytest.approx(after["accuracy"])
   assert (tmp_path / "checkpoints").is_dir()
   with pytest.raises(ValueError, match="labels must be 0 or 1"):
-    sprinter.train_head(train_X, train_y * 2, workdir=tmp_path / "bad", num_steps=1, batch_size=4)
+    sprinter.train_head(train_X, train_y * 2, workdir=tmp_path / "bad", loop=trainer.Loop(num_steps=1), batch_size=4)
 
 
 def test_folding_the_standardisation_keeps_the_head_probabilities():

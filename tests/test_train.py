@@ -218,9 +218,9 @@ def _quadratic_fit(workdir, num_steps, stop_after=None):
   batch_fn = lambda step, trainable: {"y_B": jnp.arange(4, dtype=jnp.float32) + 0.1 * step}
   eval_fn = lambda step, trainable: {"norm": float(jnp.linalg.norm(trainable["w"]))}
   return trainer.fit(loss_fn=loss_fn, optimizer=QUAD_OPTIMIZER, trainable={"w": jnp.zeros(4)},
-                     frozen={"scale": jnp.float32(2.0)}, batch_fn=batch_fn, num_steps=num_steps,
-                     key=jax.random.key(0), workdir=workdir, checkpoint_every=3, max_to_keep=5, eval_fn=eval_fn,
-                     eval_every=2, progress=False, stop_after=stop_after)
+                     frozen={"scale": jnp.float32(2.0)}, batch_fn=batch_fn, key=jax.random.key(0), workdir=workdir,
+                     eval_fn=eval_fn, loop=trainer.Loop(num_steps=num_steps, checkpoint_every=3, max_to_keep=5,
+                                                        eval_every=2, progress=False, stop_after=stop_after))
 
 
 QUAD_OPTIMIZER = trainer.make_optimizer("adam", 0.1, "constant")
@@ -265,8 +265,9 @@ def test_a_run_stopped_between_accumulated_updates_resumes_exactly(tmp_path):
     return trainer.fit(loss_fn=loss_fn, optimizer=opt, trainable={"w": jnp.zeros(4)},
                        frozen={"scale": jnp.float32(2.0)},
                        batch_fn=lambda step, t: {"y_B": jnp.arange(4, dtype=jnp.float32) + 0.1 * step},
-                       num_steps=9, key=jax.random.key(0), workdir=workdir, checkpoint_every=2, max_to_keep=2,
-                       progress=False, plot=False, stop_after=stop_after)
+                       key=jax.random.key(0), workdir=workdir,
+                       loop=trainer.Loop(num_steps=9, checkpoint_every=2, max_to_keep=2, progress=False, plot=False,
+                                         stop_after=stop_after))
   straight = fit(tmp_path / "a")
   assert fit(tmp_path / "b", stop_after=4).resumed_from is None  # 4 = one update and one micro-step into the next
   resumed = fit(tmp_path / "b")
@@ -481,6 +482,7 @@ def test_the_sampling_batch_width_does_not_change_the_samples():
       make(sample_batch_size=bad)
 
 
+@pytest.mark.slow  # a second held-out metric check; the window loss check runs by default
 def test_heldout_tv_by_offset_is_the_direct_per_position_computation():
   """heldout_tv_report: at offset i, the mean over held-out rows that generated token i of ½ Σ |p − q| at the
   position predicting it, computed here from whole-sequence logits; its mean is heldout_tv, and the 16-wide bins
@@ -518,8 +520,9 @@ RESUME_OPTIMIZER = trainer.make_optimizer("adamw", 1e-2, "cosine", 1, 6, 0.01, 1
 def _fit(workdir, target, drafter, data, num_steps, stop_after=None):
   return trainer.fit(loss_fn=distill.DistillLoss(TARGET, DRAFTER, "jsd", 1.0, 0.5), optimizer=RESUME_OPTIMIZER,
                      trainable=drafter, frozen={"target": target, "drafter": {}},
-                     batch_fn=distill.make_batch_fn(data, {}), num_steps=num_steps, key=jax.random.key(7),
-                     workdir=workdir, checkpoint_every=2, max_to_keep=2, progress=False, stop_after=stop_after)
+                     batch_fn=distill.make_batch_fn(data, {}), key=jax.random.key(7), workdir=workdir,
+                     loop=trainer.Loop(num_steps=num_steps, checkpoint_every=2, max_to_keep=2, progress=False,
+                                       stop_after=stop_after))
 
 
 def test_resume_reaches_bit_identical_params(tmp_path):
@@ -576,8 +579,9 @@ SHARDED_SCRIPT = textwrap.dedent("""
     import tempfile
     with tempfile.TemporaryDirectory() as workdir:
       fitted = trainer.fit(loss_fn=loss_fn, optimizer=opt, trainable=drafter, frozen=frozen,
-                           batch_fn=lambda s, t: batches[s], num_steps=3, key=jax.random.key(0), workdir=workdir,
-                           mesh=parallel.make_mesh(data=8, model=1), checkpoint_every=2, progress=False, plot=False)
+                           batch_fn=lambda s, t: batches[s], key=jax.random.key(0), workdir=workdir,
+                           loop=trainer.Loop(num_steps=3, mesh=parallel.make_mesh(data=8, model=1),
+                                             checkpoint_every=2, progress=False, plot=False))
     fit_diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(jax.device_get(fitted.state))))
     print("fit diff", fit_diff)
@@ -586,6 +590,7 @@ SHARDED_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # data-parallel train steps across 2 processes x 2 devices run by default (test_multihost)
 def test_eight_devices_equal_one_device():
   env = fake_devices_env(8)
   proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], env=env, capture_output=True, text=True,
@@ -650,8 +655,9 @@ def test_lora_state_checkpoints_and_resumes(tmp_path):
   loss = lambda lo, base, batch, key: (jnp.sum(params_lib.apply_lora(base, lo)["layers_0"]["attn"]["q"]["weight"]
                                                ** 2), {})
   run = lambda workdir, stop=None: trainer.fit(
-      loss_fn=loss, optimizer=QUAD_OPTIMIZER, trainable=lora, frozen=params, batch_fn=lambda s, t: {}, num_steps=4,
-      key=jax.random.key(0), workdir=workdir, checkpoint_every=1, progress=False, plot=False, stop_after=stop)
+      loss_fn=loss, optimizer=QUAD_OPTIMIZER, trainable=lora, frozen=params, batch_fn=lambda s, t: {},
+      key=jax.random.key(0), workdir=workdir,
+      loop=trainer.Loop(num_steps=4, checkpoint_every=1, progress=False, plot=False, stop_after=stop))
   straight = run(tmp_path / "a")
   run(tmp_path / "b", stop=2)
   resumed = run(tmp_path / "b")
@@ -739,8 +745,8 @@ def test_restore_trainable_from_a_training_checkpoint(tmp_path):
     workdir = tmp_path / type(trainable).__name__
     loss = lambda t, frozen, batch, key: (sum(jnp.sum(x ** 2) for x in jax.tree.leaves(t)) + 1.0, {})
     out = trainer.fit(loss_fn=loss, optimizer=QUAD_OPTIMIZER, trainable=trainable, frozen={},
-                      batch_fn=lambda s, t: {}, num_steps=3, key=jax.random.key(0), workdir=workdir,
-                      checkpoint_every=1, max_to_keep=2, progress=False, plot=False)
+                      batch_fn=lambda s, t: {}, key=jax.random.key(0), workdir=workdir,
+                      loop=trainer.Loop(num_steps=3, checkpoint_every=1, max_to_keep=2, progress=False, plot=False))
     restored, step = recipe_lib.restore_trainable(workdir, trainable)
     assert step == 3 and type(restored) is type(trainable)
     for a, b in zip(jax.tree.leaves(out.state.trainable), jax.tree.leaves(restored)):

@@ -13,7 +13,7 @@ from blockspec_jax import main as entry
 from blockspec_jax import sources
 from blockspec_jax.models import hub
 from blockspec_jax.train import __main__ as train_main
-from blockspec_jax.train import job_setup, jobs
+from blockspec_jax.train import job_setup, jobs, trainer
 
 TINY = train_main.tiny_decoder()  # the config `@tiny_decoder()` gives
 #: job -> its settings class' name and the message of giving a real target and a tiny config at once
@@ -47,6 +47,26 @@ def test_each_job_has_one_frozen_settings_object_bound_by_its_gin_name(name):
   assert settings.num_steps == 7 and settings.target_config == TINY
   with pytest.raises(dataclasses.FrozenInstanceError):
     settings.num_steps = 8
+  # the loop every job hands to trainer.fit: its settings, and no mesh on one device (data_parallel's default)
+  assert settings.data_parallel and settings.train_mesh() is None
+  assert settings.loop() == trainer.Loop(num_steps=7, checkpoint_every=settings.checkpoint_every,
+                                         max_to_keep=settings.max_to_keep, eval_every=settings.eval_every,
+                                         progress=settings.progress, stop_after=None, mesh=None)
+  assert dataclasses.replace(settings, stop_after=3).loop().stop_after == 3
+  with pytest.raises(checks.UsageError, match=rf"^{name}\.stop_after must be an integer >= 1, got 0"):
+    dataclasses.replace(settings, stop_after=0)
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(num_steps=0), "num_steps must be an integer >= 1, got 0"),
+    (dict(num_steps=3, checkpoint_every=0), "checkpoint_every and max_to_keep must be >= 1, got 0, 3"),
+    (dict(num_steps=3, max_to_keep=0), "checkpoint_every and max_to_keep must be >= 1, got 100, 0"),
+    (dict(num_steps=3, eval_every=-1), "eval_every must be an integer >= 0, got -1"),
+    (dict(num_steps=3, stop_after=0), "stop_after must be an integer >= 1, got 0"),
+])
+def test_the_training_loops_settings_are_checked_when_made(bad, message):
+  with pytest.raises(ValueError, match=message):
+    trainer.Loop(**bad)
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ import jax
 
 from blockspec_jax import checks
 from blockspec_jax import methods
-from blockspec_jax import parallel
+from blockspec_jax import runtime
 from blockspec_jax import sources
 from blockspec_jax.train import distill, divergences, job_setup, params as params_lib, pools, recipe as recipe_lib
 from blockspec_jax.train import trainer
@@ -77,10 +77,6 @@ class DistillSettings(job_setup.PairSettings):
   trainable_layers: tuple | None = None
   """Random tiny models: None trains the whole drafter, a list of layer indices those layers only (the rest,
   embeddings and head included, frozen)."""
-  data_parallel: bool = False
-  """Split every batch over all devices (a ``(data, 1)`` mesh; ``batch_size`` must be a multiple of the device
-  count), same updates as one device; the target's continuations and the on-policy samples are drawn on that mesh
-  too (the same tokens as one device)."""
   init_from: str | None = None
   """The work directory of an earlier real distillation run with the same drafter recipe (``<dir>@<step>`` for a
   kept step other than its newest): training starts from its trained parameters with a fresh optimizer (a new
@@ -116,21 +112,10 @@ class DistillSettings(job_setup.PairSettings):
         raise checks.UsageError(f"{JOB}.init_from starts from an earlier real run (a drafter recipe's work "
                                 "directory); the random tiny-model job has none")
       self.init_spec()
-    self.mesh()
 
   def build_optimizer(self):
     """gin's ``make_optimizer`` with ``total_steps`` = ``num_steps``."""
     return make_optimizer(total_steps=self.num_steps)
-
-  def mesh(self):
-    """The ``(data, 1)`` mesh with ``data_parallel``, else None."""
-    if not self.data_parallel:
-      return None
-    mesh = parallel.make_mesh(model=1)
-    if self.batch_size % mesh.shape[parallel.DATA]:
-      raise checks.UsageError(f"{JOB}.batch_size = {self.batch_size} must be a multiple of the "
-                              f"{mesh.shape[parallel.DATA]} devices with data_parallel = True")
-    return mesh
 
   def init_spec(self) -> tuple[str, int | None] | None:
     """``(workdir, step)`` of ``init_from`` (``<dir>[@<step>]``): a drafter training run's work directory whose
@@ -213,8 +198,9 @@ def _data(workdir: pathlib.Path, s: DistillSettings, setup: job_setup.Setup, mes
 
 
 def _train(workdir: pathlib.Path, s: DistillSettings, setup: job_setup.Setup, parts: recipe_lib.DrafterParts,
-           data, mesh) -> tuple:
-  """Held-out TV before, the training run, held-out TV after (the last step's evaluation when there was one)."""
+           data) -> tuple:
+  """Held-out TV before, the training run, held-out TV after (the last step's evaluation when there was one; None
+  for a run stopped early by ``stop_after``)."""
   loss_fn = distill.DistillLoss(setup.target_config, setup.drafter_config, s.divergence, s.temperature, s.beta,
                                 assemble=parts.assemble)
   report = lambda trainable: distill.heldout_tv_report(parts.assemble(trainable, parts.frozen), setup.target_params,
@@ -229,11 +215,12 @@ def _train(workdir: pathlib.Path, s: DistillSettings, setup: job_setup.Setup, pa
 
   result = trainer.fit(loss_fn=loss_fn, optimizer=s.build_optimizer(), trainable=parts.trainable,
                        frozen={"target": setup.target_params, "drafter": parts.frozen},
-                       batch_fn=distill.make_batch_fn(data, parts.frozen, parts.assemble), num_steps=s.num_steps,
-                       key=jax.random.key(s.seed), workdir=workdir, checkpoint_every=s.checkpoint_every,
-                       max_to_keep=s.max_to_keep, progress=s.progress, label="distill train step", mesh=mesh,
-                       eval_fn=eval_fn if s.eval_every else None, eval_every=s.eval_every)
-  if last_eval.get("step") == int(result.state.step):
+                       batch_fn=distill.make_batch_fn(data, parts.frozen, parts.assemble), key=jax.random.key(s.seed),
+                       workdir=workdir, loop=s.loop(), eval_fn=eval_fn if s.eval_every else None,
+                       label="distill train step")
+  if int(result.state.step) < s.num_steps:
+    tv_after = None  # stopped early (stop_after): as if killed
+  elif last_eval.get("step") == int(result.state.step):
     tv_after = last_eval["report"]  # measured on the final parameters by the last step's evaluation
   else:
     tv_after = report(result.state.trainable)
@@ -245,15 +232,19 @@ def run(workdir, settings: DistillSettings) -> dict:
   t0 = time.perf_counter()
   s = settings
   workdir = pathlib.Path(workdir)
-  mesh = s.mesh()
+  mesh = s.train_mesh()
   setup, parts = _real_models(workdir, s) if s.real else _random_models(s)
   if s.init_from is not None:
     parts = _init_from(workdir, s, setup, parts)
   data = _data(workdir, s, setup, mesh)
-  tv_before, result, tv_after = _train(workdir, s, setup, parts, data, mesh)
+  tv_before, result, tv_after = _train(workdir, s, setup, parts, data)
+  if tv_after is None:  # stopped early (stop_after): as if killed, nothing but the checkpoints and metrics.jsonl
+    return {"stopped_after": int(result.state.step), "resumed_from": result.resumed_from}
   rows = trainer.read_metrics(workdir / "metrics.jsonl")
-  trainer.plot_losses(rows, workdir / "loss.png",  # the held-out curve from step 0 to the last
-                      points={"eval_heldout_tv": [(0, tv_before.mean), (int(result.state.step), tv_after.mean)]})
+  main = runtime.is_main_process()  # a multi-host run: every process computes the same summary, process 0 writes it
+  if main:
+    trainer.plot_losses(rows, workdir / "loss.png",  # the held-out curve from step 0 to the last
+                        points={"eval_heldout_tv": [(0, tv_before.mean), (int(result.state.step), tv_after.mean)]})
   summary = {
       "heldout_tv_before": tv_before.mean, "heldout_tv_after": tv_after.mean,
       # by offset into the continuation (16 tokens a bin): where the drafter moved toward the target
@@ -271,7 +262,8 @@ def run(workdir, settings: DistillSettings) -> dict:
       **job_setup.machine(), "data_parallel_devices": mesh.size if mesh is not None else 1,
       **setup.info,
   }
-  (workdir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
+  if main:
+    (workdir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
   return summary
 
 

@@ -245,23 +245,22 @@ def _check_data(features_MxD, labels_MxH, name: str):
 
 
 def train_heads(features_MxD, labels_MxH, lm_head_VxD, *, target_config: decoder_lib.DecoderConfig, workdir,
-                num_steps: int, batch_size: int, learning_rate: float = 1e-3, seed: int = 0, heldout=None,
-                eval_every: int = 0, optimizer=None, checkpoint_every: int = 100, max_to_keep: int = 2,
-                progress: bool = True, stop_after: int | None = None):
+                loop: trainer.Loop, batch_size: int, learning_rate: float = 1e-3, seed: int = 0, heldout=None,
+                optimizer=None):
   """Train ``H = labels_MxH.shape[1]`` heads with :func:`trainer.fit_examples` in ``workdir`` (``checkpoints/``,
   ``metrics.jsonl``, ``loss.png``; resumed from its newest checkpoint). Returns ``(heads, fit_result)``.
 
   Step ``s`` reads positions ``trainer.batch_indices(M, batch_size, seed, s)``. The heads start at
   :func:`~blockspec_jax.drafters.heads.init_heads` (key ``fold_in(key(seed), 1)``). ``optimizer``: default
-  ``trainer.make_optimizer("adamw", learning_rate, "cosine", total_steps=num_steps)``. ``heldout = (features,
-  labels)`` with ``eval_every > 0``: ``eval_heldout_ce`` / ``eval_heldout_top1`` every ``eval_every`` steps and after
-  the last. ``stop_after``: as in :func:`trainer.fit`.
+  ``trainer.make_optimizer("adamw", learning_rate, "cosine", total_steps=loop.num_steps)``. ``heldout = (features,
+  labels)`` with ``loop.eval_every > 0``: ``eval_heldout_ce`` / ``eval_heldout_top1`` every ``eval_every`` steps and
+  after the last. ``loop``: the steps, checkpoints, output and mesh (:class:`trainer.Loop`; with a mesh,
+  ``batch_size`` must be a multiple of its data axis).
   """
   features_MxD, labels_MxH = _check_data(features_MxD, labels_MxH, "training set")
   d_model = features_MxD.shape[1]
   num_heads = labels_MxH.shape[1]
   pools.check_int(batch_size, "batch_size")
-  pools.check_int(eval_every, "eval_every", 0)
   lm_head_VxD = jnp.asarray(lm_head_VxD, jnp.float32)
   if lm_head_VxD.shape != (target_config.vocab_size, d_model):
     raise ValueError(f"the LM head must be [V = {target_config.vocab_size}, D = {d_model}], got {lm_head_VxD.shape}")
@@ -269,7 +268,7 @@ def train_heads(features_MxD, labels_MxH, lm_head_VxD, *, target_config: decoder
     raise ValueError(f"labels hold ids >= V = {target_config.vocab_size}")
   heads0 = heads_lib.init_heads(d_model, num_heads, jax.random.fold_in(jax.random.key(seed), 1))
   eval_fn = None
-  if heldout is not None and eval_every:
+  if heldout is not None and loop.eval_every:
     held_MxD, held_MxH = _check_data(*heldout, "held-out set")
 
     def heldout_eval(step, trainable):
@@ -280,11 +279,10 @@ def train_heads(features_MxD, labels_MxH, lm_head_VxD, *, target_config: decoder
     eval_fn = heldout_eval
 
   result = trainer.fit_examples({"features_BxD": features_MxD, "labels_BxH": labels_MxH}, batch_size=batch_size,
-                                seed=seed, num_steps=num_steps, learning_rate=learning_rate, optimizer=optimizer,
+                                seed=seed, loop=loop, learning_rate=learning_rate, optimizer=optimizer,
                                 loss_fn=HeadsLoss(target_config, num_heads), trainable=heads0,
-                                frozen={"lm_head": lm_head_VxD}, workdir=workdir, checkpoint_every=checkpoint_every,
-                                max_to_keep=max_to_keep, eval_fn=eval_fn, eval_every=eval_every, progress=progress,
-                                label="BPD heads train step", stop_after=stop_after)
+                                frozen={"lm_head": lm_head_VxD}, workdir=workdir, eval_fn=eval_fn,
+                                label="BPD heads train step")
   return result.state.trainable, result
 
 

@@ -99,13 +99,10 @@ class HeadsSettings(job_setup.JobSettings):
   """The n-gram LM's weight in the rescoring."""
   eval_chunk: int = 64
   """Positions per evaluation call."""
-  stop_after: int | None = None
-  """Stop after that many steps as if killed (resume tests)."""
   dry_run: bool = False
   """Check the settings (no model loaded, nothing written) and return them."""
 
   def check(self) -> None:
-    self.check_int("stop_after", 1, optional=True)
     if self.real == (self.target_config is not None):
       raise checks.UsageError(f"give either {JOB}.target (a model name or path) or {JOB}.target_config (a random "
                               "tiny target, @tiny_decoder()), not both")
@@ -230,10 +227,8 @@ def _train(workdir: pathlib.Path, s: HeadsSettings, data: dict, labels: dict, lm
   try:
     return heads_lib.train_heads(
         data["train"]["features_MxD"], labels["train"], lm_head_VxD, target_config=head_config, workdir=workdir,
-        num_steps=s.num_steps, batch_size=s.batch_size, seed=s.seed,
-        heldout=(data["heldout"]["features_MxD"], labels["heldout"]), eval_every=s.eval_every,
-        optimizer=s.build_optimizer(), checkpoint_every=s.checkpoint_every, max_to_keep=s.max_to_keep,
-        progress=s.progress, stop_after=s.stop_after)
+        loop=s.loop(), batch_size=s.batch_size, seed=s.seed,
+        heldout=(data["heldout"]["features_MxD"], labels["heldout"]), optimizer=s.build_optimizer())
   except ValueError as e:
     raise checks.UsageError(str(e)) from None
 

@@ -23,11 +23,12 @@ import numpy as np
 
 from blockspec_jax import checks
 from blockspec_jax import methods
+from blockspec_jax import parallel
 from blockspec_jax import runtime
 from blockspec_jax import sources
 from blockspec_jax.data import prompts as prompts_lib
 from blockspec_jax.models import decoder as decoder_lib
-from blockspec_jax.train import distill, pools
+from blockspec_jax.train import distill, pools, trainer
 
 __all__ = ["JobSettings", "PairSettings", "Setup", "random_setup", "setup_models", "real_prompt_rows", "encode_rows",
            "usage_errors", "final_loss", "seconds_total", "machine"]
@@ -93,11 +94,37 @@ class JobSettings:
   """The job's seed (prompt pools, splits, sampling, batches)."""
   progress: bool = True
   """Progress bars and per-step lines."""
+  data_parallel: bool = True
+  """Split every training batch over all devices (a ``(data, 1)`` mesh: ``batch_size`` must be a multiple of the
+  device count), the same updates as one device up to the order of float32 sums; on one device nothing changes (no
+  mesh). False: the first device only."""
+  stop_after: int | None = None
+  """Stop (with a checkpoint) once this many steps are done, as if killed: for resume tests."""
 
   def __post_init__(self):
     for name, low in self.INTS:
       self.check_int(name, low)
+    self.check_int("stop_after", 1, optional=True)
     self.check()
+    self.train_mesh()
+
+  def train_mesh(self):
+    """The ``(data, 1)`` mesh over every device of the run with ``data_parallel`` and more than one device, else
+    None; a UsageError when ``batch_size`` does not split over it."""
+    if not self.data_parallel or jax.device_count() == 1:
+      return None
+    mesh = parallel.make_mesh(model=1)
+    if self.batch_size % mesh.shape[parallel.DATA]:
+      raise checks.UsageError(f"{self.name('batch_size')} = {self.batch_size} must be a multiple of the "
+                              f"{mesh.shape[parallel.DATA]} devices the batches are split over (or "
+                              f"{self.name('data_parallel')} = False: one device)")
+    return mesh
+
+  def loop(self) -> trainer.Loop:
+    """The training loop's settings (steps, checkpoints, evaluations, progress, stop, mesh) for ``trainer.fit``."""
+    return trainer.Loop(num_steps=self.num_steps, checkpoint_every=self.checkpoint_every, max_to_keep=self.max_to_keep,
+                        eval_every=self.eval_every, progress=self.progress, stop_after=self.stop_after,
+                        mesh=self.train_mesh())
 
   def check(self) -> None:
     """The job's own checks (after ``INTS``); raises UsageError."""

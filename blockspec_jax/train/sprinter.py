@@ -10,8 +10,9 @@ Pipeline (the job is ``sprinter_job`` in :mod:`blockspec_jax.train.sprinter_job`
 
     data = collect_labels(target_config, target_params, drafter_config, drafter_params, tokens_BxP, prompt_len_B,
                           max_new_tokens=64, temperature=1.0, key=key, batch_size=4)
-    head, fit_result = train_head(data["features_NxD"], data["labels_N"], workdir=..., num_steps=400,
-                                  batch_size=256, learning_rate=1e-2, seed=0, heldout=(features, labels))
+    head, fit_result = train_head(data["features_NxD"], data["labels_N"], workdir=...,
+                                  loop=trainer.Loop(num_steps=400), batch_size=256, learning_rate=1e-2, seed=0,
+                                  heldout=(features, labels))
     rows = head_report(head, heldout_features_NxD, heldout_labels_N, thresholds=(0.3, 0.5, 0.7, 0.9))
     save_head(workdir, head, {"drafter": ..., "target": ..., "temperature": 1.0, "report_heldout": rows})
     head, info = load_head(workdir, d_model=896)
@@ -223,10 +224,8 @@ def evaluate_head(head, features_NxD, labels_N) -> dict:
   return {"bce": float(loss), "accuracy": float(accuracy)}
 
 
-def train_head(features_NxD, labels_N, *, workdir, num_steps: int, batch_size: int, learning_rate: float = 1e-2,
-               seed: int = 0, heldout=None, eval_every: int = 0, optimizer=None, pos_weight: float | None = None,
-               standardize: bool = True, checkpoint_every: int = 100, max_to_keep: int = 2, progress: bool = True,
-               stop_after: int | None = None):
+def train_head(features_NxD, labels_N, *, workdir, loop: trainer.Loop, batch_size: int, learning_rate: float = 1e-2,
+               seed: int = 0, heldout=None, optimizer=None, pos_weight: float | None = None, standardize: bool = True):
   """Train the head by :func:`trainer.fit_examples` in ``workdir`` (``checkpoints/``, ``metrics.jsonl``,
   ``loss.png``; resumed from its newest checkpoint). Returns ``(head, fit_result)``: ``head`` folded to raw features
   (f32 ``w_D`` [D], ``b`` []).
@@ -234,15 +233,15 @@ def train_head(features_NxD, labels_N, *, workdir, num_steps: int, batch_size: i
   ``features_NxD`` f32 [N, D], ``labels_N`` 0/1 [N]. Step ``s`` reads the examples :func:`batch_indices` ``(N,
   batch_size, seed, s)``. The head starts at ``w = 0`` and ``b = logit(positive rate)``. ``optimizer``: an optax
   transformation (the job passes gin's ``make_optimizer``); default ``trainer.make_optimizer("adamw",
-  learning_rate, "cosine", total_steps=num_steps)``. ``heldout = (features, labels)`` with ``eval_every > 0``: the
-  held-out loss and accuracy (``eval_heldout_loss``, ``eval_heldout_accuracy``) every ``eval_every`` steps and after
-  the last. ``standardize``: train on standardised features (:func:`standardization` of the training set) and fold
-  the map into the returned head. ``pos_weight``: see :func:`head_loss`. ``stop_after``: as in :func:`trainer.fit`.
+  learning_rate, "cosine", total_steps=loop.num_steps)``. ``heldout = (features, labels)`` with ``loop.eval_every >
+  0``: the held-out loss and accuracy (``eval_heldout_loss``, ``eval_heldout_accuracy``) every ``eval_every`` steps
+  and after the last. ``standardize``: train on standardised features (:func:`standardization` of the training set)
+  and fold the map into the returned head. ``pos_weight``: see :func:`head_loss`. ``loop``: the steps, checkpoints,
+  output and mesh (:class:`trainer.Loop`; with a mesh, ``batch_size`` must be a multiple of its data axis).
   """
   features_NxD, labels_N = _check_examples(features_NxD, labels_N, "training set")
   d_model = features_NxD.shape[1]
   pools.check_int(batch_size, "batch_size")
-  pools.check_int(eval_every, "eval_every", 0)
   if pos_weight is not None and not (isinstance(pos_weight, (int, float)) and pos_weight > 0):
     raise ValueError(f"pos_weight must be a number > 0 (or None), got {pos_weight!r}")
   if standardize:
@@ -255,7 +254,7 @@ def train_head(features_NxD, labels_N, *, workdir, num_steps: int, batch_size: i
   rate = min(max(float(labels_N.mean()), 1e-4), 1.0 - 1e-4)
   head0 = init_head(d_model, bias=math.log(rate / (1.0 - rate)))
   eval_fn = None
-  if heldout is not None and eval_every:
+  if heldout is not None and loop.eval_every:
     held_NxD, held_N = _check_examples(*heldout, "held-out set")
     if held_NxD.shape[1] != d_model:
       raise ValueError(f"held-out features have D = {held_NxD.shape[1]}, training features D = {d_model}")
@@ -266,11 +265,9 @@ def train_head(features_NxD, labels_N, *, workdir, num_steps: int, batch_size: i
       return {"heldout_loss": float(loss), "heldout_accuracy": float(accuracy)}
 
   result = trainer.fit_examples({"features_BxD": features_NxD, "labels_B": labels_N}, batch_size=batch_size, seed=seed,
-                                num_steps=num_steps, learning_rate=learning_rate, optimizer=optimizer,
-                                loss_fn=head_loss, trainable=head0, frozen=frozen, workdir=workdir,
-                                checkpoint_every=checkpoint_every, max_to_keep=max_to_keep, eval_fn=eval_fn,
-                                eval_every=eval_every, progress=progress, label="SPRINTER head train step",
-                                stop_after=stop_after)
+                                loop=loop, learning_rate=learning_rate, optimizer=optimizer, loss_fn=head_loss,
+                                trainable=head0, frozen=frozen, workdir=workdir, eval_fn=eval_fn,
+                                label="SPRINTER head train step")
   return fold_standardization(result.state.trainable, mean_D, inv_scale_D), result
 
 

@@ -67,13 +67,10 @@ class SprinterSettings(job_setup.PairSettings):
   """The positive labels' weight in the BCE (None: 1; as in ``sprinter.train_head``)."""
   thresholds: tuple = (0.3, 0.5, 0.7, 0.9)
   """The acceptance thresholds of the held-out report (numbers >= 0)."""
-  stop_after: int | None = None
-  """Stop after that many steps as if killed (resume tests)."""
   dry_run: bool = False
   """Check the settings (no model loaded, nothing written) and return them."""
 
   def check(self) -> None:
-    self.check_int("stop_after", 1, optional=True)
     self.check_models_given()
     thresholds = self.thresholds
     thresholds = tuple(thresholds) if isinstance(thresholds, (list, tuple)) else (thresholds,)
@@ -159,11 +156,9 @@ def _labels(workdir: pathlib.Path, s: SprinterSettings) -> tuple[dict, bool, dic
 def _train(workdir: pathlib.Path, s: SprinterSettings, train: dict, held: dict) -> tuple:
   try:
     return sprinter_lib.train_head(
-        train["features_NxD"], train["labels_N"], workdir=workdir, num_steps=s.num_steps, batch_size=s.batch_size,
-        seed=s.seed, heldout=(held["features_NxD"], held["labels_N"]), eval_every=s.eval_every,
-        optimizer=s.build_optimizer(), pos_weight=s.pos_weight, standardize=s.standardize,
-        checkpoint_every=s.checkpoint_every, max_to_keep=s.max_to_keep, progress=s.progress,
-        stop_after=s.stop_after)
+        train["features_NxD"], train["labels_N"], workdir=workdir, loop=s.loop(), batch_size=s.batch_size,
+        seed=s.seed, heldout=(held["features_NxD"], held["labels_N"]), optimizer=s.build_optimizer(),
+        pos_weight=s.pos_weight, standardize=s.standardize)
   except ValueError as e:
     raise checks.UsageError(str(e)) from None
 

@@ -218,24 +218,21 @@ class SteerLoss:
 # --- data -----------------------------------------------------------------------------------------------------------
 
 def make_steer_data(target: decoder_lib.DecoderConfig, target_params, drafter: decoder_lib.DecoderConfig,
-                    prompts_NxP, prompt_len_N, *, batch_size: int, max_new_tokens: int,
-                    sample_batch_size: Optional[int] = None, sample_temperature: float = 1.0,
-                    heldout_fraction: float = 0.125, seed: int = 0, stop_ids: tuple[int, ...] = (), split=None,
-                    progress: bool = False, samples_path=None, samples_meta=None,
-                    reuse_samples=None) -> distill.DistillData:
+                    prompts_NxP, prompt_len_N, *, batch_size: int, sample_batch_size: Optional[int] = None,
+                    **sampling) -> distill.DistillData:
   """:func:`distill.make_distill_data` with source ``"fixed"`` (the target's continuations of every prompt, sampled
   once at ``sample_temperature``), sampled ``sample_batch_size`` prompts at a time (default ``batch_size``: a larger
-  one amortises the target's weights over more rows), then served ``batch_size`` rows per step; ``samples_path`` /
-  ``samples_meta``: the samples kept for a resume, ``reuse_samples``: another run's samples whose continuations of
-  the same prompts are taken rather than sampled again (:func:`distill.make_distill_data`)."""
+  one amortises the target's weights over more rows), then served ``batch_size`` rows per step. ``sampling``:
+  :func:`distill.make_distill_data`'s other keyword arguments (``max_new_tokens``, ``sample_temperature``,
+  ``heldout_fraction``, ``seed``, ``stop_ids``, ``split``, ``progress``; ``samples_path`` / ``samples_meta``: the
+  samples kept for a resume; ``reuse_samples``: another run's samples whose continuations of the same prompts are
+  taken rather than sampled again; ``mesh``: where the continuations are drawn)."""
   sample_batch_size = batch_size if sample_batch_size is None else sample_batch_size
   batch_size = check_int(batch_size, "batch_size")
+  if "source" in sampling:
+    raise TypeError("make_steer_data's source is always 'fixed'")
   data = distill.make_distill_data(target, target_params, drafter, prompts_NxP, prompt_len_N,
-                                   batch_size=sample_batch_size, max_new_tokens=max_new_tokens,
-                                   sample_temperature=sample_temperature, source="fixed",
-                                   heldout_fraction=heldout_fraction, seed=seed, stop_ids=stop_ids, split=split,
-                                   progress=progress, samples_path=samples_path, samples_meta=samples_meta,
-                                   reuse_samples=reuse_samples)
+                                   batch_size=sample_batch_size, source="fixed", **sampling)
   return dataclasses.replace(data, batch_size=batch_size)
 
 

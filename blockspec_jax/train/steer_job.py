@@ -108,9 +108,6 @@ class SteerSettings(job_setup.PairSettings):
   """JSD's mixing weight."""
   optimizer: dict | None = None
   """A dict of ``trainer.make_optimizer`` arguments (``total_steps`` = ``num_steps``; None: adamw 1e-3, cosine)."""
-  stop_after: int | None = None
-  """Stop after that many steps as if killed (resume tests): only the checkpoints and ``metrics.jsonl`` are
-  written."""
   finetune_drafter: dict | None = None
   """None (the drafter frozen), or a dict of :class:`~blockspec_jax.train.recipe.DrafterRecipe` fields but ``base``
   (``{"lora_rank": 16, "lora_alpha": 32}``): that part of the drafter trains with the map under the one loss."""
@@ -121,7 +118,6 @@ class SteerSettings(job_setup.PairSettings):
     if self.scheme not in steer_lib.SCHEMES:
       raise checks.UsageError(f"{JOB}.scheme must be one of {steer_lib.SCHEMES}, got {self.scheme!r}")
     self.check_int("sample_batch_size", optional=True)
-    self.check_int("stop_after", optional=True)
     self.check_finetune()
     self.check_int("rank", optional=True)
     self.check_models_given()
@@ -245,7 +241,7 @@ def _prepare(workdir: pathlib.Path, s: SteerSettings) -> _Run:
                                      split=setup.split, progress=s.progress,
                                      samples_path=pools.samples_path(workdir),
                                      samples_meta=pools.samples_meta(s.target if s.real else None, s.target_seed),
-                                     reuse_samples=s.reuse_samples)
+                                     reuse_samples=s.reuse_samples, mesh=s.train_mesh())
   return _Run(setup, joint, target_layers, steered_layers, loss_fn, data)
 
 
@@ -280,10 +276,8 @@ def _fit(workdir: pathlib.Path, s: SteerSettings, r: _Run, steer0) -> tuple:
                                                **eval_kwargs)["steered"]["tv"]}
 
   result = trainer.fit(loss_fn=r.loss_fn, optimizer=s.build_optimizer(), trainable=trainable0, frozen=frozen,
-                       batch_fn=steer_lib.make_batch_fn(r.data), num_steps=s.num_steps, key=jax.random.key(s.seed),
-                       workdir=workdir, checkpoint_every=s.checkpoint_every, max_to_keep=s.max_to_keep,
-                       eval_fn=eval_fn if s.eval_every else None, eval_every=s.eval_every, progress=s.progress,
-                       label="SD² steering train step", stop_after=s.stop_after)
+                       batch_fn=steer_lib.make_batch_fn(r.data), key=jax.random.key(s.seed), workdir=workdir,
+                       loop=s.loop(), eval_fn=eval_fn if s.eval_every else None, label="SD² steering train step")
   return result, frozen
 
 

@@ -5,8 +5,8 @@
     optimizer = make_optimizer("adamw", learning_rate=1e-3, schedule="cosine", warmup_steps=10, total_steps=200)
     state = init_state(trainable, optimizer)                     # TrainState(step, trainable, opt_state)
     step = make_train_step(loss_fn, optimizer, mesh=None)        # jitted (state, frozen, batch, key) -> (state, m)
-    result = fit(loss_fn=..., optimizer=..., trainable=..., frozen=..., batch_fn=..., num_steps=200, key=key,
-                 workdir="results/train/job")
+    result = fit(loss_fn=..., optimizer=..., trainable=..., frozen=..., batch_fn=..., key=key,
+                 workdir="results/train/job", loop=Loop(num_steps=200))
 
 ``frozen`` (the target, a drafter's frozen layers, a base model under LoRA) is an argument of the step, never part
 of the optimizer state, so optimizer moments exist only for trainable leaves.
@@ -16,7 +16,7 @@ the current trainable parameters, which on-policy data needs) and ``jax.random.f
 the whole :class:`TrainState` (exact float32 arrays), so a run stopped after ``k`` steps and resumed by a new
 :func:`fit` call on the same workdir reaches bit-identical parameters to an uninterrupted run.
 
-Data parallelism: with a ``mesh`` (``blockspec_jax.parallel.make_mesh``) the step is the same jitted function with
+Data parallelism: with a ``mesh`` (``blockspec_jax.parallel.make_mesh``; :class:`Loop`'s ``mesh`` for :func:`fit`) the step is the same jitted function with
 ``in_shardings``: every batch leaf split over the mesh's ``data`` axis by its leading dimension, parameters,
 optimizer state and key replicated. The loss is a mean over the *global* batch (jit's semantics are global), so the
 gradient and the update equal one device's up to the order of floating-point reductions.
@@ -52,7 +52,7 @@ from blockspec_jax.checks import check_int
 from blockspec_jax.train import checkpoints as checkpoints_lib
 
 __all__ = ["TrainState", "OPTIMIZERS", "SCHEDULES", "make_schedule", "make_optimizer", "by_part", "init_state",
-           "train_step", "make_train_step", "FitResult", "fit", "batch_indices", "fit_examples", "read_metrics",
+           "train_step", "make_train_step", "FitResult", "Loop", "fit", "batch_indices", "fit_examples", "read_metrics",
            "eval_curves", "plot_losses", "restore_latest"]
 
 LossFn = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, dict]]
@@ -209,6 +209,37 @@ def _make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, m
   return call
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Loop:
+  """How :func:`fit` runs: the steps, the checkpoints, the evaluations, the output and the devices (the settings every
+  training job passes through unchanged; its own loss, data and optimizer are :func:`fit`'s other arguments)."""
+  num_steps: int
+  """Steps of the run (a resume continues to this many)."""
+  checkpoint_every: int = 100
+  """Save every this many steps (and always after the last step)."""
+  max_to_keep: int = 3
+  """The newest checkpoints kept."""
+  eval_every: int = 0
+  """``eval_fn`` after every this many steps and the last one (0: never)."""
+  progress: bool = True
+  """A tqdm bar over the steps (after the compiling step's line)."""
+  plot: bool = True
+  """``loss.png`` beside ``metrics.jsonl`` at the end (process 0; needs matplotlib)."""
+  stop_after: int | None = None
+  """Stop (with a checkpoint) once this many steps are done, as if killed: for resume tests."""
+  mesh: Mesh | None = None
+  """A data-parallel mesh (:func:`make_train_step`): every batch leaf split over ``data``; None: one device."""
+
+  def __post_init__(self):
+    check_int(self.num_steps, "num_steps")
+    if self.checkpoint_every < 1 or self.max_to_keep < 1:
+      raise ValueError(f"checkpoint_every and max_to_keep must be >= 1, got {self.checkpoint_every}, "
+                       f"{self.max_to_keep}")
+    check_int(self.eval_every, "eval_every", 0)
+    if self.stop_after is not None:
+      check_int(self.stop_after, "stop_after")
+
+
 @dataclasses.dataclass(frozen=True)
 class FitResult:
   state: TrainState
@@ -310,11 +341,9 @@ def _resume(workdir: pathlib.Path, state: TrainState) -> tuple[TrainState, int |
 
 
 def fit(*, loss_fn: LossFn, optimizer: optax.GradientTransformation, trainable, frozen,
-        batch_fn: Callable[[int, Any], Any], num_steps: int, key: jax.Array, workdir, mesh: Mesh | None = None,
-        checkpoint_every: int = 100, max_to_keep: int = 3, eval_fn: Callable[[int, Any], dict] | None = None,
-        eval_every: int = 0, progress: bool = True, plot: bool = True, label: str = "train step",
-        stop_after: int | None = None) -> FitResult:
-  """Train ``trainable`` for ``num_steps`` steps, resuming from ``<workdir>/checkpoints`` when it holds one.
+        batch_fn: Callable[[int, Any], Any], key: jax.Array, workdir, loop: Loop,
+        eval_fn: Callable[[int, Any], dict] | None = None, label: str = "train step") -> FitResult:
+  """Train ``trainable`` for ``loop.num_steps`` steps, resuming from ``<workdir>/checkpoints`` when it holds one.
 
   Args:
     loss_fn: ``(trainable, frozen, batch, key) -> (loss, aux)``.
@@ -322,15 +351,13 @@ def fit(*, loss_fn: LossFn, optimizer: optax.GradientTransformation, trainable, 
     frozen: the pytree of non-trained inputs of the loss.
     batch_fn: ``(step, trainable) -> batch``, a pure function of its arguments (exact resume depends on it).
     key: the run's key; step ``s`` gets ``fold_in(key, s)``.
-    checkpoint_every: save every this many steps (and always after the last step); ``max_to_keep`` newest kept.
-    eval_fn, eval_every: ``eval_fn(step, trainable) -> {name: float}`` after every ``eval_every``-th step and the
-      last one, logged as ``eval_<name>`` in that step's metrics line.
-    stop_after: stop (with a checkpoint) once this many steps are done, as if killed: for resume tests.
+    loop: the steps, checkpoints, evaluations, output and mesh (:class:`Loop`).
+    eval_fn: ``eval_fn(step, trainable) -> {name: float}`` after every ``loop.eval_every``-th step and the last one,
+      logged as ``eval_<name>`` in that step's metrics line.
+    label: the compiling line's name for the step.
   """
-
-  num_steps = check_int(num_steps, "num_steps")
-  if checkpoint_every < 1 or max_to_keep < 1:
-    raise ValueError(f"checkpoint_every and max_to_keep must be >= 1, got {checkpoint_every}, {max_to_keep}")
+  num_steps, checkpoint_every, max_to_keep = loop.num_steps, loop.checkpoint_every, loop.max_to_keep
+  eval_every, progress, plot, stop_after, mesh = loop.eval_every, loop.progress, loop.plot, loop.stop_after, loop.mesh
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   metrics_path = workdir / "metrics.jsonl"
@@ -400,23 +427,23 @@ def batch_indices(num: int, batch_size: int, seed: int, step: int) -> np.ndarray
   return out
 
 
-def fit_examples(examples: dict, *, batch_size: int, seed: int, num_steps: int, learning_rate: float,
+def fit_examples(examples: dict, *, batch_size: int, seed: int, loop: Loop, learning_rate: float,
                  optimizer: optax.GradientTransformation | None = None, **fit_kwargs) -> FitResult:
   """:func:`fit` on examples held in memory (numpy arrays of one leading size ``N``, keyed by their names in the
   batch): step ``s``'s batch is ``{name: jnp.asarray(array[batch_indices(N, batch_size, seed, s)])}``, the run's
   key ``jax.random.key(seed)``; ``optimizer`` defaults to ``make_optimizer("adamw", learning_rate, "cosine",
-  total_steps=num_steps)``. ``fit_kwargs``: :func:`fit`'s other arguments (``loss_fn``, ``trainable``, ``frozen``,
-  ``workdir``, …)."""
+  total_steps=loop.num_steps)``. ``fit_kwargs``: :func:`fit`'s other arguments (``loss_fn``, ``trainable``,
+  ``frozen``, ``workdir``, ``eval_fn``, ``label``)."""
   sizes = {int(np.shape(array)[0]) for array in examples.values()}
   if len(sizes) != 1:
     raise ValueError(f"the examples must share their leading size, got {sorted(sizes)}")
   num = sizes.pop()
   if optimizer is None:
-    optimizer = make_optimizer("adamw", learning_rate, "cosine", total_steps=num_steps)
+    optimizer = make_optimizer("adamw", learning_rate, "cosine", total_steps=loop.num_steps)
 
   def batch_fn(step, trainable):
     del trainable
     idx = batch_indices(num, batch_size, seed, step)
     return {name: jnp.asarray(array[idx]) for name, array in examples.items()}
 
-  return fit(optimizer=optimizer, batch_fn=batch_fn, num_steps=num_steps, key=jax.random.key(seed), **fit_kwargs)
+  return fit(optimizer=optimizer, batch_fn=batch_fn, key=jax.random.key(seed), loop=loop, **fit_kwargs)
