@@ -53,3 +53,18 @@ def test_mesh_and_batch_errors():
   assert mesh.shape == {"data": len(jax.devices()), "model": 1}
   if len(jax.devices()) == 1:
     parallel.batch_sharding(mesh, 3)  # any batch divides a 1-wide data axis
+
+
+def test_rows_are_padded_by_repeating_the_last_and_cut_back():
+  import numpy as np
+  from blockspec_jax.decoding.state import DecodeOutput
+  assert parallel.pad_rows([4, 5], 4).tolist() == [4, 5, 5, 5]
+  assert parallel.pad_rows(np.arange(3), 3).tolist() == [0, 1, 2]
+  for bad in ([], [0, 1, 2]):
+    with pytest.raises(ValueError, match=r"pad_rows needs 1 to 2 rows, got"):
+      parallel.pad_rows(bad, 2)
+  out = DecodeOutput(tokens_BxN=np.arange(8).reshape(4, 2), num_tokens_B=np.array([2, 1, 2, 2]),
+                     stopped_B=np.zeros(4, bool), iterations=np.int32(3), metrics={"num_drafts": np.arange(4)})
+  cut = parallel.take_rows(out, 2)
+  assert cut.tokens_BxN.tolist() == [[0, 1], [2, 3]] and cut.num_tokens_B.tolist() == [2, 1]
+  assert cut.metrics["num_drafts"].tolist() == [0, 1] and int(cut.iterations) == 3  # a scalar is kept

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -103,6 +104,120 @@ def _phases(method: str, target, drafter, gamma: int, max_new_tokens: int, sampl
           key)
 
 
+@dataclasses.dataclass
+class _TimedPhases:
+  """One method's two compiled phases (:func:`_phases`) over a prompt set, and where they run: :meth:`run` decodes
+  one batch of prompts, timed. ``rows`` prompts a batch (1 without a mesh, the ``data`` axis on one); prompt ``i``
+  samples from ``fold_in(key, i)``; ``prefills``: the job's :class:`PrefillCache` (None: nothing shared)."""
+  prefill: Any
+  decode: Any
+  prefill_key: Any
+  prefills: PrefillCache | None
+  prompt_ids: list
+  width: int
+  key: Any
+  mesh: Any
+  rows: int
+  reused: int = 0  # prompts whose prefill came from ``prefills``
+
+  def run(self, index: list[int], compile_only: bool = False) -> tuple:
+    """The prompts ``index`` (at most ``rows``, padded to that by repeating the last): (their output, gathered, of
+    ``rows`` rows, prefill seconds, decode seconds, programs compiled inside the two timed calls). ``compile_only``:
+    the decode phase starts from a state whose rows are all finished, so it compiles the very program the timed
+    prompts run (same shapes, same static arguments) but its loop runs no iteration. A state from ``prefills`` is
+    used as it is and its recorded time returned; a timed prefill is kept there."""
+    import jax
+    from blockspec_jax import parallel
+    full = [int(i) for i in parallel.pad_rows(index, self.rows)]
+    padded = [ids + [0] * (self.width - len(ids)) for ids in (self.prompt_ids[i] for i in full)]
+    tokens = np.asarray(padded, np.int32)
+    lens = np.asarray([len(self.prompt_ids[i]) for i in full], np.int32)
+    keys = (jax.random.fold_in(self.key, full[0])[None] if len(full) == 1 else
+            jax.numpy.stack([jax.random.fold_in(self.key, i) for i in full]))
+    if self.mesh is not None:
+      keys, tokens, lens = parallel.shard_batch(self.mesh, keys, tokens, lens)
+    cache_key = (self.prefill_key, tuple(map(tuple, padded)), tuple(len(self.prompt_ids[i]) for i in full)
+                 ) if self.prefills is not None else None
+    shared = self.prefills.get(cache_key) if cache_key is not None else None
+    compiled = backend_compiles()
+    start = time.perf_counter()
+    if shared is not None:
+      state, prefill_s = shared
+      self.reused += 0 if compile_only else len(index)
+    else:
+      state = jax.block_until_ready(self.prefill(tokens, lens))
+      prefill_s = time.perf_counter() - start
+      if cache_key is not None and not compile_only:  # a compiling call's time is not a prefill's
+        self.prefills.put(cache_key, state, prefill_s)
+    if compile_only:  # every row finished, by a device op: the array keeps the state's placement (a host array
+      # would be uncommitted where the state's is committed, e.g. a trained drafter's parameters, and the timed
+      # prompts would compile the decode program again)
+      state = state.replace(done_B=jax.numpy.logical_or(state.done_B, True))
+    middle = time.perf_counter()
+    out = jax.block_until_ready(self.decode(keys, state))
+    end = time.perf_counter()
+    if self.mesh is not None:
+      out = parallel.gather(out)
+    return out, prefill_s, end - middle, backend_compiles() - compiled
+
+
+@dataclasses.dataclass
+class _Tally:
+  """What the timed batches of one method add up to; the padded rows never reach it (:meth:`add` takes the real
+  rows only)."""
+  prefill_s: float = 0.0
+  decode_s: float = 0.0
+  compiles: int = 0
+  tokens: int = 0
+  calls: int = 0
+  outputs: list = dataclasses.field(default_factory=list)
+  metrics: list = dataclasses.field(default_factory=list)
+  extras: list = dataclasses.field(default_factory=list)
+
+  def add(self, autoregressive: bool, real: int, out, prefill_s: float, decode_s: float, compiles: int) -> None:
+    """The first ``real`` rows of the batch output ``out``, timed ``prefill_s`` + ``decode_s``."""
+    from blockspec_jax import parallel
+    self.prefill_s, self.decode_s, self.compiles = (self.prefill_s + prefill_s, self.decode_s + decode_s,
+                                                    self.compiles + compiles)
+    for b in range(real):
+      n = int(out.num_tokens_B[b])
+      self.tokens += n
+      self.calls += n if autoregressive else int(out.metrics.num_drafts[b])
+      self.outputs.append(np.asarray(out.tokens_BxN[b, :n]).tolist())
+    self.metrics.append(parallel.take_rows(out.metrics, real))
+    self.extras.append(None if out.extra is None else parallel.take_rows(out.extra, real))
+
+  def merged(self, parts: list):
+    import jax
+    return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *parts)
+
+
+def _summary(method: str, temperature: float, rule_gamma, lossy: bool, prompts: int, tally: _Tally,
+             reused: int) -> dict:
+  """The report row of one method over ``prompts`` prompts: counts, times, and (speculative) the acceptance;
+  ``reused``: prompts whose prefill state came from the job's :class:`PrefillCache`."""
+  from blockspec_jax.decoding import speculative as spec
+  wall = tally.prefill_s + tally.decode_s
+  tokens, calls = tally.tokens, tally.calls
+  summary = dict(method=method, temperature=temperature, gamma=rule_gamma, lossy=lossy,
+                 target_calls_per_token=calls / max(tokens, 1), prompts=prompts, tokens_generated=tokens,
+                 target_calls=calls, wall_s=wall, tokens_per_s=tokens / wall, prefill_s=tally.prefill_s,
+                 decode_s=tally.decode_s, decode_tokens_per_s=tokens / tally.decode_s,
+                 compiles_while_timed=tally.compiles, prefills_reused=reused)
+  merged = tally.merged(tally.metrics)
+  if tally.extras and tally.extras[0] is not None:  # rule-specific counters (SPRINTER's flags, SD rejections), summed
+    summary.update({k: int(np.sum(v)) for k, v in dataclasses.asdict(tally.merged(tally.extras)).items()})
+  s = spec.summarize_metrics(merged)
+  summary["invalid_prob_rows"] = s["invalid_prob_rows"]
+  if method != AUTOREGRESSIVE:
+    summary.update(block_efficiency=s["mean_acceptance_length"], draft_acceptance_rate=s["draft_acceptance_rate"],
+                   draft_nodes=int(np.sum(merged.num_draft_tokens)) // max(int(np.sum(merged.num_drafts)), 1),
+                   acceptance_per_position=s["acceptance_per_position"],
+                   expected_accepted_per_draft=s["expected_accepted_per_draft"],
+                   per_prompt_acceptance_length=s["per_row_mean_acceptance_length"])
+  return summary
+
+
 def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tokens, temperature, seed, stop_ids,
                drafter_settings=None, verifier_settings=None, top_k: int = 0, top_p: float = 1.0,
                warm: bool = False, prefills: PrefillCache | None = None, mesh=None):
@@ -132,7 +247,6 @@ def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tok
   """
   import jax
   from blockspec_jax import sampling
-  from blockspec_jax.decoding import speculative as spec
   if mesh is not None and mesh.size == 1:
     mesh = None  # one device: today's batch-1 programs, bit for bit
   if not warm:  # a long sweep of methods and shapes in one process; never between a warm call and its programs
@@ -140,100 +254,27 @@ def run_method(method, target, drafter, prompt_ids, width, *, gamma, max_new_tok
   sampler = sampling.Sampler(temperature=temperature, top_k=top_k, top_p=top_p)
   prefill, decode, prefill_key = _phases(method, target, drafter, gamma, max_new_tokens, sampler, stop_ids,
                                          drafter_settings, verifier_settings, mesh)
-  if prefill_key is None:
-    prefills = None
-  padded = [(ids + [0] * (width - len(ids))) for ids in prompt_ids]
-  key = jax.random.key(seed)
-  rows_per_batch = 1 if mesh is None else mesh.shape["data"]
-  batches = [list(range(i, min(i + rows_per_batch, len(padded)))) for i in range(0, len(padded), rows_per_batch)]
-  reused = 0
-
-  def one(index, compile_only=False):
-    """The prompts ``index`` (at most one per ``data`` shard, padded to that by repeating the last): (their output,
-    prefill seconds, decode seconds, programs compiled inside the two timed calls). ``compile_only``: the decode phase
-    starts from a state whose rows are all finished, so it compiles the very program the timed prompts run (same
-    shapes, same static arguments) but its loop runs no iteration. A state from ``prefills`` is used as it is and its
-    recorded time returned; a timed prefill is kept there."""
-    nonlocal reused
-    full = index + [index[-1]] * (rows_per_batch - len(index))
-    tokens = np.asarray([padded[i] for i in full], np.int32)
-    lens = np.asarray([len(prompt_ids[i]) for i in full], np.int32)
-    keys = (jax.random.fold_in(key, full[0])[None] if len(full) == 1 else
-            jax.numpy.stack([jax.random.fold_in(key, i) for i in full]))
-    if mesh is not None:
-      from blockspec_jax import parallel
-      keys, tokens, lens = parallel.shard_batch(mesh, keys, tokens, lens)
-    cache_key = (prefill_key, tuple(tuple(padded[i]) for i in full), tuple(len(prompt_ids[i]) for i in full)
-                 ) if prefills is not None else None
-    shared = prefills.get(cache_key) if cache_key is not None else None
-    compiled = backend_compiles()
-    start = time.perf_counter()
-    if shared is not None:
-      state, prefill_s = shared
-      reused += 0 if compile_only else len(index)
-    else:
-      state = jax.block_until_ready(prefill(tokens, lens))
-      prefill_s = time.perf_counter() - start
-      if cache_key is not None and not compile_only:  # a compiling call's time is not a prefill's
-        prefills.put(cache_key, state, prefill_s)
-    if compile_only:  # every row finished, by a device op: the array keeps the state's placement (a host array
-      # would be uncommitted where the state's is committed, e.g. a trained drafter's parameters, and the timed
-      # prompts would compile the decode program again)
-      state = state.replace(done_B=jax.numpy.logical_or(state.done_B, True))
-    middle = time.perf_counter()
-    out = jax.block_until_ready(decode(keys, state))
-    end = time.perf_counter()
-    if mesh is not None:
-      from blockspec_jax import parallel
-      out = parallel.gather(out)
-    return out, prefill_s, end - middle, backend_compiles() - compiled
-
-  label = f"{method} (T = {temperature:g}" + ("" if method == "autoregressive" else
-                                               f", γ = {method_gamma(method.partition('@')[0], gamma, verifier_settings)}") + ")"
+  rows = 1 if mesh is None else mesh.shape["data"]
+  phases = _TimedPhases(prefill, decode, prefill_key, prefills if prefill_key is not None else None, prompt_ids,
+                        width, jax.random.key(seed), mesh, rows)
+  batches = [list(range(i, min(i + rows, len(prompt_ids)))) for i in range(0, len(prompt_ids), rows)]
+  rule_gamma = None if method == AUTOREGRESSIVE else method_gamma(parse_method(method)[0], gamma, verifier_settings)
+  label = f"{method} (T = {temperature:g}" + ("" if rule_gamma is None else f", γ = {rule_gamma}") + ")"
   if mesh is not None:
     label += f" on a {mesh.shape['data']} x {mesh.shape['model']} (data x model) mesh"
   if not warm:
     with compiling(label):
       # Compile both phases once per method and T: one batch's prefill, and the decode loop with no iteration.
-      one(batches[0], compile_only=True)
-  prefill_s, decode_s, tokens, calls, outputs, metrics, extras = 0.0, 0.0, 0, 0, [], [], []
-  compiles = 0
+      phases.run(batches[0], compile_only=True)
+  tally = _Tally()
   for index in batches:
-    out, p_s, d_s, c = one(index)
-    prefill_s, decode_s, compiles = prefill_s + p_s, decode_s + d_s, compiles + c
-    real = len(index)  # the padded rows end here: nothing below sees them
-    for b in range(real):
-      n = int(out.num_tokens_B[b])
-      tokens += n
-      calls += n if method == AUTOREGRESSIVE else int(out.metrics.num_drafts[b])
-      outputs.append(np.asarray(out.tokens_BxN[b, :n]).tolist())
-    metrics.append(jax.tree.map(lambda x: np.asarray(x)[:real], out.metrics))
-    extras.append(None if out.extra is None else jax.tree.map(lambda x: np.asarray(x)[:real], out.extra))
-  wall = prefill_s + decode_s
-  if compiles:
-    print(f"WARNING: {label}: {compiles} program(s) compiled inside the timed prompts; its times include "
+    tally.add(method == AUTOREGRESSIVE, len(index), *phases.run(index))  # the padded rows end here
+  if tally.compiles:
+    print(f"WARNING: {label}: {tally.compiles} program(s) compiled inside the timed prompts; its times include "
           "compilation", file=sys.stderr)
-  lossy, rule_gamma = method_is_lossy(method, sampler, verifier_settings), gamma
-  if method != AUTOREGRESSIVE:
-    rule_gamma = method_gamma(parse_method(method)[0], gamma, verifier_settings)
-  summary = dict(method=method, temperature=temperature, gamma=None if method == AUTOREGRESSIVE else rule_gamma,
-                 lossy=lossy, target_calls_per_token=calls / max(tokens, 1),
-                 prompts=len(prompt_ids), tokens_generated=tokens, target_calls=calls, wall_s=wall,
-                 tokens_per_s=tokens / wall, prefill_s=prefill_s, decode_s=decode_s,
-                 decode_tokens_per_s=tokens / decode_s, compiles_while_timed=compiles, prefills_reused=reused)
-  merged = jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *metrics)
-  if extras and extras[0] is not None:  # rule-specific counters (SPRINTER's flags and SD rejections), summed
-    summary.update({k: int(np.sum(v)) for k, v in dataclasses.asdict(
-        jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *extras)).items()})
-  s = spec.summarize_metrics(merged)
-  summary["invalid_prob_rows"] = s["invalid_prob_rows"]
-  if method != AUTOREGRESSIVE:
-    summary.update(block_efficiency=s["mean_acceptance_length"], draft_acceptance_rate=s["draft_acceptance_rate"],
-                   draft_nodes=int(np.sum(merged.num_draft_tokens)) // max(int(np.sum(merged.num_drafts)), 1),
-                   acceptance_per_position=s["acceptance_per_position"],
-                   expected_accepted_per_draft=s["expected_accepted_per_draft"],
-                   per_prompt_acceptance_length=s["per_row_mean_acceptance_length"])
-  if s["invalid_prob_rows"]:
-    print(f"WARNING: {method} at T = {temperature:g}: {s['invalid_prob_rows']} probability rows were not "
+  summary = _summary(method, temperature, rule_gamma, method_is_lossy(method, sampler, verifier_settings),
+                     len(prompt_ids), tally, phases.reused)
+  if summary["invalid_prob_rows"]:
+    print(f"WARNING: {method} at T = {temperature:g}: {summary['invalid_prob_rows']} probability rows were not "
           "distributions (NaN/inf logits or bad rows); its numbers are not trustworthy", file=sys.stderr)
-  return summary, outputs
+  return summary, tally.outputs

@@ -34,7 +34,7 @@ from blockspec_jax.models.scorer import as_scorer
 
 __all__ = ["DATA", "MODEL", "make_mesh", "initialize_multihost", "param_spec", "param_shardings", "shard_params",
            "shard_model", "batch_sharding", "put_global", "shard_batch", "gather", "cache_sharding",
-           "sharded_speculative", "sharded_autoregressive", "autoregressive_rows"]
+           "sharded_speculative", "sharded_autoregressive", "autoregressive_rows", "pad_rows", "take_rows"]
 
 DATA, MODEL = "data", "model"
 
@@ -265,11 +265,25 @@ def autoregressive_rows(mesh: Mesh | None, target_params, keys_B, tokens_BxP, pr
     out = spec.generate_autoregressive(target_params, keys_B, tokens_BxP, prompt_len_B, **static)
     return gather(out)
   rows = int(np.shape(tokens_BxP)[0])
-  pad = -rows % mesh.shape[DATA]
-  index = np.concatenate([np.arange(rows), np.full(pad, rows - 1)])  # the last row again, ``pad`` times
+  index = pad_rows(np.arange(rows), rows + -rows % mesh.shape[DATA])
   keys_B, tokens_BxP, prompt_len_B = shard_batch(mesh, keys_B[index], np.asarray(tokens_BxP)[index],
                                                  np.asarray(prompt_len_B)[index])
   out = gather(sharded_autoregressive(mesh, shard_params(target_params, mesh), keys_B, tokens_BxP, prompt_len_B,
                                       **static))
-  return out.replace(tokens_BxN=out.tokens_BxN[:rows], num_tokens_B=out.num_tokens_B[:rows],
-                     stopped_B=out.stopped_B[:rows], metrics=jax.tree.map(lambda x: x[:rows], out.metrics))
+  return take_rows(out, rows)
+
+
+def pad_rows(index, size: int) -> np.ndarray:
+  """int64 [size]: the row indices ``index`` (at least one, at most ``size``) padded to ``size`` by repeating the last
+  one: how a batch fills every ``data`` shard (the padded rows are computed, then cut with :func:`take_rows`)."""
+  index = np.asarray(index, np.int64)
+  if not 1 <= len(index) <= size:
+    raise ValueError(f"pad_rows needs 1 to {size} rows, got {len(index)}")
+  return np.concatenate([index, np.full(size - len(index), index[-1], np.int64)])
+
+
+def take_rows(tree, rows: int):
+  """``tree`` (arrays with a leading row axis, read back as numpy; a struct dataclass such as a ``DecodeOutput``
+  too) cut to its first ``rows`` rows: the padding of :func:`pad_rows` dropped. Scalars (a ``DecodeOutput``'s
+  ``iterations``) are kept as they are."""
+  return jax.tree.map(lambda x: np.asarray(x)[:rows] if np.ndim(x) else np.asarray(x), tree)
