@@ -60,6 +60,16 @@ def main():
           and np.array_equal(rows.metrics.num_drafts, np.asarray(rows_ref.metrics.num_drafts)))
   print(f"autoregressive_rows, 5 rows on data=4 model=2: equal={same}")
   ok &= same
+  # eval.paired's table on a mesh: 5 contexts in 2 length buckets (3 and 2 contexts, each padded to the data axis of
+  # 4, the padding cut) give one device's table up to float rounding (the models' sums split over model = 2).
+  from blockspec_jax.eval import paired
+  table_args = dict(target=config, drafter=ModelDrafter(small), gamma=3, temperature=1.0, draws=2, buckets=2)
+  table_ref = paired.paired_acceptance(target, drafter, prompts[:5], **table_args)
+  table = paired.paired_acceptance(target, drafter, prompts[:5], mesh=parallel.make_mesh(4, 2), **table_args)
+  same = table.shape == table_ref.shape == (2, 5, 2, 3) and np.allclose(table, table_ref, rtol=1e-5, atol=1e-6)
+  print(f"paired_acceptance, 5 contexts in 2 buckets on data=4 model=2: equal={same} "
+        f"(max diff {float(np.max(np.abs(table - table_ref))):.2g})")
+  ok &= same
   # The stacked layout (layers compiled once, what the decoding jobs load) under a data x model mesh: the same
   # tokens as the unrolled model on one device (stacked leaves split as their one-layer counterparts, never over L).
   import dataclasses

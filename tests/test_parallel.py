@@ -22,7 +22,8 @@ def test_sharded_equals_unsharded_on_eight_devices():
   print(proc.stdout[-3000:], proc.stderr[-3000:])
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "ALL EQUAL" in proc.stdout
-  assert proc.stdout.count("equal=True") == 6  # four mesh cases, 5 rows padded to the data axis, the stacked layout
+  # four mesh cases, 5 rows padded to the data axis, eval.paired's table, the stacked layout
+  assert proc.stdout.count("equal=True") == 7
   assert "q weight P(None, 'model', None)" in proc.stdout  # a stacked q weight: split over model, not over L
   assert "compiled once: True" in proc.stdout  # a second batch of the same shapes does not recompile
 

@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blockspec_jax import contracts, sampling
+from blockspec_jax import contracts, parallel, sampling
 from blockspec_jax.checks import check_int
 from blockspec_jax.theory.stats import mean_stderr
 from blockspec_jax.contracts import Drafter
@@ -108,7 +108,7 @@ def length_buckets(lengths: Sequence[int], buckets: int) -> list[np.ndarray]:
 def paired_acceptance(target_params, drafter_params, contexts: Sequence[Sequence[int]], *, target,
                       drafter: Drafter, gamma: int, temperature: float, draws: int, seed: int = 0,
                       verifiers: tuple[str, ...] = ("token", "block"), buckets: int = 1,
-                      offsets: Sequence[int] | None = None, replay_stride: int = 0) -> np.ndarray:
+                      offsets: Sequence[int] | None = None, replay_stride: int = 0, mesh=None) -> np.ndarray:
   """Ragged token-id ``contexts`` → the ``[draws, contexts, rules, γ]`` table of :func:`expected_accepted_table`.
 
   ``offsets`` (each context's tokens past its prompt, :func:`build_contexts`) with ``replay_stride ≥ 1``: those
@@ -120,7 +120,12 @@ def paired_acceptance(target_params, drafter_params, contexts: Sequence[Sequence
   ``buckets``: the contexts sorted by length and measured in this many batches, each padded to its own longest
   (:func:`length_buckets`): the prefill, which dominates a measurement, then runs over far fewer padding positions
   (96 contexts of 47–321 tokens: 31k padded positions in one batch, 18k in 3), at one compile per batch. Context
-  ``b`` draws with the key of row ``b`` in any case, so the table is the one-batch table up to float rounding."""
+  ``b`` draws with the key of row ``b`` in any case, so the table is the one-batch table up to float rounding.
+
+  ``mesh`` (``parallel.make_mesh``, of several devices): each batch's contexts over its ``data`` axis (padded to a
+  multiple of it by repeating the last context, the padding cut from the table), both models' parameters laid out as
+  ``parallel`` says; every process of a multi-host run passes the same contexts and gets the whole table. A context
+  draws with its own keys wherever it runs, so the table is one device's up to float rounding."""
   if gamma < 1 or draws < 1:
     raise ValueError(f"gamma and draws must be >= 1, got gamma = {gamma}, draws = {draws}")
   if not contexts or min(len(c) for c in contexts) < 1:
@@ -134,14 +139,26 @@ def paired_acceptance(target_params, drafter_params, contexts: Sequence[Sequence
                        "[0, its length − 1]")
   replay = offsets is not None and replay_stride >= 1
   keys_D = jax.random.split(jax.random.key(seed), draws)
+  rows = 1
+  if mesh is not None and mesh.size > 1:
+    from jax.sharding import NamedSharding, PartitionSpec
+    target_params = parallel.shard_params(target_params, mesh)
+    drafter_params = parallel.shard_params(drafter_params, mesh)
+    keys_D = parallel.put_global(keys_D, NamedSharding(mesh, PartitionSpec()))
+    rows = mesh.shape[parallel.DATA]
+  else:
+    mesh = None
   table_DxBxRxG = None
   for run in length_buckets([len(c) for c in contexts], buckets):
-    tokens_BxP, prompt_len_B = spec.prepare_prompts([list(contexts[i]) for i in run])
-    part = np.asarray(_table(target_params, drafter_params, keys_D, tokens_BxP, prompt_len_B,
-                             jnp.asarray(run, jnp.int32), jnp.asarray(offsets[run]) if replay else None,
-                             target=target, drafter=drafter, gamma=gamma,
-                             sampler=sampling.Sampler(temperature=temperature), verifiers=tuple(verifiers),
-                             replay_stride=int(replay_stride) if replay else 1))
+    full = parallel.pad_rows(run, len(run) + -len(run) % rows)  # run itself on one device
+    tokens_BxP, prompt_len_B = spec.prepare_prompts([list(contexts[i]) for i in full])
+    batch = (full.astype(np.int32), tokens_BxP, prompt_len_B) + ((offsets[full],) if replay else ())
+    batch = parallel.shard_batch(mesh, *batch) if mesh is not None else tuple(jnp.asarray(x) for x in batch)
+    row_ids_B, tokens_BxP, prompt_len_B, history_B = (*batch, None)[:4]
+    part = parallel.gather(_table(target_params, drafter_params, keys_D, tokens_BxP, prompt_len_B, row_ids_B,
+                                  history_B, target=target, drafter=drafter, gamma=gamma,
+                                  sampler=sampling.Sampler(temperature=temperature), verifiers=tuple(verifiers),
+                                  replay_stride=int(replay_stride) if replay else 1))[:, :len(run)]
     if table_DxBxRxG is None:
       table_DxBxRxG = np.zeros((part.shape[0], len(contexts), *part.shape[2:]), part.dtype)
     table_DxBxRxG[:, run] = part
@@ -180,6 +197,11 @@ def build_contexts(prompt_ids: Sequence[Sequence[int]], samples: Sequence[Sequen
   return contexts
 
 
+def device_mesh():
+  """The command's mesh: every device over ``data`` (``parallel.make_mesh()``); None on one device (as before)."""
+  return parallel.make_mesh() if jax.device_count() > 1 else None
+
+
 def sampled_contexts(target, prompt_ids, temperature: float, args, owners: list | None = None,
                      offsets: list | None = None) -> list:
   """Prompts extended by prefixes of one target sample each at ``temperature`` (see :func:`build_contexts`), sampled
@@ -187,8 +209,7 @@ def sampled_contexts(target, prompt_ids, temperature: float, args, owners: list 
   from blockspec_jax import runtime
   tokens_BxP, prompt_len_B = spec.prepare_prompts(prompt_ids)
   keys_B = jax.random.split(jax.random.key(args.seed + 1), len(prompt_ids))
-  from blockspec_jax import parallel
-  mesh = parallel.make_mesh() if jax.device_count() > 1 else None  # rows over every device; one device: as before
+  mesh = device_mesh()
   with runtime.compiling(f"the target's sampling loop at T = {temperature:g} (compiled and run once)"):
     out = parallel.autoregressive_rows(mesh, target.params["params"], keys_B, tokens_BxP, prompt_len_B,
                                        target=target.config, max_new_tokens=args.sample_tokens,
@@ -320,7 +341,8 @@ def _drafters_main(args, target, prompt_rows, prompt_ids, start) -> int:
         table = paired_acceptance(target.params["params"], drafter_params, contexts,
                                   target=target.config, drafter=drafter_obj, gamma=args.gamma,
                                   temperature=temperature, draws=draws, seed=args.seed, verifiers=rules,
-                                  buckets=args.buckets, offsets=offsets, replay_stride=stride or 0)
+                                  buckets=args.buckets, offsets=offsets, replay_stride=stride or 0,
+                                  mesh=device_mesh())
       del drafter_obj, drafter_params
       results.append(dict(temperature=temperature, drafter=label, name=name, tasks=tasks, offsets=offsets,
                           replay_stride=stride,
@@ -516,7 +538,7 @@ def _pair_main(args) -> int:
   with runtime.compiling(f"the paired scoring program ({len(contexts)} contexts, compiled and run)"):
     table = paired_acceptance(target.params["params"], drafter.params["params"], contexts, target=target.config,
                               drafter=ModelDrafter(drafter.config), gamma=args.gamma, temperature=args.temperature,
-                              draws=args.draws, seed=args.seed, buckets=args.buckets)
+                              draws=args.draws, seed=args.seed, buckets=args.buckets, mesh=device_mesh())
   summary = summarize_paired(table)
   print(f"{'γ':>2} | {'BE token':>8} {'BE block':>8} | {'block − token (E[τ])':>20} | {'gain':>6}")
   for s in summary:
