@@ -97,3 +97,30 @@ def test_a_settings_mistake_is_one_usage_error_before_any_model_loads(name, tmp_
   finally:
     gin.clear_config()
   assert not workdir.exists()
+
+
+@pytest.mark.slow  # four smoke jobs in subprocesses (~3 min); the multi-process distillation test runs by default
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_every_training_job_splits_its_batches_over_two_devices_by_default(name, tmp_path):
+  """Each job's smoke gin file on 2 fake CPU devices: the default mesh splits every batch over both (the summary
+  says so), the run ends, and a batch that does not split is refused before anything runs."""
+  import json
+  import os
+  import subprocess
+  import sys
+  from helpers import fake_devices_env
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  job = name.removesuffix("_job")
+  steps = ["--gin_param", f"{name}.num_steps = 12", "--gin_param", f"{name}.progress = False"]
+  command = [sys.executable, "-m", "blockspec_jax.train", "--gin_file", f"gin/train/{job}_smoke.gin"]
+  proc = subprocess.run(command + ["--workdir", str(tmp_path / "run")] + steps, cwd=repo, env=fake_devices_env(2),
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary = json.loads((tmp_path / "run" / "metrics.json").read_text())
+  assert summary["data_parallel_devices"] == 2 and summary["steps"] == 12
+  odd = ["--gin_param", f"{name}.batch_size = 3"]
+  proc = subprocess.run(command + ["--workdir", str(tmp_path / "odd")] + steps + odd, cwd=repo,
+                        env=fake_devices_env(2), capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 2 and f"{name}.batch_size = 3 must be a multiple of the 2 devices" in proc.stderr, \
+      proc.stderr[-2000:]
+  assert not (tmp_path / "odd" / "checkpoints").exists()

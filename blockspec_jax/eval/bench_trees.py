@@ -7,8 +7,10 @@ costs a wider target pass and more drafter work than an 8-token chain).
 Arms: autoregressive decoding of the target; chain-block at γ ∈ {4, 8}; and, for every tree rule, the arm with the
 highest block efficiency in the paired measurement at that temperature (``--paired``, made by
 ``python -m blockspec_jax.eval.paired --trees``; without it, every tree arm at 8 and 16 nodes). Each arm decodes the
-same prompts at batch 1 with :func:`blockspec_jax.harness.run_method` (prefill and decode compiled and timed apart), in
-one process, one after the other.
+same prompts with :func:`blockspec_jax.harness.run_method` (prefill and decode compiled and timed apart), in one
+process, one after the other: at batch 1 on one device; on several, one prompt per device at a time (every device
+over ``data``, the models' parameters laid out once; the same tokens, and tokens/s then the throughput of that many
+rows at once).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def main(argv=None) -> int:
   from blockspec_jax import cli
   from blockspec_jax.eval import harness
   from blockspec_jax import methods
+  from blockspec_jax import parallel
   from blockspec_jax import runtime
   from blockspec_jax import sources
   from blockspec_jax.data import prompts as prompts_lib
@@ -79,13 +82,18 @@ def main(argv=None) -> int:
   target = sources.load_model(args.target, scan_layers=True)
   drafter = sources.load_model(args.drafter, scan_layers=True)
   sources.check_pair(target, drafter)
+  mesh = parallel.every_device_mesh()
+  if mesh is not None:
+    same = drafter is target
+    target = parallel.shard_model(target, mesh)
+    drafter = target if same else parallel.shard_model(drafter, mesh)
   rows = prompts_lib.load_prompts(prompts_lib.DEFAULT_PROMPTS, limit=args.num_prompts)
   prompt_ids = prompts_lib.encode_prompts(target, rows)
   width = max(len(p) for p in prompt_ids)
   nodes = max(methods.build_drafter(methods.parse_method(m)[1], target, drafter, s, g).num_nodes(g) for m, g, s, _ in arms)
   methods.check_cache_room(width, args.max_new_tokens, nodes, target.config, drafter.config)
   common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                stop_ids=target.stop_ids)
+                stop_ids=target.stop_ids, mesh=mesh)
   baseline, _ = harness.run_method(methods.AUTOREGRESSIVE, target, drafter, prompt_ids, width, gamma=1, **common)
   baseline["label"] = "autoregressive"
   results = [baseline]
@@ -101,12 +109,14 @@ def main(argv=None) -> int:
     be = f"{r['block_efficiency']:5.2f}" if "block_efficiency" in r else "    -"
     print(f"{r['method']:<20} {r['label']:<22} {r.get('draft_nodes', '-')!s:>3} {be} {r['tokens_per_s']:>7.2f} "
           f"{r['decode_tokens_per_s']:>9.2f} {r['decode_tokens_per_s'] / baseline['decode_tokens_per_s']:>6.2f}x")
-  print(f"T = {args.temperature:g}, {len(prompt_ids)} prompts × {args.max_new_tokens} tokens at batch 1; "
+  layout = "at batch 1" if mesh is None else f"{mesh.shape['data']} prompts at a time on {mesh.size} devices"
+  print(f"T = {args.temperature:g}, {len(prompt_ids)} prompts × {args.max_new_tokens} tokens {layout}; "
         f"{time.perf_counter() - start:.0f} s; peak RSS {runtime.peak_rss_gb():.1f} GB")
   if args.json:
     path = pathlib.Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(config=vars(args), results=results), indent=1))
+    path.write_text(json.dumps(dict(config=vars(args), devices=runtime.describe_devices(mesh), results=results),
+                               indent=1))
     print(f"wrote {path}")
   return 0
 

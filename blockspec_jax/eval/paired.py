@@ -197,11 +197,6 @@ def build_contexts(prompt_ids: Sequence[Sequence[int]], samples: Sequence[Sequen
   return contexts
 
 
-def device_mesh():
-  """The command's mesh: every device over ``data`` (``parallel.make_mesh()``); None on one device (as before)."""
-  return parallel.make_mesh() if jax.device_count() > 1 else None
-
-
 def sampled_contexts(target, prompt_ids, temperature: float, args, owners: list | None = None,
                      offsets: list | None = None) -> list:
   """Prompts extended by prefixes of one target sample each at ``temperature`` (see :func:`build_contexts`), sampled
@@ -209,7 +204,7 @@ def sampled_contexts(target, prompt_ids, temperature: float, args, owners: list 
   from blockspec_jax import runtime
   tokens_BxP, prompt_len_B = spec.prepare_prompts(prompt_ids)
   keys_B = jax.random.split(jax.random.key(args.seed + 1), len(prompt_ids))
-  mesh = device_mesh()
+  mesh = parallel.every_device_mesh()
   with runtime.compiling(f"the target's sampling loop at T = {temperature:g} (compiled and run once)"):
     out = parallel.autoregressive_rows(mesh, target.params["params"], keys_B, tokens_BxP, prompt_len_B,
                                        target=target.config, max_new_tokens=args.sample_tokens,
@@ -342,7 +337,7 @@ def _drafters_main(args, target, prompt_rows, prompt_ids, start) -> int:
                                   target=target.config, drafter=drafter_obj, gamma=args.gamma,
                                   temperature=temperature, draws=draws, seed=args.seed, verifiers=rules,
                                   buckets=args.buckets, offsets=offsets, replay_stride=stride or 0,
-                                  mesh=device_mesh())
+                                  mesh=parallel.every_device_mesh())
       del drafter_obj, drafter_params
       results.append(dict(temperature=temperature, drafter=label, name=name, tasks=tasks, offsets=offsets,
                           replay_stride=stride,
@@ -538,7 +533,8 @@ def _pair_main(args) -> int:
   with runtime.compiling(f"the paired scoring program ({len(contexts)} contexts, compiled and run)"):
     table = paired_acceptance(target.params["params"], drafter.params["params"], contexts, target=target.config,
                               drafter=ModelDrafter(drafter.config), gamma=args.gamma, temperature=args.temperature,
-                              draws=args.draws, seed=args.seed, buckets=args.buckets, mesh=device_mesh())
+                              draws=args.draws, seed=args.seed, buckets=args.buckets,
+                              mesh=parallel.every_device_mesh())
   summary = summarize_paired(table)
   print(f"{'γ':>2} | {'BE token':>8} {'BE block':>8} | {'block − token (E[τ])':>20} | {'gain':>6}")
   for s in summary:

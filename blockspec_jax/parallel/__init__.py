@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.models.scorer import as_scorer
 
-__all__ = ["DATA", "MODEL", "make_mesh", "initialize_multihost", "param_spec", "param_shardings", "shard_params",
+__all__ = ["DATA", "MODEL", "make_mesh", "every_device_mesh", "initialize_multihost", "param_spec", "param_shardings", "shard_params",
            "shard_model", "batch_sharding", "put_global", "shard_batch", "gather", "cache_sharding",
            "sharded_speculative", "sharded_autoregressive", "autoregressive_rows", "pad_rows", "take_rows"]
 
@@ -63,6 +63,12 @@ def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
   if data * model != len(devices):
     raise ValueError(f"mesh {data} x {model} does not match {len(devices)} devices")
   return Mesh(np.asarray(devices).reshape(data, model), (DATA, MODEL))
+
+
+def every_device_mesh() -> Mesh | None:
+  """The default layout of a job that takes no mesh setting: every device of the run over ``data``
+  (``make_mesh()``), or None on one device (the one-device programs, as without a mesh)."""
+  return make_mesh() if jax.device_count() > 1 else None
 
 
 def _divisible(size: int, mesh: Mesh, axis: str) -> bool:

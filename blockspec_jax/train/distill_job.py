@@ -259,7 +259,7 @@ def run(workdir, settings: DistillSettings) -> dict:
       "sample_temperature": s.sample_temperature, "batch_size": s.batch_size, "max_new_tokens": s.max_new_tokens,
       "sample_batch_size": s.sample_batch_size,
       "trainable_params": params_lib.count_params(result.state.trainable),
-      **job_setup.machine(), "data_parallel_devices": mesh.size if mesh is not None else 1,
+      **job_setup.machine(s),
       **setup.info,
   }
   if main:

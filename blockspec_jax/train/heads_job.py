@@ -268,7 +268,7 @@ def run(workdir, settings: HeadsSettings) -> dict:
       **report, "data": counts, "final_loss": job_setup.final_loss(rows), "steps": int(result.state.step),
       "resumed_from": result.resumed_from, "data_cached": cached, "seconds": time.perf_counter() - t0,
       "collect_seconds": collect_seconds, "train_seconds": result.seconds,
-      "train_seconds_total": job_setup.seconds_total(rows), **job_setup.machine(), "d_model": int(d_model),
+      "train_seconds_total": job_setup.seconds_total(rows), **job_setup.machine(s), "d_model": int(d_model),
       "vocab_size": int(vocab), "ngram_num": [int(t.key_hash_M.shape[0]) for t in ngram.tables],
       **s.record(), **info,
   }

@@ -111,9 +111,9 @@ class JobSettings:
   def train_mesh(self):
     """The ``(data, 1)`` mesh over every device of the run with ``data_parallel`` and more than one device, else
     None; a UsageError when ``batch_size`` does not split over it."""
-    if not self.data_parallel or jax.device_count() == 1:
+    mesh = parallel.every_device_mesh() if self.data_parallel else None
+    if mesh is None:
       return None
-    mesh = parallel.make_mesh(model=1)
     if self.batch_size % mesh.shape[parallel.DATA]:
       raise checks.UsageError(f"{self.name('batch_size')} = {self.batch_size} must be a multiple of the "
                               f"{mesh.shape[parallel.DATA]} devices the batches are split over (or "
@@ -287,6 +287,9 @@ def seconds_total(rows: list):
   return rows[-1]["seconds_total"] if rows and "seconds_total" in rows[-1] else None
 
 
-def machine() -> dict:
-  """``peak_rss_gb`` and ``device`` (the platform) for a summary."""
-  return {"peak_rss_gb": runtime.peak_rss_gb(), "device": jax.devices()[0].platform}
+def machine(settings: JobSettings) -> dict:
+  """``peak_rss_gb``, ``device`` (the platform) and ``data_parallel_devices`` (the devices each training batch was
+  split over: 1 without a mesh) for a summary."""
+  mesh = settings.train_mesh()
+  return {"peak_rss_gb": runtime.peak_rss_gb(), "device": jax.devices()[0].platform,
+          "data_parallel_devices": 1 if mesh is None else mesh.size}

@@ -198,7 +198,7 @@ def run(workdir, settings: SprinterSettings) -> dict:
       "final_loss": job_setup.final_loss(rows), "steps": int(result.state.step),
       "resumed_from": result.resumed_from, "labels_cached": cached,
       "seconds": time.perf_counter() - t0, "collect_seconds": collect_seconds, "train_seconds": result.seconds,
-      "train_seconds_total": job_setup.seconds_total(rows), **job_setup.machine(), "d_model": d_model,
+      "train_seconds_total": job_setup.seconds_total(rows), **job_setup.machine(s), "d_model": d_model,
       "head_b": float(head["b"]), "head_w_norm": float(np.linalg.norm(np.asarray(head["w_D"], np.float64))),
       **s.record(), **info,
   }

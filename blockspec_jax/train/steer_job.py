@@ -350,7 +350,7 @@ def run(workdir, settings: SteerSettings) -> dict:
       "num_train_prompts": int(len(data.train_idx)), "num_heldout_prompts": int(len(data.heldout_idx)),
       "heldout_positions": int(data.fixed_mask_NxT[data.heldout_idx].sum()),
       "steer_params": params_lib.count_params(steer0), "target": setup.target_name,
-      "drafter": setup.drafter_name, **job_setup.machine(), **settings_record, **setup.info,
+      "drafter": setup.drafter_name, **job_setup.machine(s), **settings_record, **setup.info,
   }
   if r.joint is not None:
     summary.update(heldout_tv_drafter_only=report["drafter_only"]["tv"],
