@@ -14,7 +14,7 @@ default mesh over every process's devices (the target's continuations drawn and 
 stopped after 2 steps (checkpoints through orbax's multi-process path) and run again to resume and finish; every
 process writes the summary it returned to ``<work dir>/summary_<process id>.json``; then a batch that does not split
 over the devices is refused before anything runs (``BATCH REFUSED``).
-``jobs <out dir>``: the SmolLM2 main job and the smoke suite (two categories; ``tests/test_main_job_ids.py``) on the
+``jobs <out dir>``: the SmolLM2 main job at T = 1 and the smoke suite (two categories; ``tests/test_main_job_ids.py``) on the
 global mesh (rows over a data axis of every process's devices), each process with its own suite directory
 ``<out dir>/suite_<process id>``; every process writes the numbers it read back to ``<out dir>/record_<process
 id>.json``.
@@ -55,8 +55,8 @@ def jobs(process_id: int, out_dir: str) -> int:
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
   import test_main_job_ids as ids
   out = pathlib.Path(out_dir)
-  record = dict(ids.main_job_record(), **ids.smoke_suite_record(out / f"suite_{process_id}",
-                                                                [f"suite.tasks = {ids.SUITE_TASKS!r}"]))
+  record = dict(ids.main_job_record(["run_job.temperatures = (1.0,)"]),
+                **ids.smoke_suite_record(out / f"suite_{process_id}", [f"suite.tasks = {ids.SUITE_TASKS!r}"]))
   (out / f"record_{process_id}.json").write_text(json.dumps(record))
   print("JOBS DONE", flush=True)
   return 0

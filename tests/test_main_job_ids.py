@@ -74,13 +74,15 @@ def recorded() -> dict:
 SUITE_TASKS = ("code", "math")
 
 
-def assert_matches_record(got: dict) -> None:
+def assert_matches_record(got: dict, temperatures: tuple[float, ...] | None = None) -> None:
   """Every section of ``got`` equals the record's, key by key (the first difference named); the main job's sections
-  in full, the suite's rows for the categories that ran."""
+  in full (``temperatures``: its rows at those temperatures only), the suite's rows for the categories that ran."""
   record = recorded()
   for section, rows in got.items():
     if section == "smoke_suite_rows":
       assert rows and set(rows) <= set(record[section]), sorted(rows)
+    elif temperatures is not None:
+      assert set(rows) == {k for k in record[section] if float(k.rsplit("@T=", 1)[1]) in temperatures}, section
     else:
       assert set(rows) == set(record[section]), section
     for key in rows:

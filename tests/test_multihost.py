@@ -76,16 +76,18 @@ def test_the_distillation_smoke_job_stopped_and_resumed_across_processes_equals_
 
 
 def test_the_main_job_and_the_smoke_suite_across_processes_give_the_recorded_numbers(tmp_path):
-  """2 processes × 2 devices, each running the SmolLM2 main job and the smoke suite on the global 4 x 1 mesh: every
-  process reads back the token ids, target calls, block efficiencies and acceptance that one device recorded
+  """2 processes × 2 devices, each running the SmolLM2 main job (at T = 1: sampled rows, each from its own keys; the
+  greedy half of the record is checked on 8 devices in the slow tier) and the smoke suite on the global 4 x 1 mesh:
+  every process reads back the token ids, target calls, block efficiencies and acceptance that one device recorded
   (``tests/test_main_job_ids.py``), and only process 0 writes the suite's files."""
   import test_main_job_ids as ids
   results = run_processes(SCRIPT, 2, ("jobs", str(tmp_path)), devices_each=2, timeout=840, product_level=True)
   for i, (code, out) in enumerate(results):
     assert code == 0 and "JOBS DONE" in out, f"process {i} ended with {code}:\n{out[-3000:]}"
     got = json.loads((tmp_path / f"record_{i}.json").read_text())
-    ids.assert_matches_record(got)
+    ids.assert_matches_record(got, temperatures=(1.0,))
     assert {key.rsplit("@", 1)[1] for key in got["smoke_suite_rows"]} == set(ids.SUITE_TASKS)
+    assert len(got["generated_ids"]) == 3
   assert (tmp_path / "suite_0" / "results.json").exists()
   assert not (tmp_path / "suite_1" / "results.json").exists()
   settings = json.loads((tmp_path / "suite_0" / "results.json").read_text())
