@@ -83,7 +83,7 @@ class Models:
     mesh = self.device_mesh()
     if mesh is not None:
       from blockspec_jax import parallel
-      target, *drafters = [parallel.shard_model(m, mesh) for m in (target, *drafters)]
+      target, *drafters = parallel.shard_models((target, *drafters), mesh)
     return target, drafters, seconds
 
 

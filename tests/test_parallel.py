@@ -69,3 +69,17 @@ def test_rows_are_padded_by_repeating_the_last_and_cut_back():
   cut = parallel.take_rows(out, 2)
   assert cut.tokens_BxN.tolist() == [[0, 1], [2, 3]] and cut.num_tokens_B.tolist() == [2, 1]
   assert cut.metrics["num_drafts"].tolist() == [0, 1] and int(cut.iterations) == 3  # a scalar is kept
+
+
+def test_a_model_given_twice_is_placed_once():
+  import dataclasses
+  import jax.numpy as jnp
+
+  @dataclasses.dataclass(frozen=True)
+  class Loaded:
+    params: dict
+
+  a, b = Loaded({"params": {"w": jnp.ones(4)}}), Loaded({"params": {"w": jnp.zeros(4)}})
+  placed = parallel.shard_models((a, b, a), parallel.make_mesh())
+  assert placed[0] is placed[2] and placed[1] is not placed[0] and placed[0] is not a
+  assert placed[0].params["params"]["w"].sharding.mesh.shape == parallel.make_mesh().shape

@@ -79,14 +79,10 @@ def main(argv=None) -> int:
     for method, _, _, _ in arms:
       methods.parse_method(method)
   start = time.perf_counter()
-  target = sources.load_model(args.target, scan_layers=True)
-  drafter = sources.load_model(args.drafter, scan_layers=True)
-  sources.check_pair(target, drafter)
+  target, (drafter,), _ = sources.load_models(args.target, [args.drafter])  # one object when they are one model
   mesh = parallel.every_device_mesh()
   if mesh is not None:
-    same = drafter is target
-    target = parallel.shard_model(target, mesh)
-    drafter = target if same else parallel.shard_model(drafter, mesh)
+    target, drafter = parallel.shard_models((target, drafter), mesh)
   rows = prompts_lib.load_prompts(prompts_lib.DEFAULT_PROMPTS, limit=args.num_prompts)
   prompt_ids = prompts_lib.encode_prompts(target, rows)
   width = max(len(p) for p in prompt_ids)

@@ -187,9 +187,11 @@ class _Tally:
     self.metrics.append(parallel.take_rows(out.metrics, real))
     self.extras.append(None if out.extra is None else parallel.take_rows(out.extra, real))
 
-  def merged(self, parts: list):
-    import jax
-    return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *parts)
+
+def _concat_rows(parts: list):
+  """The batches' trees (numpy leaves with a row axis) as one tree over every row."""
+  import jax
+  return jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
 
 
 def _summary(method: str, temperature: float, rule_gamma, lossy: bool, prompts: int, tally: _Tally,
@@ -204,9 +206,9 @@ def _summary(method: str, temperature: float, rule_gamma, lossy: bool, prompts: 
                  target_calls=calls, wall_s=wall, tokens_per_s=tokens / wall, prefill_s=tally.prefill_s,
                  decode_s=tally.decode_s, decode_tokens_per_s=tokens / tally.decode_s,
                  compiles_while_timed=tally.compiles, prefills_reused=reused)
-  merged = tally.merged(tally.metrics)
+  merged = _concat_rows(tally.metrics)
   if tally.extras and tally.extras[0] is not None:  # rule-specific counters (SPRINTER's flags, SD rejections), summed
-    summary.update({k: int(np.sum(v)) for k, v in dataclasses.asdict(tally.merged(tally.extras)).items()})
+    summary.update({k: int(np.sum(v)) for k, v in dataclasses.asdict(_concat_rows(tally.extras)).items()})
   s = spec.summarize_metrics(merged)
   summary["invalid_prob_rows"] = s["invalid_prob_rows"]
   if method != AUTOREGRESSIVE:

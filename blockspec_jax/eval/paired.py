@@ -152,9 +152,10 @@ def paired_acceptance(target_params, drafter_params, contexts: Sequence[Sequence
   for run in length_buckets([len(c) for c in contexts], buckets):
     full = parallel.pad_rows(run, len(run) + -len(run) % rows)  # run itself on one device
     tokens_BxP, prompt_len_B = spec.prepare_prompts([list(contexts[i]) for i in full])
-    batch = (full.astype(np.int32), tokens_BxP, prompt_len_B) + ((offsets[full],) if replay else ())
-    batch = parallel.shard_batch(mesh, *batch) if mesh is not None else tuple(jnp.asarray(x) for x in batch)
-    row_ids_B, tokens_BxP, prompt_len_B, history_B = (*batch, None)[:4]
+    row_ids_B, history_B = full.astype(np.int32), (offsets[full] if replay else None)
+    if mesh is not None:
+      row_ids_B, tokens_BxP, prompt_len_B = parallel.shard_batch(mesh, row_ids_B, tokens_BxP, prompt_len_B)
+      history_B = None if history_B is None else parallel.shard_batch(mesh, history_B)[0]
     part = parallel.gather(_table(target_params, drafter_params, keys_D, tokens_BxP, prompt_len_B, row_ids_B,
                                   history_B, target=target, drafter=drafter, gamma=gamma,
                                   sampler=sampling.Sampler(temperature=temperature), verifiers=tuple(verifiers),

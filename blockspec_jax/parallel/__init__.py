@@ -33,7 +33,7 @@ from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.models.scorer import as_scorer
 
 __all__ = ["DATA", "MODEL", "make_mesh", "every_device_mesh", "initialize_multihost", "param_spec", "param_shardings", "shard_params",
-           "shard_model", "batch_sharding", "put_global", "shard_batch", "gather", "cache_sharding",
+           "shard_model", "shard_models", "batch_sharding", "put_global", "shard_batch", "gather", "cache_sharding",
            "sharded_speculative", "sharded_autoregressive", "autoregressive_rows", "pad_rows", "take_rows"]
 
 DATA, MODEL = "data", "model"
@@ -151,6 +151,16 @@ def shard_model(model, mesh: Mesh):
   import dataclasses
   params = dict(model.params, params=shard_params(model.params["params"], mesh))
   return dataclasses.replace(model, params=params)
+
+
+def shard_models(models, mesh: Mesh) -> list:
+  """:func:`shard_model` of each of ``models``; a model given twice (one drafting for itself) is placed once and
+  comes back as one object, so its parameters stay one copy on the devices."""
+  placed = {}
+  for model in models:
+    if id(model) not in placed:
+      placed[id(model)] = shard_model(model, mesh)
+  return [placed[id(model)] for model in models]
 
 
 def batch_sharding(mesh: Mesh, batch: int) -> NamedSharding:

@@ -229,8 +229,6 @@ def make_steer_data(target: decoder_lib.DecoderConfig, target_params, drafter: d
   taken rather than sampled again; ``mesh``: where the continuations are drawn)."""
   sample_batch_size = batch_size if sample_batch_size is None else sample_batch_size
   batch_size = check_int(batch_size, "batch_size")
-  if "source" in sampling:
-    raise TypeError("make_steer_data's source is always 'fixed'")
   data = distill.make_distill_data(target, target_params, drafter, prompts_NxP, prompt_len_N,
                                    batch_size=sample_batch_size, source="fixed", **sampling)
   return dataclasses.replace(data, batch_size=batch_size)
