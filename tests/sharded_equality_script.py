@@ -70,6 +70,36 @@ def main():
   print(f"paired_acceptance, 5 contexts in 2 buckets on data=4 model=2: equal={same} "
         f"(max diff {float(np.max(np.abs(table - table_ref))):.2g})")
   ok &= same
+  # eval.paired --trees: one arm (RSD-C under rrs_wor and traversal) on 5 contexts padded to the data axis of 4.
+  from blockspec_jax.eval import paired_trees
+  arm = paired_trees.Arm("rsd_c", "rsd_c", (("branching", (2, 1, 1)),), 3, ("rrs_wor", "traversal"))
+  arm_args = dict(target=config, drafter=make("rsd_c", config=small, branching=(2, 1, 1)), draws=2,
+                  temperature=1.0, seed=0, verify_draws=2)
+  table_ref = paired_trees.run_arm(target, drafter, prompts[:5], arm, **arm_args)
+  table = paired_trees.run_arm(target, drafter, prompts[:5], arm, mesh=parallel.make_mesh(4, 2), **arm_args)
+  same = table.shape == table_ref.shape == (2, 5, 2) and np.allclose(table, table_ref, rtol=1e-5, atol=1e-6)
+  print(f"paired_trees.run_arm, 5 contexts on data=4 model=2: equal={same} "
+        f"(max diff {float(np.max(np.abs(table - table_ref))):.2g})")
+  ok &= same
+  # The training jobs' label collection on a mesh (SPRINTER's labels, the BPD heads' hidden states): 5 prompts in
+  # batches of 3 (the last wraps around), each padded to the data axis of 4: the same continuations, labels and
+  # tokens as one device, features up to float rounding.
+  from blockspec_jax.train import heads as heads_train, sprinter as sprinter_train
+  collect_args = dict(max_new_tokens=4, temperature=1.0, key=jax.random.key(3), batch_size=3, progress=False)
+  labels_ref = sprinter_train.collect_labels(config, target, small, drafter, tokens[:5], lens[:5], **collect_args)
+  labels = sprinter_train.collect_labels(config, target, small, drafter, tokens[:5], lens[:5],
+                                         mesh=parallel.make_mesh(4, 2), **collect_args)
+  hidden_ref = heads_train.collect_hidden(config, target, tokens[:5], lens[:5], **collect_args)
+  hidden = heads_train.collect_hidden(config, target, tokens[:5], lens[:5], mesh=parallel.make_mesh(4, 2),
+                                      **collect_args)
+  same = all(np.array_equal(labels[k], labels_ref[k]) for k in ("labels_N", "token_N", "row_N", "position_N")) \
+      and all(np.allclose(labels[k], labels_ref[k], rtol=1e-5, atol=1e-6)
+              for k in ("features_NxD", "q_tok_N", "p_tok_N")) \
+      and all(np.array_equal(hidden[k], hidden_ref[k]) for k in hidden if k != "features_MxD") \
+      and np.allclose(hidden["features_MxD"], hidden_ref["features_MxD"], rtol=1e-5, atol=1e-5)
+  print(f"collect_labels and collect_hidden, 5 prompts in batches of 3 on data=4 model=2: equal={same} "
+        f"({len(labels['labels_N'])} labels, {len(hidden['seq_M'])} hidden states)")
+  ok &= same
   # The stacked layout (layers compiled once, what the decoding jobs load) under a data x model mesh: the same
   # tokens as the unrolled model on one device (stacked leaves split as their one-layer counterparts, never over L).
   import dataclasses

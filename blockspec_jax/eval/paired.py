@@ -141,10 +141,9 @@ def paired_acceptance(target_params, drafter_params, contexts: Sequence[Sequence
   keys_D = jax.random.split(jax.random.key(seed), draws)
   rows = 1
   if mesh is not None and mesh.size > 1:
-    from jax.sharding import NamedSharding, PartitionSpec
     target_params = parallel.shard_params(target_params, mesh)
     drafter_params = parallel.shard_params(drafter_params, mesh)
-    keys_D = parallel.put_global(keys_D, NamedSharding(mesh, PartitionSpec()))
+    keys_D = parallel.replicate(keys_D, mesh)
     rows = mesh.shape[parallel.DATA]
   else:
     mesh = None
@@ -225,8 +224,10 @@ def _trees_main(args, target, drafter_model, prompt_ids, start) -> int:
   if done:
     print(f"resuming from {path}: {len(done)} arms already measured", flush=True)
   results = list(done)
+  mesh = parallel.every_device_mesh()
+  placed = (target, drafter_model) if mesh is None else parallel.shard_models((target, drafter_model), mesh)
   for temperature in args.temperature_list:
-    contexts = sampled_contexts(target, prompt_ids, temperature, args)
+    contexts = sampled_contexts(placed[0], prompt_ids, temperature, args)
     for budget in args.budget_list:
       for arm in pt.arms_for_budget(budget):
         if (temperature, budget, arm.label) in have:
@@ -234,9 +235,9 @@ def _trees_main(args, target, drafter_model, prompt_ids, start) -> int:
         drafter = methods.build_drafter(arm.drafter, target, drafter_model, {arm.drafter: dict(arm.settings)}, arm.gamma)
         t0 = time.perf_counter()
         with runtime.compiling(f"T = {temperature:g}, {budget} nodes, {arm.label} ({len(contexts)} contexts)"):
-          table = pt.run_arm(target.params["params"], drafter_model.params["params"], contexts, arm,
+          table = pt.run_arm(placed[0].params["params"], placed[1].params["params"], contexts, arm,
                              target=target.config, drafter=drafter, draws=args.draws, temperature=temperature,
-                             seed=args.seed, verify_draws=args.verify_draws)
+                             seed=args.seed, verify_draws=args.verify_draws, mesh=mesh)
         results.append(dict(temperature=temperature, budget=budget, arm=arm.label, gamma=arm.gamma,
                             rules=list(arm.rules), seconds=time.perf_counter() - t0, table=table.tolist()))
         be = ", ".join(f"{r} {1 + table.mean(axis=(0, 1))[i]:.3f}" for i, r in enumerate(arm.rules))

@@ -31,7 +31,7 @@ import numpy as np
 
 from blockspec_jax.theory.stats import mean_stderr
 
-from blockspec_jax import sampling
+from blockspec_jax import parallel, sampling
 from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.verify import get_verifier
 
@@ -99,13 +99,31 @@ _arm_table = jax.jit(arm_table, static_argnames=("target", "drafter", "gamma", "
 
 
 def run_arm(target_params, drafter_params, contexts: Sequence[Sequence[int]], arm: Arm, *, target, drafter, draws: int,
-            temperature: float, seed: int, verify_draws: int = 16) -> np.ndarray:
-  """Ragged ``contexts`` → ``[draws, contexts, rules]`` for one arm (``drafter``: the arm's drafter object)."""
-  tokens_BxP, prompt_len_B = spec.prepare_prompts([list(c) for c in contexts])
+            temperature: float, seed: int, verify_draws: int = 16, mesh=None) -> np.ndarray:
+  """Ragged ``contexts`` → ``[draws, contexts, rules]`` for one arm (``drafter``: the arm's drafter object).
+
+  ``mesh`` (``parallel.make_mesh``, of several devices): the contexts over its ``data`` axis (padded to a multiple of
+  it by repeating the last context, the padding cut from the table), both models' parameters laid out as
+  ``parallel`` says (pass them placed already, ``parallel.shard_models``, to place them once for every arm); every
+  process of a multi-host run passes the same contexts and gets the whole table. Context ``b`` drafts and verifies
+  with the keys of row ``b`` wherever it runs, so the table is one device's up to float rounding."""
+  rows = len(contexts)
+  index = np.arange(rows)
   keys_D = jax.random.split(jax.random.key(seed), draws)
-  return np.asarray(_arm_table(target_params, drafter_params, keys_D, tokens_BxP, prompt_len_B, target=target,
-                               drafter=drafter, gamma=arm.gamma, sampler=sampling.Sampler(temperature=temperature),
-                               rules=arm.rules, verify_draws=verify_draws))
+  if mesh is not None and mesh.size > 1:
+    index = parallel.pad_rows(index, rows + -rows % mesh.shape[parallel.DATA])
+    target_params = parallel.shard_params(target_params, mesh)
+    drafter_params = parallel.shard_params(drafter_params, mesh)
+    keys_D = parallel.replicate(keys_D, mesh)
+  else:
+    mesh = None
+  tokens_BxP, prompt_len_B = spec.prepare_prompts([list(contexts[i]) for i in index])
+  if mesh is not None:
+    tokens_BxP, prompt_len_B = parallel.shard_batch(mesh, tokens_BxP, prompt_len_B)
+  table = _arm_table(target_params, drafter_params, keys_D, tokens_BxP, prompt_len_B, target=target,
+                     drafter=drafter, gamma=arm.gamma, sampler=sampling.Sampler(temperature=temperature),
+                     rules=arm.rules, verify_draws=verify_draws)
+  return parallel.gather(table)[:, :rows]
 
 
 def summarize_arms(results: Sequence[dict]) -> list[dict]:

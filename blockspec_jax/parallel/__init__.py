@@ -33,8 +33,8 @@ from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.models.scorer import as_scorer
 
 __all__ = ["DATA", "MODEL", "make_mesh", "every_device_mesh", "initialize_multihost", "param_spec", "param_shardings", "shard_params",
-           "shard_model", "shard_models", "batch_sharding", "put_global", "shard_batch", "gather", "cache_sharding",
-           "sharded_speculative", "sharded_autoregressive", "autoregressive_rows", "pad_rows", "take_rows"]
+           "shard_model", "shard_models", "batch_sharding", "put_global", "replicate", "shard_batch", "gather", "cache_sharding",
+           "sharded_speculative", "sharded_autoregressive", "autoregressive_rows", "map_rows", "pad_rows", "take_rows"]
 
 DATA, MODEL = "data", "model"
 
@@ -139,6 +139,12 @@ def _put_process_local(x, sharding: NamedSharding):
     data = _put_process_local(jax.random.key_data(x), sharding)
     return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
   return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+
+def replicate(tree, mesh: Mesh):
+  """Every leaf of ``tree`` (the same value on every process: sampling keys, small tables) whole on every device of
+  ``mesh`` (:func:`put_global` on a replicated sharding)."""
+  return jax.tree.map(lambda x: put_global(x, NamedSharding(mesh, P())), tree)
 
 
 def shard_params(params, mesh: Mesh):
@@ -272,6 +278,14 @@ def sharded_autoregressive(mesh: Mesh, target_params, keys_B, tokens_BxP, prompt
     return fn(target_params, keys_B, tokens_BxP, prompt_len_B)
 
 
+def _padded_batch(mesh: Mesh, arrays) -> tuple[int, tuple]:
+  """``(B, arrays on the mesh)``: batch-leading ``arrays`` (numpy, or jax such as typed keys) of ``B`` rows padded
+  to a multiple of the ``data`` axis by repeating the last row (:func:`pad_rows`), rows over ``data``."""
+  rows = int(np.shape(arrays[0])[0])
+  index = pad_rows(np.arange(rows), rows + -rows % mesh.shape[DATA])
+  return rows, shard_batch(mesh, *(a[index] if isinstance(a, jax.Array) else np.asarray(a)[index] for a in arrays))
+
+
 def autoregressive_rows(mesh: Mesh | None, target_params, keys_B, tokens_BxP, prompt_len_B, **static):
   """``generate_autoregressive`` over any number of rows on ``mesh``, read back as numpy (a ``DecodeOutput`` of the
   ``B`` rows given, on every process): the rows padded to a multiple of the ``data`` axis by repeating the last one,
@@ -280,13 +294,21 @@ def autoregressive_rows(mesh: Mesh | None, target_params, keys_B, tokens_BxP, pr
   if mesh is None or mesh.size == 1:
     out = spec.generate_autoregressive(target_params, keys_B, tokens_BxP, prompt_len_B, **static)
     return gather(out)
-  rows = int(np.shape(tokens_BxP)[0])
-  index = pad_rows(np.arange(rows), rows + -rows % mesh.shape[DATA])
-  keys_B, tokens_BxP, prompt_len_B = shard_batch(mesh, keys_B[index], np.asarray(tokens_BxP)[index],
-                                                 np.asarray(prompt_len_B)[index])
-  out = gather(sharded_autoregressive(mesh, shard_params(target_params, mesh), keys_B, tokens_BxP, prompt_len_B,
-                                      **static))
+  rows, batch = _padded_batch(mesh, (keys_B, tokens_BxP, prompt_len_B))
+  out = gather(sharded_autoregressive(mesh, shard_params(target_params, mesh), *batch, **static))
   return take_rows(out, rows)
+
+
+def map_rows(mesh: Mesh | None, fn, param_trees: tuple, *arrays):
+  """``fn(*param_trees, *arrays)`` read back as numpy on every process, for a jitted ``fn`` whose outputs are
+  row-wise in the leading axis of ``arrays`` (a forward pass over a batch): on ``mesh`` the rows padded to a multiple
+  of ``data`` (:func:`pad_rows`) and split over it, each tree of ``param_trees`` laid out by :func:`shard_params`
+  (a no-op for one placed already), the padding cut from the outputs (:func:`take_rows`). ``mesh`` None or of one
+  device: ``fn`` as it is. Each row's outputs are one device's up to float rounding (``model`` > 1 splits sums)."""
+  if mesh is None or mesh.size == 1:
+    return gather(fn(*param_trees, *arrays))
+  rows, batch = _padded_batch(mesh, arrays)
+  return take_rows(gather(fn(*(shard_params(p, mesh) for p in param_trees), *batch)), rows)
 
 
 def pad_rows(index, size: int) -> np.ndarray:

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blockspec_jax import artifacts, runtime, sampling
+from blockspec_jax import artifacts, parallel, runtime, sampling
 from blockspec_jax.drafters import heads as heads_lib
 from blockspec_jax.drafters.heads import HEADS_JSON, HEADS_NPZ, load_heads, save_heads
 from blockspec_jax.drafters import lattice
@@ -72,11 +72,14 @@ def _hidden_pass(params, tokens_BxT, positions_BxN, *, config):
 
 def collect_hidden(target_config: decoder_lib.DecoderConfig, target_params, tokens_BxP, prompt_len_B, *,
                    max_new_tokens: int, temperature: float = 1.0, key: jax.Array, batch_size: int,
-                   progress: bool = True, rows=None, stop_ids: tuple[int, ...] = (), pad_id: int = 0) -> dict:
+                   progress: bool = True, rows=None, stop_ids: tuple[int, ...] = (), pad_id: int = 0,
+                   mesh=None) -> dict:
   """The heads' training data for prompts ``tokens_BxP`` (int32 [B, P], right-padded; lengths ``prompt_len_B``),
   ``batch_size`` prompts at a time (the last batch wraps around; its repeated rows are dropped).
 
   ``rows`` (distinct ids, default ``arange(B)``): prompt ``r``'s continuation uses ``fold_in(key, r)``.
+  ``mesh`` (``parallel.make_mesh``): the continuations and the hidden-state pass with each batch's rows over its
+  ``data`` axis (``parallel.autoregressive_rows`` / ``parallel.map_rows``): the same tokens as one device.
   Returns numpy arrays: per kept position ``m`` (see the module docstring) ``features_MxD`` f32 (the target's hidden
   state), ``seq_M`` int64 (its sequence), ``position_M`` int32 (``t``); per sequence ``tokens_NxT`` int32 (prompt +
   continuation, ``pad_id`` after), ``length_N`` int32 (valid tokens), ``prompt_len_N`` int32, ``row_N`` int64 (the
@@ -100,7 +103,8 @@ def collect_hidden(target_config: decoder_lib.DecoderConfig, target_params, toke
     keys_B = distill._row_keys(key, rows[local_B])
     sample = lambda: distill.sample_sequences(target_config, target_params, tokens_BxP[local_B],
                                               prompt_len_B[local_B], keys_B, max_new_tokens=max_new_tokens,
-                                              temperature=temperature, stop_ids=tuple(stop_ids), pad_id=pad_id)
+                                              temperature=temperature, stop_ids=tuple(stop_ids), pad_id=pad_id,
+                                              mesh=mesh)
     with runtime.compiling("target sampling", when=i == 0):
       seq_BxT, mask_BxT = sample()
     generated_B = mask_BxT.sum(axis=1).astype(np.int32)
@@ -108,9 +112,8 @@ def collect_hidden(target_config: decoder_lib.DecoderConfig, target_params, toke
     # t = P − 2 + i, i < max_new_tokens: head 0's label t + 2 is generated token i.
     t_BxN = prompt_len_B[local_B][:, None] - 2 + np.arange(max_new_tokens)[None, :]
     keep_BxN = (t_BxN >= 0) & (np.arange(max_new_tokens)[None, :] < generated_B[:, None]) & (flat_B < num)[:, None]
-    run = lambda: np.asarray(jax.device_get(_hidden_pass(target_params, jnp.asarray(seq_BxT),
-                                                         jnp.asarray(np.clip(t_BxN, 0, width - 1), jnp.int32),
-                                                         config=pass_config)))
+    run = lambda: parallel.map_rows(mesh, functools.partial(_hidden_pass, config=pass_config), (target_params,),
+                                    seq_BxT, np.clip(t_BxN, 0, width - 1).astype(np.int32))
     with runtime.compiling("target hidden-state pass", when=i == 0):
       hidden_BxNxD = run()
     fresh_B = flat_B < num

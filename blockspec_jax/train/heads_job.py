@@ -164,7 +164,8 @@ def _collect(workdir: pathlib.Path, s: HeadsSettings, data: dict) -> tuple[np.nd
     return heads_lib.collect_hidden(
         config, setup.target_params, setup.prompts_NxP[rows], setup.prompt_len_N[rows],
         max_new_tokens=s.max_new_tokens, temperature=s.temperature, key=jax.random.fold_in(jax.random.key(s.seed), 1),
-        batch_size=s.collect_batch_size, progress=s.progress, rows=rows, stop_ids=tuple(setup.stop_ids))
+        batch_size=s.collect_batch_size, progress=s.progress, rows=rows, stop_ids=tuple(setup.stop_ids),
+        mesh=s.train_mesh())
 
   pools.collect_missing(data, setup.split, collect, lambda split, hidden: heads_lib.save_hidden(
       paths[split], hidden, {**meta, "split": split, "vocab_size": config.vocab_size, "d_model": config.d_model}))

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blockspec_jax import artifacts, runtime, sampling
+from blockspec_jax import artifacts, parallel, runtime, sampling
 from blockspec_jax.drafters.sprinter import HEAD_JSON, HEAD_NPZ, head_logits, head_probs, init_head, load_head, save_head
 from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.train import distill, pools, trainer
@@ -75,13 +75,15 @@ def _label_pass(target_params, drafter_params, tokens_BxT, positions_BxN, *, tar
 def collect_labels(target_config: decoder_lib.DecoderConfig, target_params, drafter_config: decoder_lib.DecoderConfig,
                    drafter_params, tokens_BxP, prompt_len_B, *, max_new_tokens: int, temperature: float,
                    key: jax.Array, batch_size: int, progress: bool = True, rows=None, stop_ids: tuple[int, ...] = (),
-                   pad_id: int = 0) -> dict:
+                   pad_id: int = 0, mesh=None) -> dict:
   """SPRINTER's training data from the drafter's own continuations of the prompts ``tokens_BxP`` (int32 [B, P],
   right-padded; lengths ``prompt_len_B``), processed ``batch_size`` prompts at a time (the last batch wraps around,
   its repeated rows dropped: one compiled program for every batch).
 
   ``rows`` (int [B], distinct; default ``arange(B)``): the prompts' ids, reported in ``row_N`` and keying the
   sampling (prompt ``r``'s continuation uses ``fold_in(key, r)``, so it does not depend on the batching).
+  ``mesh`` (``parallel.make_mesh``): the continuations and the label pass with each batch's rows over its ``data``
+  axis (``parallel.autoregressive_rows`` / ``parallel.map_rows``): the same tokens and labels as one device.
 
   Returns numpy arrays over the ``N`` generated tokens, in prompt order then position order:
   ``features_NxD`` f32 (the drafter's final-norm hidden state at ``t − 1``), ``labels_N`` int8
@@ -108,14 +110,15 @@ def collect_labels(target_config: decoder_lib.DecoderConfig, target_params, draf
     keys_B = distill._row_keys(key, ids_B)
     sample = lambda: distill.sample_sequences(drafter_config, drafter_params, tokens_BxP[local_B],
                                               prompt_len_B[local_B], keys_B, max_new_tokens=max_new_tokens,
-                                              temperature=temperature, stop_ids=tuple(stop_ids), pad_id=pad_id)
+                                              temperature=temperature, stop_ids=tuple(stop_ids), pad_id=pad_id,
+                                              mesh=mesh)
     with runtime.compiling("drafter sampling", when=i == 0):
       tokens_BxT, mask_BxT = sample()
     positions_BxN, mask_BxN = distill.loss_window(mask_BxT, prompt_len_B[local_B], max_new_tokens)
     keep_BxN = (mask_BxN > 0) & (flat_B < num)[:, None]
-    score = lambda: jax.device_get(_label_pass(target_params, drafter_params, jnp.asarray(tokens_BxT),
-                                               jnp.asarray(positions_BxN), target=target_config,
-                                               drafter=drafter_config, temperature=float(temperature)))
+    label_pass = functools.partial(_label_pass, target=target_config, drafter=drafter_config,
+                                   temperature=float(temperature))
+    score = lambda: parallel.map_rows(mesh, label_pass, (target_params, drafter_params), tokens_BxT, positions_BxN)
     with runtime.compiling("label pass (target and drafter)", when=i == 0):
       hidden_BxNxD, q_tok_BxN, p_tok_BxN = score()
     token_BxN = np.take_along_axis(tokens_BxT, np.minimum(positions_BxN + 1, tokens_BxT.shape[1] - 1), axis=1)

@@ -146,7 +146,8 @@ def _labels(workdir: pathlib.Path, s: SprinterSettings) -> tuple[dict, bool, dic
         setup.target_config, setup.target_params, setup.drafter_config, setup.drafter_params,
         setup.prompts_NxP[rows], setup.prompt_len_N[rows], max_new_tokens=s.max_new_tokens,
         temperature=s.temperature, key=jax.random.fold_in(jax.random.key(s.seed), 1),
-        batch_size=s.collect_batch_size, progress=s.progress, rows=rows, stop_ids=tuple(setup.stop_ids))
+        batch_size=s.collect_batch_size, progress=s.progress, rows=rows, stop_ids=tuple(setup.stop_ids),
+        mesh=s.train_mesh())
 
   pools.collect_missing(labels, setup.split, collect,
                         lambda split, data: sprinter_lib.save_labels(paths[split], data, {**meta, "split": split}))
