@@ -38,50 +38,50 @@ def test_data_parallel_train_steps_across_processes_reach_one_devices_parameters
     assert code == 0 and "TRAIN EQUAL" in out, f"process {i} ended with {code}:\n{out[-3000:]}"
 
 
-def test_the_distillation_smoke_job_stopped_and_resumed_across_processes_equals_one_process(tmp_path):
+@pytest.mark.parametrize("count", [2, pytest.param(4, marks=pytest.mark.heavy)])
+def test_the_distillation_smoke_job_stopped_and_resumed_across_processes_equals_one_process(tmp_path, count):
   """The distillation smoke job on its default mesh (every device over ``data``: the target's continuations drawn
-  there, every batch split there) in 2 processes × 2 devices, stopped after 2 of 4 steps and resumed (checkpoints
+  there, every batch split there) in 2 processes × 2 devices (4 × 1 in the heavy run), stopped after 2 of 4 steps and resumed (checkpoints
   through orbax's multi-process path in one shared work directory), against the same in 1 process on 4 devices: the
   same continuations bit for bit, the same steps in metrics.jsonl (written once, by process 0), losses and the
   held-out TV before and after within 1e-6, the same checkpoints kept; every process returns the same summary; a
   batch of 6 rows is refused on 4 devices, naming the setting."""
   runs = {}
-  for count, each in ((2, 2), (1, 4)):
-    workdir = tmp_path / f"processes_{count}"
-    for i, (code, out) in enumerate(run_processes(SCRIPT, count, ("distill", str(workdir)), devices_each=each,
-                                                  timeout=300)):
-      assert code == 0 and "DISTILL DONE" in out, f"process {i} of {count} ended with {code}:\n{out[-3000:]}"
+  for processes, each in ((count, 4 // count), (1, 4)):
+    workdir = tmp_path / f"processes_{processes}"
+    for i, (code, out) in enumerate(run_processes(SCRIPT, processes, ("distill", str(workdir)), devices_each=each,
+                                                  timeout=150 * (processes + 1))):
+      assert code == 0 and "DISTILL DONE" in out, f"process {i} of {processes} ended with {code}:\n{out[-3000:]}"
       assert "stopped: {'stopped_after': 2, 'resumed_from': None}" in out and "resumed from 2, 4 steps" in out
       assert "BATCH REFUSED: distill_job.batch_size = 6 must be a multiple of the 4 devices" in out, out[-2000:]
-    runs[count] = workdir
-  summaries = {count: [json.loads((runs[count] / f"summary_{i}.json").read_text()) for i in range(count)]
-               for count in runs}
+    runs[processes] = workdir
+  summaries = {n: [json.loads((runs[n] / f"summary_{i}.json").read_text()) for i in range(n)] for n in runs}
   timing = ("seconds", "train_seconds", "train_seconds_total", "peak_rss_gb")
   same = lambda s: {k: v for k, v in s.items() if k not in timing}
-  assert same(summaries[2][0]) == same(summaries[2][1])  # every process computed the same summary
-  two, one = summaries[2][0], summaries[1][0]
-  assert two["data_parallel_devices"] == one["data_parallel_devices"] == 4
-  assert json.loads((runs[2] / "metrics.json").read_text())["steps"] == 4
+  assert all(same(s) == same(summaries[count][0]) for s in summaries[count])  # every process: the same summary
+  several, one = summaries[count][0], summaries[1][0]
+  assert several["data_parallel_devices"] == one["data_parallel_devices"] == 4
+  assert json.loads((runs[count] / "metrics.json").read_text())["steps"] == 4
   for key in ("heldout_tv_before", "heldout_tv_after", "final_loss"):
-    np.testing.assert_allclose(two[key], one[key], rtol=1e-6, err_msg=key)
-  with np.load(runs[2] / "samples.npz") as a, np.load(runs[1] / "samples.npz") as b:
+    np.testing.assert_allclose(several[key], one[key], rtol=1e-6, err_msg=key)
+  with np.load(runs[count] / "samples.npz") as a, np.load(runs[1] / "samples.npz") as b:
     np.testing.assert_array_equal(a["tokens_NxT"], b["tokens_NxT"])
-  rows = {count: [json.loads(line) for line in (runs[count] / "metrics.jsonl").read_text().splitlines()]
-          for count in runs}
-  assert [r["step"] for r in rows[2]] == [r["step"] for r in rows[1]] == [1, 2, 3, 4]
-  np.testing.assert_allclose([r["loss"] for r in rows[2]], [r["loss"] for r in rows[1]], rtol=1e-6)
-  steps = {count: sorted(p.name for p in (runs[count] / "checkpoints").iterdir() if p.name.isdigit())
-           for count in runs}
-  assert steps[2] == steps[1]
+  rows = {n: [json.loads(line) for line in (runs[n] / "metrics.jsonl").read_text().splitlines()] for n in runs}
+  assert [r["step"] for r in rows[count]] == [r["step"] for r in rows[1]] == [1, 2, 3, 4]
+  np.testing.assert_allclose([r["loss"] for r in rows[count]], [r["loss"] for r in rows[1]], rtol=1e-6)
+  steps = {n: sorted(p.name for p in (runs[n] / "checkpoints").iterdir() if p.name.isdigit()) for n in runs}
+  assert steps[count] == steps[1]
 
 
-def test_the_main_job_and_the_smoke_suite_across_processes_give_the_recorded_numbers(tmp_path):
-  """2 processes × 2 devices, each running the SmolLM2 main job (at T = 1: sampled rows, each from its own keys; the
-  greedy half of the record is checked on 8 devices in the slow tier) and the smoke suite on the global 4 x 1 mesh:
+@pytest.mark.parametrize("count", [2, pytest.param(4, marks=pytest.mark.heavy)])
+def test_the_main_job_and_the_smoke_suite_across_processes_give_the_recorded_numbers(tmp_path, count):
+  """2 processes × 2 devices (4 × 2 in the heavy run: a data axis of 8, 3 prompts and 5 padded rows), each running the SmolLM2 main job (at T = 1: sampled rows, each from its own keys; the
+  greedy half of the record is checked on 8 devices in the slow tier) and the smoke suite on the global (2 · count) x 1 mesh:
   every process reads back the token ids, target calls, block efficiencies and acceptance that one device recorded
   (``tests/test_main_job_ids.py``), and only process 0 writes the suite's files."""
   import test_main_job_ids as ids
-  results = run_processes(SCRIPT, 2, ("jobs", str(tmp_path)), devices_each=2, timeout=840, product_level=True)
+  results = run_processes(SCRIPT, count, ("jobs", str(tmp_path)), devices_each=2, timeout=420 * count,
+                          product_level=True)
   for i, (code, out) in enumerate(results):
     assert code == 0 and "JOBS DONE" in out, f"process {i} ended with {code}:\n{out[-3000:]}"
     got = json.loads((tmp_path / f"record_{i}.json").read_text())
@@ -89,9 +89,9 @@ def test_the_main_job_and_the_smoke_suite_across_processes_give_the_recorded_num
     assert {key.rsplit("@", 1)[1] for key in got["smoke_suite_rows"]} == set(ids.SUITE_TASKS)
     assert len(got["generated_ids"]) == 3
   assert (tmp_path / "suite_0" / "results.json").exists()
-  assert not (tmp_path / "suite_1" / "results.json").exists()
+  assert not any((tmp_path / f"suite_{i}" / "results.json").exists() for i in range(1, count))
   settings = json.loads((tmp_path / "suite_0" / "results.json").read_text())
-  assert settings["settings"]["mesh"] == [4, 1] and settings["environment"]["processes"] == 2
+  assert settings["settings"]["mesh"] == [2 * count, 1] and settings["environment"]["processes"] == count
 
 
 def test_a_process_that_dies_ends_the_others_with_an_error_not_a_hang():
