@@ -51,6 +51,40 @@ def test_tvd_is_half_l1_on_hand_rows():
   assert float(divergences.token_divergence("tvd", p, q, jnp.zeros((1, 2)))) == 0.0  # no position: 0, not NaN
 
 
+def test_token_and_sequence_normalization_on_a_hand_table():
+  """Row 0 has one set position (value 1), row 1 three (values 3, 5, 7), row 2 none: pooled over tokens
+  (1 + 3 + 5 + 7) / 4 = 4; per sequence (1 + 5) / 2 = 3 (the empty row counts in neither)."""
+  values = jnp.asarray([[1.0, 9.0, 9.0], [3.0, 5.0, 7.0], [2.0, 2.0, 2.0]])
+  mask = jnp.asarray([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+  assert float(divergences.masked_mean(values, mask)) == pytest.approx(4.0)
+  assert float(divergences.masked_mean(values, mask, "token")) == pytest.approx(4.0)
+  assert float(divergences.masked_mean(values, mask, "sequence")) == pytest.approx(3.0)
+  assert float(divergences.masked_mean(values, None, "sequence")) == pytest.approx((19 / 3 + 5.0 + 2.0) / 3)
+  assert float(divergences.masked_mean(values, jnp.zeros_like(mask), "sequence")) == 0.0  # no position: 0, not NaN
+  with pytest.raises(ValueError, match="unknown loss normalization 'per_token'; known: token, sequence"):
+    divergences.masked_mean(values, mask, "per_token")
+
+
+def test_distill_loss_normalizations_weigh_positions_as_the_paper_and_as_before():
+  """DistillSpec's loss ``(1/B) Σ_b (1/|y_b|) Σ_t D`` against the pooled mean, on rows with 1, 4 and 2 positions:
+  each equals its hand formula over the per-position divergences, and they differ."""
+  target, drafter = init_params(TARGET, 0), init_params(DRAFTER, 1)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, size=(3, 6)), jnp.int32)
+  mask = jnp.asarray([[0, 0, 1, 0, 0, 0], [0, 1, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0]], jnp.float32)
+  d = np.asarray(divergences.per_token_divergence("fkl", distill.sequence_logits(TARGET, target, tokens),
+                                                  distill.sequence_logits(DRAFTER, drafter, tokens)), np.float64)
+  m = np.asarray(mask, np.float64)
+  want = {"token": (d * m).sum() / m.sum(), "sequence": np.mean((d * m).sum(axis=1) / m.sum(axis=1))}
+  for normalization, expected in want.items():
+    loss_fn = distill.DistillLoss(TARGET, DRAFTER, "fkl", normalization=normalization)
+    loss, aux = loss_fn(drafter, {"target": target, "drafter": {}}, {"tokens_BxT": tokens, "mask_BxT": mask}, None)
+    assert float(loss) == pytest.approx(expected, rel=1e-5), normalization
+  assert abs(want["token"] - want["sequence"]) > 1e-3
+  assert distill.DistillLoss(TARGET, DRAFTER).normalization == "sequence"  # the paper's, for new runs
+  with pytest.raises(ValueError, match="unknown loss normalization"):
+    distill.DistillLoss(TARGET, DRAFTER, normalization="tokens")
+
+
 def test_fkl_rkl_hand_values_and_asymmetry():
   p, q = logits_of([0.5, 0.5]), logits_of([0.9, 0.1])
   fkl = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
@@ -641,6 +675,8 @@ def test_entry_point_usage_errors(tmp_path, capsys):
                            ("distill_job.temperature = 0.0", "temperature must be > 0"),
                            ("drafter/tiny_decoder.vocab_size = 64", "target vocab_size = 128, drafter vocab_size = 64"),
                            ("distill_job.source = 'replay'", "unknown data source"),
+                           ("distill_job.loss_normalization = 'tokens'",
+                            "distill_job.loss_normalization = 'tokens' is not one of 'token', 'sequence'"),
                            ("distill_job.target = 'smollm2-135m'", "not a mix")):
     with pytest.raises(SystemExit) as e:
       run_train_main(base + ["--gin_param", binding])

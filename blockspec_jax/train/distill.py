@@ -98,7 +98,12 @@ class DistillLoss:
   ``frozen = {"target": target_params, "drafter": the drafter's frozen part}`` and the drafter's parameters are
   ``assemble(trainable, frozen["drafter"])`` (default :func:`params.merge`; LoRA: ``lambda lora, base:
   apply_lora(base, lora)``). ``batch = {"tokens_BxT": int32 [B, T], "mask_BxT": f32 [B, T], "on_policy_B": f32
-  [B]}``. aux: ``tv`` (mean total variation at the loss temperature, no gradient), ``on_policy`` (batch share).
+  [B]}``. aux: ``tv`` (mean total variation at the loss temperature, no gradient, pooled over the batch's
+  positions), ``on_policy`` (batch share).
+
+  ``normalization`` (``divergences.NORMALIZATIONS``): ``"sequence"``, the paper's ``(1/B) Σ_b (1/|y_b|) Σ_t D``
+  (every continuation weighs the same, however long); ``"token"``, every position of the batch weighs the same (the
+  only choice before 2026-11-28: the distilled drafters reported until then were trained with it).
   """
   target: decoder_lib.DecoderConfig
   drafter: decoder_lib.DecoderConfig
@@ -106,11 +111,13 @@ class DistillLoss:
   temperature: float = 1.0
   beta: float = 0.5
   assemble: Assemble = params_lib.merge
+  normalization: str = "sequence"
 
   def __post_init__(self):
     check_pair(self.target, self.drafter)
     divergences.check_divergence(self.divergence, self.beta)
     divergences.check_temperature(self.temperature)
+    divergences.check_normalization(self.normalization)
 
   def __call__(self, trainable, frozen, batch, key):
     del key  # the loss is deterministic given the batch
@@ -123,7 +130,8 @@ class DistillLoss:
     drafter_params = self.assemble(trainable, frozen["drafter"])
     drafter_logits_BxTxV = sequence_logits(self.drafter, drafter_params, tokens_BxT, positions_BxN)
     loss = divergences.token_divergence(self.divergence, target_logits_BxTxV, drafter_logits_BxTxV, mask_BxT,
-                                        temperature=self.temperature, beta=self.beta)
+                                        temperature=self.temperature, beta=self.beta,
+                                        normalization=self.normalization)
     tv = divergences.token_divergence("tvd", target_logits_BxTxV, jax.lax.stop_gradient(drafter_logits_BxTxV),
                                       mask_BxT, temperature=self.temperature)
     aux = {"tv": tv}

@@ -74,6 +74,10 @@ class DistillSettings(job_setup.PairSettings):
   """The decoding temperature (continuations and the held-out TV)."""
   beta: float = 0.5
   """JSD's mixing weight."""
+  loss_normalization: str = "sequence"
+  """How the loss averages over a batch (``divergences.NORMALIZATIONS``): ``"sequence"``, DistillSpec's mean per
+  continuation, then over continuations; ``"token"``, every position of the batch weighs the same (the only choice
+  before 2026-11-28; the gin files of the runs reported until then set it, so they reproduce those figures)."""
   trainable_layers: tuple | None = None
   """Random tiny models: None trains the whole drafter, a list of layer indices those layers only (the rest,
   embeddings and head included, frozen)."""
@@ -99,6 +103,10 @@ class DistillSettings(job_setup.PairSettings):
       if not isinstance(self.drafter, recipe_lib.DrafterRecipe):
         raise checks.UsageError(f"{JOB}.drafter must be a drafter recipe (@drafter_recipe()), got {self.drafter!r}")
       methods.check_settings(dtype=self.dtype, models=(self.target, self.drafter.base))
+    if self.loss_normalization not in divergences.NORMALIZATIONS:
+      raise checks.UsageError(f"{self.name('loss_normalization')} = {self.loss_normalization!r} is not one of "
+                              f"{', '.join(map(repr, divergences.NORMALIZATIONS))} (token: every position of the batch "
+                              "weighs the same; sequence: DistillSpec's mean per sequence, then over sequences)")
     with job_setup.usage_errors():
       divergences.check_divergence(self.divergence, self.beta)
       divergences.check_temperature(self.temperature)
@@ -202,7 +210,7 @@ def _train(workdir: pathlib.Path, s: DistillSettings, setup: job_setup.Setup, pa
   """Held-out TV before, the training run, held-out TV after (the last step's evaluation when there was one; None
   for a run stopped early by ``stop_after``)."""
   loss_fn = distill.DistillLoss(setup.target_config, setup.drafter_config, s.divergence, s.temperature, s.beta,
-                                assemble=parts.assemble)
+                                assemble=parts.assemble, normalization=s.loss_normalization)
   report = lambda trainable: distill.heldout_tv_report(parts.assemble(trainable, parts.frozen), setup.target_params,
                                                         data)
   tv_before = report(parts.trainable)
@@ -255,7 +263,8 @@ def run(workdir, settings: DistillSettings) -> dict:
       "train_seconds_total": job_setup.seconds_total(rows),
       "num_train_prompts": int(len(data.train_idx)), "num_heldout_prompts": int(len(data.heldout_idx)),
       "heldout_positions": int(data.fixed_mask_NxT[data.heldout_idx].sum()),
-      "divergence": s.divergence, "source": s.source, "temperature": s.temperature,
+      "divergence": s.divergence, "loss_normalization": s.loss_normalization, "source": s.source,
+      "temperature": s.temperature,
       "sample_temperature": s.sample_temperature, "batch_size": s.batch_size, "max_new_tokens": s.max_new_tokens,
       "sample_batch_size": s.sample_batch_size,
       "trainable_params": params_lib.count_params(result.state.trainable),

@@ -16,6 +16,11 @@ arguments (distillation differentiates the drafter's side only; the target's log
   "tvd"  total variation  ½ Σ |p − q| ∈ [0, 1]; 1 − TVD is the per-token acceptance rate of speculative sampling
          (Leviathan et al. 2023), which is what DistillSpec targets
 
+Two ways to average over a batch (``normalization``, :data:`NORMALIZATIONS`): ``"token"`` pools every masked
+position of the batch, ``Σ_b Σ_t m·D / Σ_b Σ_t m`` (a long continuation weighs as many times as it has tokens);
+``"sequence"`` is DistillSpec's ``(1/B) Σ_b (1/|y_b|) Σ_t D`` (each continuation's mean, then the mean over the
+continuations with at least one masked position: every sequence weighs the same).
+
 A temperature of 0 (greedy decoding) has no softmax and no gradient: training refuses it. For evaluation,
 :func:`mean_total_variation` accepts T = 0 (one-hot argmax laws, so the TV of a row is 1 where the argmaxes differ).
 """
@@ -30,8 +35,11 @@ import jax.numpy as jnp
 
 from blockspec_jax import sampling
 
-__all__ = ["DIVERGENCES", "token_divergence", "per_token_divergence", "mean_total_variation", "total_variation",
-           "masked_mean", "check_temperature", "check_divergence"]
+__all__ = ["DIVERGENCES", "NORMALIZATIONS", "token_divergence", "per_token_divergence", "mean_total_variation", "total_variation",
+           "masked_mean", "check_temperature", "check_divergence", "check_normalization"]
+
+#: How a loss averages over a batch (see the module docstring).
+NORMALIZATIONS = ("token", "sequence")
 
 
 def _kl(logp_BxTxV: jax.Array, logq_BxTxV: jax.Array) -> jax.Array:
@@ -83,15 +91,29 @@ def check_temperature(temperature: float) -> float:
   return float(temperature)
 
 
-def masked_mean(values_BxT: jax.Array, mask_BxT: jax.Array | None) -> jax.Array:
-  """Mean of ``values_BxT`` over the set positions of ``mask_BxT`` (all when None); 0 when none is set."""
+def masked_mean(values_BxT: jax.Array, mask_BxT: jax.Array | None, normalization: str = "token") -> jax.Array:
+  """Mean of ``values_BxT`` over the set positions of ``mask_BxT`` (all when None); 0 when none is set.
+
+  ``normalization``: ``"token"`` weighs every set position the same (``Σ m·v / Σ m``); ``"sequence"`` takes each
+  row's mean over its set positions (the last axis), then the mean over the rows with at least one."""
+  check_normalization(normalization)
   values_BxT = values_BxT.astype(jnp.float32)
-  if mask_BxT is None:
-    return jnp.mean(values_BxT)
-  mask_BxT = jnp.asarray(mask_BxT).astype(jnp.float32)
+  mask_BxT = jnp.ones_like(values_BxT) if mask_BxT is None else jnp.asarray(mask_BxT).astype(jnp.float32)
   if mask_BxT.shape != values_BxT.shape:
     raise ValueError(f"mask shape {mask_BxT.shape} != per-position shape {values_BxT.shape}")
-  return jnp.sum(values_BxT * mask_BxT) / jnp.maximum(jnp.sum(mask_BxT), 1.0)
+  if normalization == "token":
+    return jnp.sum(values_BxT * mask_BxT) / jnp.maximum(jnp.sum(mask_BxT), 1.0)
+  count_B = jnp.sum(mask_BxT, axis=-1)
+  row_mean_B = jnp.sum(values_BxT * mask_BxT, axis=-1) / jnp.maximum(count_B, 1.0)
+  has_B = (count_B > 0).astype(jnp.float32)
+  return jnp.sum(row_mean_B * has_B) / jnp.maximum(jnp.sum(has_B), 1.0)
+
+
+def check_normalization(normalization: str) -> None:
+  """ValueError naming the choices for anything but a name of :data:`NORMALIZATIONS`."""
+  if normalization not in NORMALIZATIONS:
+    raise ValueError(f"unknown loss normalization {normalization!r}; known: {', '.join(NORMALIZATIONS)} (token: "
+                     "every position of the batch weighs the same; sequence: DistillSpec's mean per sequence first)")
 
 
 def _check_logits(target_logits_BxTxV, drafter_logits_BxTxV):
@@ -112,8 +134,10 @@ def per_token_divergence(name: str, target_logits_BxTxV: jax.Array, drafter_logi
 
 
 def token_divergence(name: str, target_logits_BxTxV: jax.Array, drafter_logits_BxTxV: jax.Array,
-                     mask_BxT: jax.Array | None = None, *, temperature: float = 1.0, beta: float = 0.5) -> jax.Array:
-  """Scalar f32: mean over masked positions of ``D(p‖q)``, p = softmax(target / T), q = softmax(drafter / T).
+                     mask_BxT: jax.Array | None = None, *, temperature: float = 1.0, beta: float = 0.5,
+                     normalization: str = "token") -> jax.Array:
+  """Scalar f32: mean over masked positions of ``D(p‖q)``, p = softmax(target / T), q = softmax(drafter / T),
+  pooled over the batch's positions or averaged per sequence first (``normalization``, :func:`masked_mean`).
 
   Args:
     name: a key of :data:`DIVERGENCES` ("fkl", "rkl", "jsd", "tvd").
@@ -123,7 +147,7 @@ def token_divergence(name: str, target_logits_BxTxV: jax.Array, drafter_logits_B
     beta: the JSD mixture weight, in (0, 1) (ignored by the other divergences).
   """
   d_BxT = per_token_divergence(name, target_logits_BxTxV, drafter_logits_BxTxV, temperature=temperature, beta=beta)
-  return masked_mean(d_BxT, mask_BxT)
+  return masked_mean(d_BxT, mask_BxT, normalization)
 
 
 def mean_total_variation(target_logits_BxTxV: jax.Array, drafter_logits_BxTxV: jax.Array,
