@@ -28,11 +28,12 @@ def random_head(config, seed=5):
           "b": jnp.float32(0.0)}
 
 
-def run_sprinter(config, target, params, prompts, keys, max_new, threshold, cap, sampler=T1):
+def run_sprinter(config, target, params, prompts, keys, max_new, threshold, cap, sampler=T1, bonus=True):
   tokens, lens = spec.prepare_prompts(prompts)
   return spec.generate_speculative(target, params, keys, tokens, lens, target=config, drafter=SprinterDrafter(config),
                                    gamma=cap, max_new_tokens=max_new,
-                                   verifier=verify.SprinterVerifier(threshold=threshold, cap=cap), sampler=sampler)
+                                   verifier=verify.SprinterVerifier(threshold=threshold, cap=cap, bonus=bonus),
+                                   sampler=sampler)
 
 
 def context_tables(config, target, drafter, head, prompt, n, sampler=T1):
@@ -61,9 +62,9 @@ def context_tables(config, target, drafter, head, prompt, n, sampler=T1):
   return table
 
 
-def sprinter_law(table, prompt, n, cap, threshold, vocab):
+def sprinter_law(table, prompt, n, cap, threshold, vocab, bonus=True):
   return lossy.sprinter_sequence_law(lambda c: table[c][0], lambda c: table[c][1], lambda c: table[c][2] >= threshold,
-                                     prompt, n, cap, vocab)
+                                     prompt, n, cap, vocab, bonus=bonus)
 
 
 def midpoint_threshold(table):
@@ -82,31 +83,38 @@ def empirical(out):
   return counts
 
 
-@pytest.mark.parametrize("cap", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_sprinter_loop_has_its_exact_law(cap):
+@pytest.mark.parametrize("cap,bonus", [(2, True), pytest.param(3, True, marks=pytest.mark.slow),
+                                       pytest.param(2, False, marks=pytest.mark.slow)])
+def test_sprinter_loop_has_its_exact_law(cap, bonus):
   """T = 1, V = 6, a random head accepting about half the contexts: the first 3 emitted tokens follow the exact law
-  ``p`` where flagged, ``q`` where the head accepts, segments capped at ``cap`` (χ², 30k seeded rows), and that law
-  is measurably not the target's (the test can tell them apart)."""
+  ``p`` where flagged, ``q`` where the head accepts, segments capped at ``cap``, a bonus token from ``p`` after an
+  accepted flagged token (``bonus``) (χ², 30k seeded rows), and that law is measurably not the target's (the test can
+  tell them apart), nor the law of the other bonus setting."""
   config, target, drafter = model_pair(vocab=6, seed=3, noise=1.0)
   head = random_head(config)
   table = context_tables(config, target, drafter, head, PROMPT, 3)
   threshold = midpoint_threshold(table)
-  law = sprinter_law(table, PROMPT, 3, cap, threshold, 6)
+  law = sprinter_law(table, PROMPT, 3, cap, threshold, 6, bonus)
+  other = sprinter_law(table, PROMPT, 3, cap, threshold, 6, not bonus)
   assert abs(sum(law.values()) - 1) < 1e-9
   target_law = target_sequence_law(config, target, PROMPT, 3)
   assert lossy.law_tv(law, target_law) > 0.05
   n = 30_000
   keys = jax.random.split(jax.random.key(11), n)
-  out = run_sprinter(config, target, {"model": drafter, "head": head}, [PROMPT] * n, keys, 3, threshold, cap)
+  out = run_sprinter(config, target, {"model": drafter, "head": head}, [PROMPT] * n, keys, 3, threshold, cap,
+                     bonus=bonus)
   counts = empirical(out)
   res = theory.chi2_gof(counts, law)
   wrong = theory.chi2_gof(counts, target_law)
-  print(f"cap {cap}: χ² p = {res.p_value:.4g} vs exact law; p = {wrong.p_value:.3g} vs the target law")
+  print(f"cap {cap}, bonus {bonus}: χ² p = {res.p_value:.4g} vs exact law; p = {wrong.p_value:.3g} vs the target "
+        f"law; TV to the other bonus setting's law {lossy.law_tv(law, other):.4f}")
   assert res.p_value > 1e-3
   assert wrong.p_value < 1e-6
   c = out.extra
   np.testing.assert_array_equal(np.asarray(out.metrics.num_drafts), np.asarray(c.num_head_flags + c.num_cap_flags))
   assert int(np.sum(c.num_head_accepted)) > 0 and int(np.sum(c.num_head_flags)) > 0
+  assert (int(np.sum(c.num_bonus_tokens)) > 0) == bonus
+  assert lossy.law_tv(law, other) > 0.01
   assert int(np.sum(out.metrics.invalid_prob_rows)) == 0
 
 
@@ -120,7 +128,12 @@ def test_a_head_that_always_flags_is_lossless():
   out = run_sprinter(config, target, params, [PROMPT] * n, jax.random.split(jax.random.key(2), n), 3, 1.5, 4)
   res = theory.chi2_gof(empirical(out), target_sequence_law(config, target, PROMPT, 3))
   assert res.p_value > 1e-3
-  np.testing.assert_array_equal(np.asarray(out.metrics.num_drafts), 3)
+  # one target call per flagged token, one token more per accepted one (the bonus): 2 or 3 calls for 3 tokens
+  calls, bonuses = np.asarray(out.metrics.num_drafts), np.asarray(out.extra.num_bonus_tokens)
+  assert np.all((calls >= 2) & (calls <= 3) & (calls + bonuses >= 3)) and calls.mean() < 2.9
+  without = run_sprinter(config, target, params, [PROMPT] * 8, jax.random.split(jax.random.key(2), 8), 3, 1.5, 4,
+                         bonus=False)
+  np.testing.assert_array_equal(np.asarray(without.metrics.num_drafts), 3)
   config, target, drafter = model_pair()
   params = {"model": drafter, "head": random_head(config)}
   keys = jax.random.split(jax.random.key(0), len(RAGGED))
@@ -131,18 +144,46 @@ def test_a_head_that_always_flags_is_lossless():
 
 def test_greedy_sprinter_follows_its_point_mass_law():
   """T = 0 with a head that accepts everything (threshold 0): the drafter's greedy tokens, except every cap-th token,
-  which is the target's argmax — exactly the point mass the exact law gives; with cap = 1 it is autoregressive."""
-  config, target, drafter = model_pair(vocab=6, seed=3, noise=1.0)
+  which is the target's argmax, followed (bonus) by the target's next argmax when the two argmaxes agree: exactly the
+  point mass the exact law gives, in the target calls a walk over the argmaxes counts; with cap = 1 and no bonus it
+  is autoregressive."""
+  config, target, drafter = model_pair(vocab=6, seed=3, noise=0.1)  # argmaxes that agree at most contexts
   head = random_head(config)
-  table = context_tables(config, target, drafter, head, PROMPT, 4, sampler=GREEDY)
+  n = 4
+  table = context_tables(config, target, drafter, head, PROMPT, n, sampler=GREEDY)
+  argmax = lambda ctx, side: int(np.argmax(table[ctx][side]))
+
+  def greedy_walk(cap, bonus):
+    """(tokens, target calls): each segment drafts cap − 1 drafter argmaxes, then the flagged one."""
+    ctx, calls = tuple(PROMPT), 0
+    while len(ctx) - len(PROMPT) < n:
+      calls += 1
+      for _ in range(cap - 1):
+        ctx += (argmax(ctx, 1),)
+        if len(ctx) - len(PROMPT) == n:
+          return ctx[len(PROMPT):], calls
+      agree = argmax(ctx, 0) == argmax(ctx, 1)
+      ctx += (argmax(ctx, 0),)
+      if bonus and agree and len(ctx) - len(PROMPT) < n:
+        ctx += (argmax(ctx, 0),)
+    return ctx[len(PROMPT):], calls
+
+  bonuses = 0
   for cap in (1, 2, 3):
-    law = sprinter_law(table, PROMPT, 4, cap, 0.0, 6)
-    (expected, prob), = law.items()
-    assert prob == pytest.approx(1.0)
-    out = run_sprinter(config, target, {"model": drafter, "head": head}, [PROMPT],
-                       jax.random.split(jax.random.key(0), 1), 4, 0.0, cap, sampler=GREEDY)
-    assert tuple(np.asarray(out.tokens_BxN[0]).tolist()) == expected
-    assert int(out.metrics.num_drafts[0]) == -(-4 // cap)
+    for bonus in (True, False):
+      law = sprinter_law(table, PROMPT, n, cap, 0.0, 6, bonus)
+      (expected, prob), = law.items()
+      assert prob == pytest.approx(1.0)
+      tokens, calls = greedy_walk(cap, bonus)
+      assert tokens == expected
+      out = run_sprinter(config, target, {"model": drafter, "head": head}, [PROMPT],
+                         jax.random.split(jax.random.key(0), 1), n, 0.0, cap, sampler=GREEDY, bonus=bonus)
+      assert tuple(np.asarray(out.tokens_BxN[0]).tolist()) == expected
+      assert int(out.metrics.num_drafts[0]) == calls, (cap, bonus)
+      bonuses += int(out.extra.num_bonus_tokens[0])
+      if not bonus:
+        assert calls == -(-n // cap)
+  assert bonuses > 0  # the pair agrees somewhere: the bonus path ran
 
 
 def test_rows_stay_independent_and_same_key_same_output():
@@ -177,6 +218,9 @@ def test_bad_settings_are_clear_errors():
   for bad in (0, -3, 2.5, True):
     with pytest.raises(ValueError, match="cap"):
       verify.SprinterVerifier(cap=bad)
+  for bad in (1, "yes", None):
+    with pytest.raises(ValueError, match="SPRINTER's bonus must be True"):
+      verify.SprinterVerifier(bonus=bad)
   config, target, drafter = model_pair(vocab=16)
   tokens, lens = spec.prepare_prompts([[1, 2]])
   keys = jax.random.split(jax.random.key(0), 1)

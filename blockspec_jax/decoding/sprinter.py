@@ -7,25 +7,32 @@ One iteration of the ``lax.while_loop`` for every row (``ℓ`` committed tokens,
    drawn from ``q_i``, the head reads the hidden state that produced ``q_i`` and accepts when
    ``acceptable ≥ threshold``. The first token the head does not accept, or the ``cap``-th token, is *flagged* and
    closes the row's segment of length ``L ∈ [1, cap]``.
-2. *Target.* One target pass over ``[x_{ℓ−1}, x_0 … x_{L−2}]`` (positions ``ℓ − 1 … ℓ + L − 2``) gives
-   ``p`` at the flagged token's context and fills the target's cache for everything that will be committed. The pass
-   is as long as the batch's longest segment, rounded up to a bucket (1, 2, 4, …, cap: ``lax.switch``), so a short
-   segment does not pay for a ``cap``-long pass.
-3. *Test.* The flagged token alone goes through the speculative-sampling test: accepted with ``min(1, p/q)``, else
-   replaced by a draw from ``norm(max(p − q, 0))`` (:func:`~blockspec_jax.verify.rules.token_verify` with γ = 1). No
-   bonus token: ``L`` tokens are emitted per target call.
+2. *Target.* One target pass over ``[x_{ℓ−1}, x_0 … x_{L−1}]`` (positions ``ℓ − 1 … ℓ + L − 1``) gives ``p`` at
+   the flagged token's context and at its successor's, and fills the target's cache for everything that will be
+   committed. The pass is as long as the batch's longest segment plus one, the segment rounded up to a bucket (1, 2,
+   4, …, cap: ``lax.switch``), so a short segment does not pay for a ``cap``-long pass.
+3. *Test.* The flagged token alone goes through the speculative-sampling test
+   (:func:`~blockspec_jax.verify.rules.token_verify` with γ = 1): accepted with ``min(1, p/q)``, and then the *bonus*
+   token is drawn from ``p(·| …, x_flagged)`` (``L + 1`` tokens for this target call, as the official code does);
+   else replaced by a draw from ``norm(max(p − q, 0))`` (``L`` tokens). ``bonus = False`` (the verifier's setting;
+   this codebase's only variant before 2026-11-28) stops at the flagged token: ``L`` tokens per call, a pass one token
+   shorter.
 
 Law. Conditional on the context, a head-accepted token has law ``q`` and a flagged one law ``p`` (the SD test is
-exact); whether a position is flagged depends on the hidden state before the token and on the segment's length so
-far, never on the token drawn. So the per-step law is ``(1 − η)·p + η·q`` with ``η ∈ {0, 1}`` the head's decision at
-that context (the cap forces ``η = 0``), ``TV = η·TV(p, q)``, and a head that flags everything (``threshold > 1``) is
-exactly lossless. The exact law on tabular models: :func:`blockspec_jax.theory.lossy.sprinter_sequence_law`.
+exact: ``min(p, q) + max(p − q, 0) = p``); whether a position is flagged depends on the hidden state before the
+token and on the segment's length so far, never on the token drawn. A bonus token has law ``p`` and starts a new
+segment after it, but whether it comes depends on the flagged token's acceptance, which the token drawn does reveal
+(given ``x``, it was accepted with probability ``min(p, q)(x) / p(x)``): so the position after a flagged token has
+law ``a(x)·p + (1 − a(x))·[(1 − η)·p + η·q]`` there, not the per-step ``(1 − η)·p + η·q`` of the other positions.
+A head that flags everything (``threshold > 1``) is exactly lossless either way. The exact law on tabular models:
+:func:`blockspec_jax.theory.lossy.sprinter_sequence_law` (with ``bonus``).
 
 Counters (``DecodeOutput.extra``, int32 ``[B]`` each): ``num_head_flags`` (segments closed by the head),
 ``num_cap_flags`` (closed by the cap), ``num_sd_rejections`` (flagged tokens replaced by the SD test),
-``num_head_accepted`` (tokens emitted without a target check). ``metrics.num_drafts`` counts target calls,
-``num_draft_tokens`` drafted tokens and ``num_accepted_tokens`` Σ (L − 1), so the block efficiency
-``1 + accepted / drafts`` is the mean number of tokens per target call, as for the other rules.
+``num_head_accepted`` (tokens emitted without a target check), ``num_bonus_tokens`` (flagged tokens accepted and
+followed by a bonus). ``metrics.num_drafts`` counts target calls, ``num_draft_tokens`` drafted tokens and
+``num_accepted_tokens`` the drafted tokens kept, Σ (L − 1 + accepted flag) with the bonus (Σ (L − 1) without), so the
+block efficiency ``1 + accepted / drafts`` is the mean number of tokens per target call, as for the other rules.
 """
 
 from __future__ import annotations
@@ -49,11 +56,12 @@ class SprinterCounters:
   num_cap_flags: jax.Array
   num_sd_rejections: jax.Array
   num_head_accepted: jax.Array
+  num_bonus_tokens: jax.Array
 
   @classmethod
   def zeros(cls, batch: int) -> "SprinterCounters":
     z = jnp.zeros((batch,), jnp.int32)
-    return cls(z, z, z, z)
+    return cls(z, z, z, z, z)
 
 
 @struct.dataclass
@@ -110,34 +118,39 @@ def _draft_segment(drafter, drafter_params, state: loop.DecodeState, key_B, *, c
   return jax.lax.while_loop(lambda s: (s.step < cap) & jnp.any(s.length_B == 0), body, start)
 
 
-def _score_segments(target, target_params, state: loop.DecodeState, seg: _Segment, *, cap: int,
+def _score_segments(target, target_params, state: loop.DecodeState, seg: _Segment, *, cap: int, bonus: bool,
                     sampler: sampling.Sampler):
-  """The target's law at every row's flagged token (f32 ``[B, V]``) and the cache after one pass over
-  ``[last committed, x_0 … x_{L−2}]``, bucketed by the batch's longest segment."""
+  """``(p_flag_BxV, p_next_BxV, cache)``: the target's law (f32) at every row's flagged token and at its successor
+  (``bonus``; else ``p_next = p_flag``), and the cache after one pass over ``[last committed, x_0 … x_{L−1}]``
+  (``[…, x_{L−2}]`` without the bonus), bucketed by the batch's longest segment."""
   batch, cache_len = state.tokens_BxS.shape
+  extra = int(bonus)
   rows_B = jnp.arange(batch)
   last_B = state.tokens_BxS[rows_B, state.length_B - 1]
-  inputs_BxC = jnp.concatenate([last_B[:, None], seg.tokens_BxC[:, :cap - 1]], axis=1)
-  positions_BxC = state.length_B[:, None] - 1 + jnp.arange(cap, dtype=jnp.int32)[None, :]
+  inputs_BxW = jnp.concatenate([last_B[:, None], seg.tokens_BxC[:, :cap - 1 + extra]], axis=1)
+  positions_BxW = state.length_B[:, None] - 1 + jnp.arange(cap + extra, dtype=jnp.int32)[None, :]
   buckets = segment_buckets(cap)
 
   def branch(width: int):
     def run(cache):
-      scored = loop.score_causal(target, target_params, inputs_BxC[:, :width], positions_BxC[:, :width], cache,
+      scored = loop.score_causal(target, target_params, inputs_BxW[:, :width], positions_BxW[:, :width], cache,
                                   cache_len)
-      query_B = jnp.clip(seg.length_B - 1, 0, width - 1)
-      logits_BxV = jnp.take_along_axis(scored.logits_BxTxV, query_B[:, None, None], axis=1)[:, 0]
-      return sampler.probs(logits_BxV), scored.cache
+      pick = lambda query_B: sampler.probs(jnp.take_along_axis(
+          scored.logits_BxTxV, jnp.clip(query_B, 0, width - 1)[:, None, None], axis=1)[:, 0])
+      p_flag_BxV = pick(seg.length_B - 1)
+      return p_flag_BxV, (pick(seg.length_B) if bonus else p_flag_BxV), scored.cache
     return run
 
   index = jnp.searchsorted(jnp.asarray(buckets, jnp.int32), jnp.max(seg.length_B))
-  return jax.lax.switch(jnp.minimum(index, len(buckets) - 1), [branch(w) for w in buckets], state.target_cache)
+  return jax.lax.switch(jnp.minimum(index, len(buckets) - 1), [branch(w + extra) for w in buckets],
+                        state.target_cache)
 
 
-def _sd_test(key, token, q_V, p_V):
-  """Speculative sampling of one token: ``(emitted, rejected)`` (token verification at γ = 1, bonus unused)."""
-  res = rules.token_verify(key, token[None], q_V[None], jnp.stack([p_V, p_V]))
-  return jnp.where(res.num_accepted == 1, token, res.next_token).astype(jnp.int32), res.num_accepted == 0
+def _sd_test(key, token, q_V, p_V, p_next_V):
+  """Speculative sampling of one token (token verification at γ = 1): ``(next, accepted)``, ``next`` the draw from
+  ``p_next_V`` (the bonus) when the token is accepted, else its replacement from ``norm(max(p − q, 0))``."""
+  res = rules.token_verify(key, token[None], q_V[None], jnp.stack([p_V, p_next_V]))
+  return res.next_token.astype(jnp.int32), res.num_accepted == 1
 
 
 def sprinter_decode(target_params, drafter_params, keys_B, state: loop.DecodeState, *, target, drafter, gamma: int,
@@ -166,18 +179,24 @@ def sprinter_decode(target_params, drafter_params, keys_B, state: loop.DecodeSta
     draft_key_B, verify_key_B = loop.iteration_keys(keys_B, state.iteration)
     seg = _draft_segment(drafter, drafter_params, state, draft_key_B, cap=cap, threshold=verifier.threshold,
                          sampler=sampler)
-    p_BxV, cache = _score_segments(target, target_params, state, seg, cap=cap, sampler=sampler)
+    p_BxV, p_next_BxV, cache = _score_segments(target, target_params, state, seg, cap=cap, bonus=verifier.bonus,
+                                               sampler=sampler)
     rows_B = jnp.arange(batch)
     flagged_B = seg.tokens_BxC[rows_B, seg.length_B - 1]
-    emitted_B, rejected_B = jax.vmap(_sd_test)(verify_key_B, flagged_B, seg.flag_q_BxV, p_BxV)
-    block_BxC = seg.tokens_BxC.at[rows_B, seg.length_B - 1].set(emitted_B)
+    next_B, accepted_B = jax.vmap(_sd_test)(verify_key_B, flagged_B, seg.flag_q_BxV, p_BxV, p_next_BxV)
+    # Accepted: the bonus after the flagged token (or, without the bonus, nothing: the token stays); rejected: the
+    # replacement at the flagged token's place.
+    with_bonus_B = accepted_B & verifier.bonus
+    block_BxC1 = jnp.concatenate([seg.tokens_BxC, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+    block_BxC1 = block_BxC1.at[rows_B, seg.length_B - 1 + with_bonus_B].set(
+        jnp.where(accepted_B & ~with_bonus_B, flagged_B, next_B))
     generated_B = state.length_B - state.prompt_len_B
     tokens_BxS, length_B, done_B, kept_B, stop_B = loop.commit_block(
-        state.tokens_BxS, state.length_B, state.done_B, block_BxC, seg.length_B, generated_B, max_new_tokens,
-        stop_ids)
+        state.tokens_BxS, state.length_B, state.done_B, block_BxC1, seg.length_B + with_bonus_B, generated_B,
+        max_new_tokens, stop_ids)
     active_B = ~state.done_B
     active_i = active_B.astype(jnp.int32)
-    extra_B = seg.length_B - 1
+    extra_B = seg.length_B - 1 + with_bonus_B  # drafted tokens kept (τ): the emitted count is τ + 1
     m = state.metrics
     bad_rows_B = (distribution_errors(p_BxV) != 0).astype(jnp.int32) + (
         distribution_errors(seg.flag_q_BxV) != 0).astype(jnp.int32)
@@ -193,8 +212,9 @@ def sprinter_decode(target_params, drafter_params, keys_B, state: loop.DecodeSta
     counters = SprinterCounters(
         num_head_flags=counters.num_head_flags + (seg.by_head_B & active_B),
         num_cap_flags=counters.num_cap_flags + (~seg.by_head_B & active_B),
-        num_sd_rejections=counters.num_sd_rejections + (rejected_B & active_B),
-        num_head_accepted=counters.num_head_accepted + extra_B * active_i)
+        num_sd_rejections=counters.num_sd_rejections + (~accepted_B & active_B),
+        num_head_accepted=counters.num_head_accepted + (seg.length_B - 1) * active_i,
+        num_bonus_tokens=counters.num_bonus_tokens + (with_bonus_B & active_B))
     new_state = state.replace(tokens_BxS=tokens_BxS, length_B=length_B, done_B=done_B, target_cache=cache,
                               drafter_state=seg.drafter_state, iteration=state.iteration + 1, metrics=metrics)
     return new_state, stopped_B | stop_B, counters

@@ -112,7 +112,7 @@ def tabular_fidelity(specs, *, gamma: int, width: int, n: int = 3, vocab_size: i
       settings = s["verifier_settings"]["sprinter"]
       accepts = lossy.ideal_head_accepts(target.next_probs, drafter.next_probs, settings["threshold"])
       law = lossy.sprinter_sequence_law(target.next_probs, drafter.next_probs, accepts, context, n, settings["cap"],
-                                        vocab_size)
+                                        vocab_size, bonus=verify.get_verifier("sprinter", **settings).bonus)
       out[s["label"]] = lossy.law_tv(law, expected)
     elif rule == "mtad":
       out[s["label"]] = lossy.mtad_sequence_tv(drafter, target, context, n, gamma, s["verifier_settings"]["mtad"]["tau"],

@@ -283,28 +283,42 @@ def mtad_sequence_tv(drafter: TabularLM, target: TabularLM, context: Sequence[in
 # --- SPRINTER ---------------------------------------------------------------------------------------------------------
 
 def sprinter_sequence_law(target_rows, drafter_rows, head_accepts, context: Sequence[int], n: int, cap: int,
-                          vocab_size: int) -> dict[tuple[int, ...], float]:
+                          vocab_size: int, bonus: bool = True) -> dict[tuple[int, ...], float]:
   """Exact law of SPRINTER's first ``n`` emitted tokens after ``context`` (a dict ``tokens → probability``).
 
   ``target_rows(ctx) -> p_V`` and ``drafter_rows(ctx) -> q_V`` give the (transformed) next-token laws of a context
   (a tuple of ids), ``head_accepts(ctx) -> bool`` the head's decision for the token drawn at that context (it reads
   only the context: :class:`~blockspec_jax.verify.SprinterVerifier`). A position is flagged when the head does not
-  accept or when it is the ``cap``-th token of its segment; a flagged token has law ``p`` (the SD test is exact), an
-  accepted one law ``q``. Segments restart after every flagged token. ``V^n`` leaves at most.
+  accept or when it is the ``cap``-th token of its segment; an accepted one has law ``q``. A flagged token ``x`` comes
+  from the SD test: accepted with probability ``min(p, q)(x)``, the replacement with ``max(p − q, 0)(x)`` (together
+  ``p(x)``). With ``bonus``, an accepted flagged token is followed by one token of law ``p``; a new segment starts
+  after the bonus, or after the flagged token when there is none. ``V^n`` leaves at most (more paths: a flagged
+  token splits into its accepted and its replaced branch).
   """
   _check_gamma(cap)
   law: dict[tuple[int, ...], float] = {}
 
-  def visit(ctx: tuple[int, ...], emitted: tuple[int, ...], prob: float, segment_position: int):
+  def visit(ctx: tuple[int, ...], emitted: tuple[int, ...], prob: float, segment_position: int, bonus_next: bool):
     if len(emitted) == n:
       law[emitted] = law.get(emitted, 0.0) + prob
       return
-    flagged = (not head_accepts(ctx)) or segment_position == cap - 1
-    row_V = np.asarray(target_rows(ctx) if flagged else drafter_rows(ctx), np.float64)
-    for x in np.flatnonzero(row_V > 0):
-      visit(ctx + (int(x),), emitted + (int(x),), prob * float(row_V[x]), 0 if flagged else segment_position + 1)
+    if bonus_next:
+      branches = [(np.asarray(target_rows(ctx), np.float64), False)]
+    elif head_accepts(ctx) and segment_position < cap - 1:
+      row_V = np.asarray(drafter_rows(ctx), np.float64)
+      for x in np.flatnonzero(row_V > 0):
+        visit(ctx + (int(x),), emitted + (int(x),), prob * float(row_V[x]), segment_position + 1, False)
+      return
+    elif not bonus:
+      branches = [(np.asarray(target_rows(ctx), np.float64), False)]
+    else:
+      p_V, q_V = np.asarray(target_rows(ctx), np.float64), np.asarray(drafter_rows(ctx), np.float64)
+      branches = [(np.minimum(p_V, q_V), True), (np.maximum(p_V - q_V, 0.0), False)]
+    for row_V, then_bonus in branches:
+      for x in np.flatnonzero(row_V > 0):
+        visit(ctx + (int(x),), emitted + (int(x),), prob * float(row_V[x]), 0, then_bonus)
 
-  visit(tuple(int(t) for t in context), (), 1.0, 0)
+  visit(tuple(int(t) for t in context), (), 1.0, 0, False)
   return law
 
 

@@ -360,12 +360,15 @@ class SprinterVerifier(Verifier):
   token at a time; the head reads the hidden state at the position that PRODUCED the token (so its decision does not
   depend on the token drawn) and accepts it when ``sigmoid(w·h + b) ≥ threshold``. The first token the head does
   not accept, or the ``cap``-th token of the segment, is *flagged*: the target scores the segment in one pass and
-  the flagged token alone goes through the speculative-sampling test (``min(1, p/q)``, residual on rejection). No
-  bonus token. The loop is :func:`blockspec_jax.decoding.sprinter.sprinter_decode` (``skips_target``).
+  the flagged token alone goes through the speculative-sampling test (``min(1, p/q)``, residual on rejection); when
+  it passes, ``bonus`` (default, as the paper's code) adds one token drawn from the target's law after it (the pass
+  scores one more position). The loop is :func:`blockspec_jax.decoding.sprinter.sprinter_decode` (``skips_target``).
 
-  Per step the emitted law is ``p`` where flagged and ``q`` where accepted by the head: ``(1 − η)·p + η·q`` with
-  ``η`` the head's acceptance of that context, so ``TV = η·TV(p, q)``. ``threshold > 1`` flags everything (token
-  verification one token at a time: lossless), ``threshold = 0`` accepts everything up to the cap.
+  Where the head decides, the emitted law is ``p`` where flagged and ``q`` where accepted: ``(1 − η)·p + η·q`` with
+  ``η`` the head's acceptance of that context, so ``TV = η·TV(p, q)`` at that step; a bonus token has law ``p``
+  (its presence depends on the flagged token's acceptance: the exact law is
+  :func:`blockspec_jax.theory.lossy.sprinter_sequence_law`). ``threshold > 1`` flags everything (token verification
+  one token at a time, plus the bonus: lossless), ``threshold = 0`` accepts everything up to the cap.
   """
   name = "sprinter"
   lossless = False
@@ -373,6 +376,7 @@ class SprinterVerifier(Verifier):
   skips_target = True
   threshold: float = 0.5
   cap: int = SPRINTER_DEFAULT_CAP
+  bonus: bool = True
 
   def __post_init__(self):
     t = self.threshold
@@ -383,6 +387,9 @@ class SprinterVerifier(Verifier):
     if isinstance(c, bool) or not isinstance(c, int) or c < 1:
       raise ValueError(f"SPRINTER's cap must be an integer >= 1 (the longest segment before the target is called), "
                        f"got {c!r}")
+    if not isinstance(self.bonus, bool):
+      raise ValueError(f"SPRINTER's bonus must be True (a token from the target's law after an accepted flagged "
+                       f"token, as the paper's code) or False (none), got {self.bonus!r}")
     object.__setattr__(self, "threshold", float(t))
 
   def check_drafter(self, drafter_name: str, drafter) -> None:
