@@ -20,7 +20,10 @@ def test_method_specs_name_every_row():
   specs = bench_lossy.method_specs((0.3, 0.5, 0.7), (0.3, 0.5), cap=20)
   assert [s["label"] for s in specs] == ["autoregressive", "token", "block", "sprinter θ=0.3", "sprinter θ=0.5",
                                          "sprinter θ=0.7", "mtad τ=0.3", "mtad τ=0.5"]
-  for s in specs:
+  both = bench_lossy.method_specs((0.5,), (0.3,), cap=20, sprinter_bonus=(True, False))
+  assert [s["label"] for s in both if s["method"] == "sprinter"] == ["sprinter θ=0.5", "sprinter θ=0.5 no bonus"]
+  assert [s["verifier_settings"]["sprinter"]["bonus"] for s in both if s["method"] == "sprinter"] == [True, False]
+  for s in specs + both:
     methods.parse_method(s["method"])
     methods.check_verifier_settings(s["verifier_settings"])
 
@@ -32,6 +35,13 @@ def test_tabular_fidelity_is_exact_zero_for_lossless_rows_and_positive_for_lossy
     assert tv[label] == pytest.approx(0.0, abs=1e-12), label  # lossless settings: computed, not assumed
   for label in ("sprinter θ=0", "mtad τ=0.5"):
     assert tv[label] > 1e-3, label
+  # Without the bonus token the law of 4 tokens differs (cap 3: the bonus, when the flagged third token passes, is
+  # the fourth); flagging every token stays exact either way.
+  both = bench_lossy.tabular_fidelity(bench_lossy.method_specs((0.0, 2.0), (0.5,), cap=3, sprinter_bonus=(True, False)),
+                                      gamma=3, width=2, n=4)
+  assert both["sprinter θ=2"] == pytest.approx(0.0, abs=1e-12)
+  assert both["sprinter θ=2 no bonus"] == pytest.approx(0.0, abs=1e-12)
+  assert both["sprinter θ=0 no bonus"] > 1e-3 and abs(both["sprinter θ=0 no bonus"] - both["sprinter θ=0"]) > 1e-4
   # (Not monotone in θ: sequence-level TV is not a sum of per-step errors, which may partly cancel.)
 
 

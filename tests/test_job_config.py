@@ -112,3 +112,6 @@ def test_the_lossy_bench_shares_the_settings_types_and_checks_its_grid(tmp_path,
     bench_lossy.LossyGrid(gamma=0)
   with pytest.raises(checks.UsageError, match="verifier_settings"):
     bench_lossy.LossyGrid(cap=0)
+  for bad in ((), (True, True), (1,)):
+    with pytest.raises(checks.UsageError, match="sprinter_bonus must list True and/or False once each"):
+      bench_lossy.LossyGrid(sprinter_bonus=bad)

@@ -45,13 +45,15 @@ __all__ = ["method_specs", "tabular_pair", "same_draft_table", "tabular_fidelity
            "LossyGrid", "lossy_bench", "main"]
 
 
-def method_specs(thresholds, taus, cap: int, lossless=("token", "block")) -> list[dict]:
+def method_specs(thresholds, taus, cap: int, lossless=("token", "block"), sprinter_bonus=(True,)) -> list[dict]:
   """The rows of one run: ``{"label", "method", "verifier_settings"}`` for autoregressive, the lossless rules, SPRINTER
-  at every threshold (cap ``cap``) and MTAD at every τ."""
+  at every threshold (cap ``cap``; with and/or without the bonus token, ``sprinter_bonus``: the rows without it are
+  labelled "no bonus") and MTAD at every τ."""
   specs = [dict(label="autoregressive", method=methods_lib.AUTOREGRESSIVE, verifier_settings={})]
   specs += [dict(label=rule, method=rule, verifier_settings={}) for rule in lossless]
-  specs += [dict(label=f"sprinter θ={t:g}", method="sprinter",
-                 verifier_settings={"sprinter": {"threshold": float(t), "cap": int(cap)}}) for t in thresholds]
+  specs += [dict(label=f"sprinter θ={t:g}" + ("" if bonus else " no bonus"), method="sprinter",
+                 verifier_settings={"sprinter": {"threshold": float(t), "cap": int(cap), "bonus": bool(bonus)}})
+            for bonus in sprinter_bonus for t in thresholds]
   specs += [dict(label=f"mtad τ={tau:g}", method="mtad", verifier_settings={"mtad": {"tau": float(tau)}})
             for tau in taus]
   return specs
@@ -185,8 +187,15 @@ class LossyGrid:
   beam_width: int = 4
   #: MTAD's beam drafter: sample the beams (False: the top ones).
   beam_sample: bool = True
+  #: SPRINTER with the bonus token after an accepted flagged token (True, the paper's), without it (False, this
+  #: codebase's variant before 2026-11-28), or both side by side: (True, False).
+  sprinter_bonus: tuple[bool, ...] = (True,)
 
   def __post_init__(self):
+    if not self.sprinter_bonus or len(set(self.sprinter_bonus)) != len(self.sprinter_bonus) or not all(
+        isinstance(b, bool) for b in self.sprinter_bonus):
+      raise checks.UsageError(f"bench_lossy.sprinter_bonus must list True and/or False once each, got "
+                              f"{self.sprinter_bonus!r}")
     specs = self.specs()
     methods_lib.check_settings(gamma=self.gamma, methods=[s["method"] for s in specs])
     for s in specs:
@@ -194,7 +203,7 @@ class LossyGrid:
 
   def specs(self) -> list[dict]:
     """The rows, autoregressive first (:func:`method_specs`)."""
-    return method_specs(self.thresholds, self.taus, self.cap)
+    return method_specs(self.thresholds, self.taus, self.cap, sprinter_bonus=self.sprinter_bonus)
 
   def drafter_settings(self) -> dict:
     """The drafters' settings of every row: SPRINTER's head, MTAD's beam."""
@@ -212,7 +221,8 @@ def bench_lossy_job(target: str = methods_lib.DEFAULT_TARGET, drafter: str = met
                     output_json: str | None = "results/bench_lossy.json",
                     plot: str | None = "results/bench_lossy.png", cache_dir: str | None = None,
                     compilation_cache: str | None = None, share_prefills: bool = True,
-                    humaneval_unsafe_no_sandbox: bool = False, mesh: tuple[int, int] | None = None) -> dict:
+                    humaneval_unsafe_no_sandbox: bool = False, mesh: tuple[int, int] | None = None,
+                    sprinter_bonus: tuple = (True,)) -> dict:
   """The bench (module docstring) from its flat gin bindings (``bench_lossy.gamma = 4``, …): builds the settings
   (:mod:`blockspec_jax.job_config` and :class:`LossyGrid`, where each one is documented; every one checked there,
   before a model is loaded; ``mesh``: ``job_config.Models.mesh``) and runs :func:`lossy_bench`, which documents the
@@ -225,7 +235,7 @@ def bench_lossy_job(target: str = methods_lib.DEFAULT_TARGET, drafter: str = met
   if not thresholds or not taus:
     raise checks.UsageError("bench_lossy needs at least one SPRINTER threshold and one MTAD tau")
   grid = LossyGrid(gamma=gamma, thresholds=thresholds, cap=cap, taus=taus, sprinter_head=sprinter_head,
-                   beam_width=beam_width, beam_sample=beam_sample)
+                   beam_width=beam_width, beam_sample=beam_sample, sprinter_bonus=tuple(sprinter_bonus))
   output = job_config.OutputSettings(output_json=output_json)
   return lossy_bench(models, grid, sampler, data, output, plot=plot, tabular_n=tabular_n,
                      humaneval_timeout_s=humaneval_timeout_s, share_prefills=share_prefills,
