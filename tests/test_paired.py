@@ -5,7 +5,7 @@ import pytest
 
 from blockspec_jax.drafters import ModelDrafter
 from blockspec_jax.eval import paired
-from helpers import PROMPTS, model_pair
+from helpers import PROMPTS, model_pair, tiny_config
 
 
 def _table(drafter_noise_params, config, target, gamma=4, draws=16, temperature=1.0, seed=0):
@@ -105,6 +105,33 @@ def test_tree_arm_summary_and_paired_differences():
   assert "siblings without − with replacement" in text and "+0.500" in text
   with pytest.raises(KeyError, match="no arm"):
     pt.paired_difference(results, 16, "spectr k=2", "rrs", "spectr")
+
+
+def test_rsd_c_branches_at_several_depths_within_each_budget():
+  """RSD-C's multi-level shapes: the deepest (2, 2, 1, …) and (4, 2, 1, …) with at most N nodes, their node count
+  in the label; a shape that cannot fit is left out; every arm's drafter builds with its settings."""
+  from blockspec_jax import drafters
+  from blockspec_jax.eval import paired_trees as pt
+  assert pt.branching_within((2, 2), 16) == ((2, 2, 1, 1), 14)  # 2 + 4 + 4 + 4
+  assert pt.branching_within((2, 2), 8) == ((2, 2), 6)
+  assert pt.branching_within((4, 2), 16) == ((4, 2), 12)
+  assert pt.branching_within((4, 2), 8) is None and pt.branching_within((2, 2), 4) is None
+  multi = {budget: [a for a in pt.arms_for_budget(budget) if a.label.startswith("rsd_c-")] for budget in (4, 8, 16)}
+  assert [a.label for a in multi[4]] == []
+  assert [a.label for a in multi[8]] == ["rsd_c-2,2 branching=(2, 2) (6 nodes)"]
+  assert [a.label for a in multi[16]] == ["rsd_c-2,2 branching=(2, 2, 1, 1) (14 nodes)",
+                                          "rsd_c-4,2 branching=(4, 2) (12 nodes)"]
+  config = tiny_config()
+  for arm in (a for arms in multi.values() for a in arms):
+    drafter = drafters.make(arm.drafter, config=config, **dict(arm.settings))
+    assert drafter.num_nodes(arm.gamma) <= 16 and arm.rules == ("rrs_wor", "traversal")
+    assert f"({drafter.num_nodes(arm.gamma)} nodes)" in arm.label
+  # the without/with-replacement comparison keeps to the (2, 1, …) shape, whatever else is at the budget
+  table = np.ones((1, 2, 2))
+  results = [dict(budget=8, arm=a.label, gamma=a.gamma, rules=list(a.rules), table=table, temperature=1.0)
+             for a in pt.arms_for_budget(8)]
+  text = paired.format_trees(results, [1.0])
+  assert "rrs_wor on rsd_c branching=(2, 1, 1, 1) − rrs on spectr k=2" in text
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -388,9 +388,9 @@ def format_trees(results, temperatures) -> str:
     sub = [r for r in results if r["temperature"] == temperature]
     rows = pt.summarize_arms(sub)
     lines.append(f"\nT = {temperature:g}: block efficiency (1 + E[τ]) ± one standard error over contexts")
-    lines.append(f"{'N':>3} {'arm':<20} {'γ':>2} {'rule':<10} {'BE':>7} {'± se':>6}")
+    lines.append(f"{'N':>3} {'arm':<44} {'γ':>2} {'rule':<10} {'BE':>7} {'± se':>6}")
     for r in rows:
-      lines.append(f"{r['budget']:>3} {r['arm']:<20} {r['gamma']:>2} {r['rule']:<10} {r['be']:>7.3f} "
+      lines.append(f"{r['budget']:>3} {r['arm']:<44} {r['gamma']:>2} {r['rule']:<10} {r['be']:>7.3f} "
                    f"{r['be_stderr']:>6.3f}")
     for r in sub:
       if "traversal" in r["rules"] and "rrs_wor" in r["rules"]:
@@ -398,7 +398,7 @@ def format_trees(results, temperatures) -> str:
         lines.append(f"    N={r['budget']:>2} {r['arm']}: traversal − rrs_wor on the same trees: {d:+.3f} ± {se:.3f}")
     for budget in sorted({r["budget"] for r in sub}):
       labels = {r["arm"] for r in sub if r["budget"] == budget}
-      rsd = next((a for a in labels if a.startswith("rsd_c")), None)
+      rsd = next((a for a in labels if a.startswith("rsd_c ")), None)  # (2, 1, …): SpecTr's k = 2 shape
       k2 = "spectr k=2" if "spectr k=2" in labels else None
       if rsd and k2:
         d, se = pt.paired_difference(sub, budget, rsd, "rrs_wor", "rrs", worse_arm=k2)

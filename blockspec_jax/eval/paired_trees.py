@@ -10,7 +10,14 @@ chain                      one chain, γ = N             token, block (Rao–Bla
 spectr k=2 / k=4           k i.i.d. chains, depth N/k   rrs (SpecInfer), spectr (SpecTr)
 rsd_c                      RSD-C tree (w/o replacement) rrs_wor (RSD), traversal
 rsd_s                      RSD-S beam tree, width W     rrs_wor (RSD), traversal
+rsd_c-2,2 / rsd_c-4,2      RSD-C branching at 2 depths  rrs_wor (RSD), traversal
 =========================  ===========================  ==================================================
+
+The chain, SpecTr, ``rsd_c`` and ``rsd_s`` arms have exactly ``N`` nodes. RSD-C's multi-level shapes (the paper
+branches at several depths: ``(2, 2, 1, …)``, ``(4, 2, 1, …)``) reach none of the power-of-two budgets (``(2, 2, 1,
+…)`` of depth γ has ``2 + 4(γ − 1)`` nodes), so at budget ``N`` they take the deepest such shape with at most ``N``
+nodes (:func:`branching_within`: ``(2, 2)`` = 6 and ``(4, 2)`` does not fit at 8, ``(2, 2, 1, 1)`` = 14 and ``(4,
+2)`` = 12 at 16), their node count in the label: fewer nodes than the budget, never more.
 
 Per context (prompt + a prefix of a target sample, as :mod:`blockspec_jax.eval.paired`), ``draws`` drafts per arm,
 each scored by the target in one pass; every rule of the arm verifies the same draft. Chain rules report the
@@ -35,7 +42,10 @@ from blockspec_jax import parallel, sampling
 from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.verify import get_verifier
 
-__all__ = ["Arm", "arms_for_budget", "arm_table", "summarize_arms", "plot_arms"]
+__all__ = ["Arm", "arms_for_budget", "branching_within", "RSD_C_LEVELS", "arm_table", "summarize_arms", "plot_arms"]
+
+#: RSD-C's multi-level branchings of the budget study (each extended by 1s as deep as a budget allows).
+RSD_C_LEVELS = ((2, 2), (4, 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +71,29 @@ def arms_for_budget(budget: int) -> list[Arm]:
     settings, gamma = drafters.shape_for_budget(kind, budget)
     label = kind + " " + ",".join(f"{k}={v}" for k, v in sorted(settings.items()))
     arms.append(Arm(label, kind, tuple(sorted(settings.items())), gamma, ("rrs_wor", "traversal")))
+  for levels in RSD_C_LEVELS:
+    shape = branching_within(levels, budget)
+    if shape is not None:
+      branching, nodes = shape
+      arms.append(Arm(f"rsd_c-{','.join(map(str, levels))} branching={branching} ({nodes} nodes)", "rsd_c",
+                      (("branching", branching),), len(branching), ("rrs_wor", "traversal")))
   return arms
+
+
+def branching_within(levels: tuple[int, ...], budget: int) -> tuple[tuple[int, ...], int] | None:
+  """``(branching, nodes)``: ``levels`` followed by as many 1s as keep the tree's node count (``Σ_d Π_{i ≤ d} b_i``)
+  within ``budget``; None when ``levels`` alone exceeds it."""
+  branching, nodes, width = [], 0, 1
+  for b in levels:
+    width *= b
+    nodes += width
+    branching.append(b)
+  if nodes > budget:
+    return None
+  while nodes + width <= budget:
+    nodes += width
+    branching.append(1)
+  return tuple(branching), nodes
 
 
 def arm_table(target_params, drafter_params, keys_D, tokens_BxP, prompt_len_B, *, target, drafter, gamma: int,
@@ -162,7 +194,7 @@ def plot_arms(rows: Sequence[dict], temperature: float) -> str:
   from blockspec_jax.eval.plots import line_plot_svg
   series: dict[str, list] = {}
   for r in rows:
-    name = f"{r['rule']} · {r['arm'].split(' ')[0] if r['arm'].startswith('rsd') else r['arm']}"
+    name = f"{r['rule']} · {r['arm'].split(' ')[0] if r['arm'].startswith('rsd') else r['arm']}"  # rsd_c, rsd_c-2,2, …
     series.setdefault(name, []).append((r["budget"], r["be"], r["be_stderr"]))
   return line_plot_svg(series, title=f"Block efficiency at equal target node budgets (T = {temperature:g})",
                        xlabel="draft nodes per target call", ylabel="block efficiency (tokens per target call)")
