@@ -94,6 +94,55 @@ def test_labels_and_features_equal_full_forwards_of_both_models():
   assert 0 < data["labels_N"].sum() < n
 
 
+def test_official_labels_follow_the_greedy_sd_like_trajectory_of_full_forwards():
+  """The paper's code's labels: at each step the drafter's greedy token x with q(x), p(x) at T = 1 and 1[q(x) ≤ p(x)];
+  the context goes on with x when the label is 1, else with the target's greedy token; a stop token ends the row.
+  Walked here with full forwards of both models (batch 2: the last batch wraps around). The drafter is a perturbed
+  copy of the target, so its greedy token passes at some steps and not at others."""
+  from helpers import perturbed
+  tp = dec.init_params(TARGET, 0)
+  dp = perturbed(tp, 1, 0.5)
+  lens_B = np.asarray([5, 2, 4], np.int32)
+  tokens_BxP = np.random.default_rng(4).integers(1, 64, size=(3, 5)).astype(np.int32) * (
+      np.arange(5)[None] < lens_B[:, None])
+  rows, steps = np.asarray([7, 8, 9]), 6
+  walks = []
+  for b in range(3):  # the reference walk; its third token's successor is the stop token, whatever it is
+    seq, walk = list(tokens_BxP[b, :lens_B[b]]), []
+    for t in range(steps):
+      t_logits, _ = _full_forward(TARGET, tp, seq)
+      d_logits, d_hidden = _full_forward(TARGET, dp, seq)
+      p_V = np.asarray(sampling.probs_from_logits(t_logits[-1], temperature=1.0))
+      q_V = np.asarray(sampling.probs_from_logits(d_logits[-1], temperature=1.0))
+      x = int(np.argmax(q_V))
+      nxt = x if q_V[x] <= p_V[x] else int(np.argmax(p_V))
+      walk.append(dict(x=x, q=q_V[x], p=p_V[x], label=int(q_V[x] <= p_V[x]), hidden=d_hidden[-1],
+                       position=len(seq), next=nxt))
+      seq.append(nxt)
+    walks.append(walk)
+  stop = walks[0][2]["next"]  # row 0 ends after its third step
+  data = sprinter.collect_official_labels(TARGET, tp, TARGET, dp, tokens_BxP, lens_B, max_new_tokens=steps,
+                                          batch_size=2, progress=False, rows=rows, stop_ids=(stop,))
+  assert set(data) == set(sprinter.LABEL_FIELDS)
+  labels = 0
+  for b, r in enumerate(rows):
+    sel = data["row_N"] == r
+    walk = walks[b]
+    ends = [i for i, w in enumerate(walk) if w["next"] == stop]
+    walk = walk[:ends[0] + 1] if ends else walk
+    assert int(sel.sum()) == len(walk), b
+    np.testing.assert_array_equal(data["token_N"][sel], [w["x"] for w in walk])
+    np.testing.assert_array_equal(data["position_N"][sel], [w["position"] for w in walk])
+    np.testing.assert_array_equal(data["labels_N"][sel], [w["label"] for w in walk])
+    np.testing.assert_allclose(data["q_tok_N"][sel], [w["q"] for w in walk], rtol=1e-5)
+    np.testing.assert_allclose(data["p_tok_N"][sel], [w["p"] for w in walk], rtol=1e-5)
+    np.testing.assert_allclose(data["features_NxD"][sel], np.stack([w["hidden"] for w in walk]), rtol=1e-5,
+                               atol=1e-5)
+    labels += int(data["labels_N"][sel].sum())
+  assert int(np.sum(data["row_N"] == 7)) == 3  # the stop token ended row 0
+  assert 0 < labels < len(data["labels_N"])  # both branches of the trajectory were taken
+
+
 def test_batch_indices_are_a_pure_function_of_the_step_and_cover_each_epoch():
   got = np.concatenate([sprinter.batch_indices(10, 4, 7, s) for s in range(5)])
   np.testing.assert_array_equal(np.sort(got[:10]), np.arange(10))
@@ -290,10 +339,33 @@ def test_entry_point_usage_errors(tmp_path, capsys):
                            ("sprinter_job.target = 'smollm2-135m'", "not a mix"),
                            ("sprinter_job.temperature = -1.0", "temperature must be >= 0"),
                            ("sprinter_job.thresholds = (0.5, -1)", "thresholds must be numbers"),
-                           ("sprinter_job.batch_size = 0", "sprinter_job.batch_size must be an integer >= 1")):
+                           ("sprinter_job.batch_size = 0", "sprinter_job.batch_size must be an integer >= 1"),
+                           ("sprinter_job.label_set = 'greedy'",
+                            "sprinter_job.label_set = 'greedy' is not one of 'sampled', 'official'")):
     with pytest.raises(SystemExit):
       run_train_main(base + ["--gin_param", binding])
     assert message in capsys.readouterr().err
+
+
+def test_the_smoke_job_trains_on_the_official_labels_and_records_which(tmp_path, capsys):
+  """``sprinter_job.label_set = 'official'``: the labels come from the greedy SD-like trajectory (each prompt's
+  tokens contiguous from its end, every label 1[q ≤ p]), the head trains on them, and the summary and the cached
+  files say which set they are (a rerun with the other set refuses the cache, naming label_set)."""
+  base = ["--gin_file", SMOKE, "--workdir", str(tmp_path), "--gin_param", "sprinter_job.progress = False",
+          "--gin_param", "sprinter_job.num_steps = 20", "--gin_param", "sprinter_job.label_set = 'official'"]
+  assert run_train_main(base) == 0
+  summary = json.loads((tmp_path / "metrics.json").read_text())
+  assert summary["label_set"] == "official" and summary["steps"] == 20 and summary["labels"]["train"]["num"] > 0
+  data, meta = sprinter.load_labels(tmp_path / "labels_train.npz")
+  assert meta["label_set"] == "official"
+  np.testing.assert_array_equal(data["labels_N"], data["q_tok_N"] <= data["p_tok_N"])
+  for r in np.unique(data["row_N"])[:4]:
+    positions = data["position_N"][data["row_N"] == r]
+    np.testing.assert_array_equal(positions, positions[0] + np.arange(len(positions)))
+  capsys.readouterr()
+  with pytest.raises(SystemExit):
+    run_train_main(base[:-1] + ["sprinter_job.label_set = 'sampled'"])
+  assert "label_set differ" in capsys.readouterr().err
 
 
 def test_real_pair_gin_files_parse_and_their_settings_validate(tmp_path):

@@ -48,7 +48,8 @@ from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.train import distill, pools, trainer
 from blockspec_jax.train.trainer import batch_indices
 
-__all__ = ["LABEL_FIELDS", "REPORT_FIELDS", "HEAD_JSON", "HEAD_NPZ", "collect_labels", "save_labels",
+__all__ = ["LABEL_FIELDS", "LABEL_SETS", "REPORT_FIELDS", "HEAD_JSON", "HEAD_NPZ", "collect_labels",
+           "collect_official_labels", "save_labels",
            "load_labels", "head_loss", "standardization", "fold_standardization", "batch_indices", "train_head",
            "evaluate_head", "head_report", "save_head", "load_head"]
 
@@ -128,6 +129,11 @@ def collect_labels(target_config: decoder_lib.DecoderConfig, target_params, draf
     chunks["token_N"].append(token_BxN.astype(np.int32)[keep_BxN])
     chunks["row_N"].append(np.broadcast_to(ids_B[:, None], keep_BxN.shape)[keep_BxN])
     chunks["position_N"].append((positions_BxN + 1).astype(np.int32)[keep_BxN])
+  return _label_arrays(chunks, drafter_config.d_model)
+
+
+def _label_arrays(chunks: dict, d_model: int) -> dict:
+  """The collected per-batch chunks as :data:`LABEL_FIELDS` arrays, ``labels_N = 1[q_tok ≤ p_tok]``."""
   out = {}
   for name in LABEL_FIELDS:
     if name == "labels_N":
@@ -135,12 +141,96 @@ def collect_labels(target_config: decoder_lib.DecoderConfig, target_params, draf
     if chunks[name]:
       out[name] = np.concatenate(chunks[name])
     else:
-      out[name] = np.zeros((0, drafter_config.d_model) if name == "features_NxD" else (0,),
+      out[name] = np.zeros((0, d_model) if name == "features_NxD" else (0,),
                            np.float32 if name in ("features_NxD", "q_tok_N", "p_tok_N") else np.int64)
   out["labels_N"] = (out["q_tok_N"] <= out["p_tok_N"]).astype(np.int8)
   out["row_N"] = out["row_N"].astype(np.int64)
   out["token_N"], out["position_N"] = out["token_N"].astype(np.int32), out["position_N"].astype(np.int32)
   return {name: out[name] for name in LABEL_FIELDS}
+
+
+#: The label sets :func:`collect_labels` and :func:`collect_official_labels` make (``sprinter_job.labels``).
+LABEL_SETS = ("sampled", "official")
+
+
+@functools.partial(jax.jit, static_argnames=("target", "drafter", "max_new_tokens", "temperature", "stop_ids"))
+def _official_pass(target_params, drafter_params, tokens_BxP, prompt_len_B, *, target, drafter, max_new_tokens: int,
+                   temperature: float, stop_ids: tuple[int, ...]):
+  """One batch of the official labels (:func:`collect_official_labels`): both models decode side by side with their
+  caches, ``max_new_tokens`` steps. Returns ``(hidden_BxNxD f32, q_tok_BxN, p_tok_BxN, token_BxN int32 (the
+  drafter's greedy token), valid_BxN bool)``."""
+  from blockspec_jax.drafters import ModelDrafter
+  batch, width = tokens_BxP.shape
+  max_len = width + max_new_tokens + 2
+  models = (ModelDrafter(drafter), ModelDrafter(target))
+  params = (drafter_params, target_params)
+  sampler = sampling.Sampler(temperature)
+  tokens_BxS = jnp.zeros((batch, max_len), jnp.int32).at[:, :width].set(tokens_BxP)
+  begun = [m.begin(w, m.init_state(w, tokens_BxP, prompt_len_B, max_len), tokens_BxS, prompt_len_B, sampler)
+           for m, w in zip(models, params)]
+  rows_B = jnp.arange(batch)
+
+  def step(carry, i):
+    (d_state, q_BxV, hidden_BxD), (t_state, p_BxV, _), done_B = carry
+    x_B = jnp.argmax(q_BxV, axis=-1).astype(jnp.int32)
+    q_tok_B, p_tok_B = q_BxV[rows_B, x_B], p_BxV[rows_B, x_B]
+    # The drafter's greedy token when it passes (label 1), else the target's greedy token: an SD-like trajectory.
+    next_B = jnp.where(q_tok_B <= p_tok_B, x_B, jnp.argmax(p_BxV, axis=-1).astype(jnp.int32))
+    position_B = prompt_len_B + i
+    d_next = models[0].step(params[0], d_state, next_B, position_B, sampler)
+    t_next = models[1].step(params[1], t_state, next_B, position_B, sampler)
+    stopped_B = jnp.isin(next_B, jnp.asarray(stop_ids, jnp.int32)) if stop_ids else jnp.zeros_like(done_B)
+    out = (hidden_BxD.astype(jnp.float32), q_tok_B, p_tok_B, x_B, ~done_B)
+    return (d_next, t_next, done_B | stopped_B), out
+
+  _, (hidden_NxBxD, q_NxB, p_NxB, x_NxB, valid_NxB) = jax.lax.scan(
+      step, (begun[0], begun[1], jnp.zeros((batch,), bool)), jnp.arange(max_new_tokens))
+  swap = lambda a: jnp.swapaxes(a, 0, 1)
+  return swap(hidden_NxBxD), swap(q_NxB), swap(p_NxB), swap(x_NxB), swap(valid_NxB)
+
+
+def collect_official_labels(target_config: decoder_lib.DecoderConfig, target_params,
+                            drafter_config: decoder_lib.DecoderConfig, drafter_params, tokens_BxP, prompt_len_B, *,
+                            max_new_tokens: int, batch_size: int, temperature: float = 1.0, progress: bool = True,
+                            rows=None, stop_ids: tuple[int, ...] = (), mesh=None) -> dict:
+  """SPRINTER's labels as the paper's official code collects them, beside :func:`collect_labels`' (ours): at each
+  step the drafter's GREEDY token ``x`` gets ``q(x)``, ``p(x)`` (both at ``temperature``, 1 in the paper, over the
+  full vocabulary) and the label ``1[q(x) ≤ p(x)]``, and the context continues with ``x`` when the label is 1, else
+  with the target's greedy token: a trajectory as speculative decoding would commit it, so each label is about the
+  token the head's state is followed by, not a sample the head never sees. Deterministic (no key).
+
+  Same inputs (``rows``: the prompts' ids) and the same output fields as :func:`collect_labels` (``token_N``: the
+  drafter's greedy ``x``; ``position_N``: its index in prompt + continuation), ``batch_size`` prompts at a time (the
+  last batch wraps around, its repeated rows dropped); a stop token ends a row after it. ``mesh``: each batch's rows
+  over its ``data`` axis (``parallel.map_rows``)."""
+  distill.check_pair(target_config, drafter_config)
+  sampling.Sampler(temperature)
+  tokens_BxP, prompt_len_B, rows, _ = pools.check_collection(
+      tokens_BxP, prompt_len_B, rows, max_new_tokens=max_new_tokens, batch_size=batch_size,
+      configs=(target_config, drafter_config))
+  num = tokens_BxP.shape[0]
+  chunks: dict[str, list] = {name: [] for name in LABEL_FIELDS}
+  run = functools.partial(_official_pass, target=target_config, drafter=drafter_config,
+                          max_new_tokens=max_new_tokens, temperature=float(temperature), stop_ids=tuple(stop_ids))
+  starts = range(0, num, batch_size)
+  if progress and num:
+    from tqdm import tqdm
+    starts = tqdm(starts, desc="official labels (drafter and target greedy)", unit="batch", dynamic_ncols=True)
+  for i, start in enumerate(starts):
+    flat_B = np.arange(start, start + batch_size)
+    local_B = flat_B % num
+    with runtime.compiling("official label pass (both models, side by side)", when=i == 0):
+      hidden_BxNxD, q_tok_BxN, p_tok_BxN, token_BxN, valid_BxN = parallel.map_rows(
+          mesh, run, (target_params, drafter_params), tokens_BxP[local_B], prompt_len_B[local_B])
+    keep_BxN = valid_BxN & (flat_B < num)[:, None]
+    chunks["features_NxD"].append(np.asarray(hidden_BxNxD, np.float32)[keep_BxN])
+    chunks["q_tok_N"].append(np.asarray(q_tok_BxN, np.float32)[keep_BxN])
+    chunks["p_tok_N"].append(np.asarray(p_tok_BxN, np.float32)[keep_BxN])
+    chunks["token_N"].append(np.asarray(token_BxN, np.int32)[keep_BxN])
+    chunks["row_N"].append(np.broadcast_to(rows[local_B][:, None], keep_BxN.shape)[keep_BxN])
+    positions_BxN = prompt_len_B[local_B][:, None] + np.arange(max_new_tokens)[None, :]
+    chunks["position_N"].append(positions_BxN.astype(np.int32)[keep_BxN])
+  return _label_arrays(chunks, drafter_config.d_model)
 
 
 def save_labels(path, data: dict, meta: dict) -> pathlib.Path:

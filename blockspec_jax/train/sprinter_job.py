@@ -3,8 +3,10 @@ work).
 
     python -m blockspec_jax.train --gin_file gin/train/sprinter_smoke.gin    (random tiny models, seconds)
 
-Labels: the drafter continues every prompt (``max_new_tokens`` at ``temperature``, ``collect_batch_size`` prompts at
-a time); each generated token gets the drafter's hidden state that produced it and ``1[q ≤ p]``. They are cached in
+Labels (``label_set``): the drafter continues every prompt (``max_new_tokens`` at ``temperature``,
+``collect_batch_size`` prompts at a time); each generated token gets the drafter's hidden state that produced it and
+``1[q ≤ p]`` (``"sampled"``; ``"official"``: the paper's code's greedy SD-like trajectory,
+``sprinter.collect_official_labels``). They are cached in
 ``labels_train.npz`` / ``labels_heldout.npz``: a rerun (resume) reads them and loads no model. Head: ``num_steps``
 steps of ``batch_size`` examples (optimizer: gin's ``make_optimizer``, ``total_steps`` = ``num_steps``), checkpoints
 every ``checkpoint_every`` steps (resumed from), held-out BCE and accuracy every ``eval_every`` steps (0: only at the
@@ -58,7 +60,12 @@ class SprinterSettings(job_setup.PairSettings):
   batch_size: int = 256
   checkpoint_every: int = 100
   temperature: float = 1.0
-  """The drafter's sampling temperature when collecting the labels."""
+  """The drafter's sampling temperature when collecting the labels (``"official"``: the laws' temperature)."""
+  label_set: str = "sampled"
+  """Which labels the head learns (``sprinter.LABEL_SETS``): ``"sampled"``, the drafter's sampled continuations,
+  each token labelled ``1[q(x) ≤ p(x)]`` (``sprinter.collect_labels``); ``"official"``, the paper's code's: the
+  drafter's greedy token labelled, the context continued with it when its label is 1, else with the target's greedy
+  token (``sprinter.collect_official_labels``)."""
   collect_batch_size: int = 4
   """Prompts continued at a time when collecting the labels."""
   standardize: bool = True
@@ -86,6 +93,9 @@ class SprinterSettings(job_setup.PairSettings):
       self.check_model_names("target", "drafter")
     else:
       self.check_heldout_fraction()
+    if self.label_set not in sprinter_lib.LABEL_SETS:
+      raise checks.UsageError(f"{JOB}.label_set = {self.label_set!r} is not one of "
+                              f"{', '.join(map(repr, sprinter_lib.LABEL_SETS))}")
     with job_setup.usage_errors():
       sampling.Sampler(self.temperature)
       self.build_optimizer()
@@ -101,7 +111,8 @@ class SprinterSettings(job_setup.PairSettings):
     real = self.real
     return {"target": pools.model_name(self.target, self.target_config, self.target_seed),
             "drafter": pools.model_name(self.drafter, self.drafter_config, self.drafter_seed),
-            "temperature": float(self.temperature), "max_new_tokens": self.max_new_tokens, "seed": self.seed,
+            "temperature": float(self.temperature), "label_set": self.label_set,
+            "max_new_tokens": self.max_new_tokens, "seed": self.seed,
             "dtype": self.dtype, "target_config": None if real else repr(self.target_config),
             "drafter_config": None if real else repr(self.drafter_config), **self.prompt_meta()}
 
@@ -140,6 +151,14 @@ def _labels(workdir: pathlib.Path, s: SprinterSettings) -> tuple[dict, bool, dic
                                  describe=lambda t, d, seconds: _describe(t, d, seconds, s))
 
   def collect(split, rows):
+    if s.label_set == "official":
+      print(f"collecting {split} labels as the paper's code does: {len(rows)} prompts, {s.max_new_tokens} greedy "
+            f"steps of both models", flush=True)
+      return sprinter_lib.collect_official_labels(
+          setup.target_config, setup.target_params, setup.drafter_config, setup.drafter_params,
+          setup.prompts_NxP[rows], setup.prompt_len_N[rows], max_new_tokens=s.max_new_tokens,
+          batch_size=s.collect_batch_size, temperature=s.temperature, progress=s.progress, rows=rows,
+          stop_ids=tuple(setup.stop_ids), mesh=s.train_mesh())
     print(f"collecting {split} labels: {len(rows)} prompts, {s.max_new_tokens} drafter tokens each at "
           f"T = {s.temperature:g}", flush=True)
     return sprinter_lib.collect_labels(
