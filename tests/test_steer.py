@@ -59,7 +59,7 @@ def target_sequence_law(n):
 
 @functools.lru_cache(maxsize=None)
 def pair():
-  """A 4-layer target (read at default_target_layers(4) = (1, 2, 2)) and a smaller 2-layer drafter (D 16, F 32)."""
+  """A 4-layer target (read at default_target_layers(4) = (0, 1, 2)) and a smaller 2-layer drafter (D 16, F 32)."""
   target = dec.DecoderConfig.tiny(vocab_size=VOCAB, num_layers=4)
   drafter = dec.DecoderConfig.tiny(vocab_size=VOCAB, num_layers=2, d_model=16, num_heads=2, num_kv_heads=1,
                                    ffn_dim=32)
@@ -395,7 +395,9 @@ def test_map_shapes_subsets_and_low_rank():
   low = init_steer(target.d_model, 3, drafter, rank=4, seed=1)
   assert steer_dims(low) == {"target_d_model": 32, "num_taps": 3, "width": 64, "rank": 4}
   assert np.all(np.asarray(steering_deltas(low, taps, drafter)) == 0)
-  assert default_target_layers(28) == (2, 14, 25) and default_target_layers(4) == (1, 2, 2)
+  # the authors' taps: the inputs of layers 3, L/2 and L − 3 (layers 3, 16, 29 of 32 in their code)
+  assert default_target_layers(32) == (2, 15, 28) and default_target_layers(28) == (2, 13, 24)
+  assert default_target_layers(4) == (0, 1, 2)
   assert default_target_layers(1) == (0, 0, 0)
   with pytest.raises(ValueError, match="no taps"):
     SteeredDrafter(drafter).commit({"steer": zero}, None, contracts.prompt_commit(
@@ -634,11 +636,11 @@ def test_smoke_job_runs_and_resumes(tmp_path):
   assert len(summary["heldout_tv_after_by_offset"]) == 4
   assert json.loads((tmp_path / "metrics.json").read_text()) == summary
   steer, info = steer_lib.load_steer(tmp_path)
-  assert info["steps"] == 40 and info["target_layers"] == (1, 2, 2) and info["rank"] is None
+  assert info["steps"] == 40 and info["target_layers"] == (0, 1, 2) and info["rank"] is None
   assert info["heldout_tv_after"] == summary["heldout_tv_after"]
   d = SteeredDrafter(dec.DecoderConfig.tiny(vocab_size=128, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1,
                                             ffn_dim=32, max_len=512), steer=str(tmp_path))
-  assert d.target_layers == (1, 2, 2) and d.layers == (0, 1)
+  assert d.target_layers == (0, 1, 2) and d.layers == (0, 1)
   assert steer_dims(steer) == {"target_d_model": 32, "num_taps": 3, "width": 64, "rank": None}
 
 

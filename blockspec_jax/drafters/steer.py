@@ -3,7 +3,7 @@ arXiv 2511.09844).
 
 After every verification the target's residual stream at the last accepted position (the query whose law produced
 the last committed token, :meth:`blockspec_jax.contracts.Commit.last_states`) is read at ``K`` depths
-(default :func:`default_target_layers`: low / middle / high = layers ``(2, L/2, L − 3)`` of the target's ``L``) and
+(default :func:`default_target_layers`: the inputs of layers 3, L/2 and L − 3 of the target's ``L``, as the authors) and
 mapped to one bias per steered drafter layer, added inside that layer's MLP::
 
     x_BxKD  = concat(taps_BxKxD)                                  [l, m, h]: K · Dt
@@ -65,11 +65,15 @@ LAYER_NORM_EPS = 1e-5
 
 
 def default_target_layers(num_target_layers: int) -> tuple[int, ...]:
-  """The target layers SD² reads: low / middle / high = ``(2, L // 2, L − 3)``, each clamped to ``[0, L − 1]`` and
-  sorted (``(2, 14, 25)`` for a 28-layer target; a 4-layer one gives ``(1, 2, 2)``)."""
+  """The target layers SD² reads, as the authors' code taps them: the INPUTS of decoder layers 3, ``L // 2`` and
+  ``L − 3`` (the residual stream after 3, ``L // 2`` and ``L − 3`` blocks), i.e. after our layers
+  ``(2, L // 2 − 1, L − 4)``, each clamped to ``[0, L − 1]`` and sorted (``(2, 13, 24)`` for a 28-layer target,
+  ``(2, 15, 28)`` for the authors' 32; a 4-layer one gives ``(0, 1, 2)``). Until 2026-11-28 the default was
+  ``(2, L // 2, L − 3)``, the middle and high taps one block deeper; the steering runs reported until then set it
+  in their gin files."""
   num_target_layers = check_int(num_target_layers, "num_target_layers")
   top = num_target_layers - 1
-  return tuple(sorted(min(max(i, 0), top) for i in (2, num_target_layers // 2, num_target_layers - 3)))
+  return tuple(sorted(min(max(i, 0), top) for i in (2, num_target_layers // 2 - 1, num_target_layers - 4)))
 
 
 def check_layers(layers, num_layers: Optional[int], what: str, allow_repeats: bool = False) -> tuple[int, ...]:

@@ -4,7 +4,7 @@ fine-tuned jointly with the map (``SteerLoss.assemble_drafter``, the authors' de
 
     data = make_steer_data(target, target_params, drafter, prompts_NxP, prompt_len_N, batch_size=2,
                            max_new_tokens=64, sample_batch_size=12)          # target continuations, held-out split
-    loss_fn = SteerLoss(target, drafter, target_layers=(2, 14, 25), gamma=4, divergence="fkl")
+    loss_fn = SteerLoss(target, drafter, target_layers=(2, 13, 24), gamma=4, divergence="fkl")
     fit(loss_fn=loss_fn, trainable=init_steer(...), frozen={"target": tp, "drafter": dp},
         batch_fn=make_batch_fn(data), ...)
     report = heldout_tv(data, tp, dp, {"before": steer0, "after": steer1, "plain": None}, target_layers=...,
