@@ -587,7 +587,7 @@ def test_save_load_round_trip_and_errors(tmp_path):
   with pytest.raises(ValueError, match="MLP width"):
     steer_lib.load_steer(workdir, drafter_config=dataclasses.replace(drafter, ffn_dim=16))
   with pytest.raises(ValueError, match="trained on target layers"):
-    steer_lib.load_steer(workdir, target_layers=(0, 1, 2))
+    steer_lib.load_steer(workdir, target_layers=(1, 2, 3))
   with pytest.raises(checks.UsageError, match="needs a trained steering map"):
     methods.drafter_params(SteeredDrafter(drafter), model(drafter, dp), model(target, tp))
   with pytest.raises(checks.UsageError, match="does not exist"):
