@@ -108,6 +108,15 @@ def test_the_lossy_bench_shares_the_settings_types_and_checks_its_grid(tmp_path,
   assert [type(a) for a in args] == [job_config.Models, bench_lossy.LossyGrid, job_config.SamplerSettings,
                                      job_config.DataSettings, job_config.OutputSettings]
   assert args[1].gamma == 3 and [s["label"] for s in args[1].specs()][:3] == ["autoregressive", "token", "block"]
+  # MTAD's official settings: the per-step beam sampler and the top-k / top-p filters reach the grid and the sampler
+  seen.clear()
+  bench_lossy.bench_lossy_job(target="smollm2-135m", drafter="smollm2-135m", beam_per_step=True, top_k=10, top_p=0.9,
+                              output_json=str(tmp_path / "b.json"))
+  args, _ = seen["bench"]
+  assert args[1].drafter_settings()["beam"] == {"width": 4, "sample": True, "per_step": True}
+  assert (args[2].top_k, args[2].top_p) == (10, 0.9)
+  with pytest.raises(checks.UsageError, match="top_p must be in"):
+    bench_lossy.bench_lossy_job(target="smollm2-135m", drafter="smollm2-135m", top_p=0.0)
   with pytest.raises(checks.UsageError, match="gamma must be >= 1"):
     bench_lossy.LossyGrid(gamma=0)
   with pytest.raises(checks.UsageError, match="verifier_settings"):

@@ -253,6 +253,30 @@ def test_beam_sampling_law(width):
     np.testing.assert_allclose(draft.q_BxNxV[i], table_rows(drafter_table, (), chain), atol=2e-6)
 
 
+def test_the_official_per_step_beam_sampler_has_its_own_law():
+  """The official MTAD code's sampler (per_step=True), W = 3, γ = 2, 20k seeded rows (χ²): each step draws W
+  (beam, token) pairs without replacement ∝ exp(cumulative log q) (lossy.per_step_beam_law), a law measurably apart
+  from Kool's stochastic beam search (beam_sampling_law) and from the sequence law; rows are the drafter's."""
+  config, _, params = pair()
+  drafter_table, _ = tables()
+  _, draft = propose(BeamDrafter(config, width=WIDTH, sample=True, per_step=True), params, [list(PROMPT)] * ROWS,
+                     jax.random.split(jax.random.key(22), ROWS), GAMMA, T1)
+  counts = {}
+  for row in map(tuple, np.asarray(draft.tokens_BxN).tolist()):
+    counts[row] = counts.get(row, 0) + 1
+  law = lossy.per_step_beam_law(drafter_table, (), GAMMA, WIDTH)
+  kool = lossy.beam_sampling_law(drafter_table, (), GAMMA, WIDTH)
+  assert abs(sum(law.values()) - 1) < 1e-9
+  assert theory.chi2_gof(counts, law).p_value > PASS_P
+  assert theory.chi2_gof(counts, kool).p_value < 1e-6
+  assert theory.chi2_gof(counts, theory.sequence_law(drafter_table, (), GAMMA)).p_value < 1e-6
+  chains, idx = np.unique(np.asarray(draft.tokens_BxN), axis=0, return_index=True)
+  for chain, i in zip(chains, idx):
+    np.testing.assert_allclose(draft.q_BxNxV[i], table_rows(drafter_table, (), chain), atol=2e-6)
+  with pytest.raises(ValueError, match="per_step must be a bool"):
+    BeamDrafter(config, per_step="yes")
+
+
 def test_deterministic_beams_greedy_and_t0():
   """On the 43 ragged contexts PROMPT ⊕ s (γ = 2): W = 1 deterministic is greedy drafting (every token the argmax
   of the drafter's row along the chain); W = 3 never has a lower cumulative log q than greedy, a strictly higher one

@@ -8,7 +8,13 @@ best final beam (highest cumulative ``log q``) as a chain, with the drafter's ro
   but on the plain rows ``q`` (no ``ε`` smoothing: zero-probability continuations are dead beams, guarded below).
   The final W beams are a without-replacement sample of W sequences from the drafter; the best of them is proposed.
   ``W = 1`` is exactly ancestral sampling (the Gumbel-max trick at every depth: ModelDrafter's chain law).
-* ``sample=False``: deterministic top-W beam search on cumulative ``log q``; ``W = 1`` is greedy drafting.
+* ``sample=True, per_step=True``: the official MTAD code's sampler: every step draws ``W`` (beam, token) pairs
+  without replacement in proportion to ``exp(cumulative log q)`` (Gumbel-top-W over the ``W·V`` continuations,
+  each step's perturbation fresh, not conditioned on the beams' earlier scores), then proposes the beam of highest
+  cumulative ``log q`` as the other modes do. Unlike Kool's, its final beams are not a without-replacement sample
+  of sequences; its law is :func:`blockspec_jax.theory.lossy.per_step_beam_law`.
+* ``sample=False``: deterministic top-W beam search on cumulative ``log q``; ``W = 1`` is greedy drafting (the
+  official code's mode at draft temperature 0).
 
 NOT a draw from ``q``: the proposed tokens are the best of several beams, so the rows ``q`` it returns are the
 drafter's laws along the chain (likelihoods), not the laws the tokens were drawn from. The drafter declares
@@ -74,6 +80,7 @@ class BeamDrafter(ModelDrafter):
 
   width: int = 4
   sample: bool = True
+  per_step: bool = False
   sibling_sampling = SAMPLING_BEAM
   is_chain = True
 
@@ -84,7 +91,10 @@ class BeamDrafter(ModelDrafter):
     if not isinstance(values["sample"], (bool, np.bool_)):
       raise ValueError(f"beam sample must be a bool (True: stochastic beam search, False: deterministic top-W), "
                        f"got {values['sample']!r}")
-    return {**values, "width": width, "sample": bool(values["sample"])}
+    if not isinstance(values["per_step"], (bool, np.bool_)):
+      raise ValueError(f"beam per_step must be a bool (True: the official MTAD code's per-step sampler, False: "
+                       f"Kool's stochastic beam search), got {values['per_step']!r}")
+    return {**values, "width": width, "sample": bool(values["sample"]), "per_step": bool(values["per_step"])}
 
   def num_nodes(self, gamma: int) -> int:
     return gamma
@@ -100,8 +110,10 @@ class BeamDrafter(ModelDrafter):
     phi_BxKxV = logp_BxK[:, :, None] + _log_probs(q_BxKxV)
     if self.sample:
       g_BxKxV = phi_BxKxV + jax.vmap(lambda k: jax.random.gumbel(k, (beams, vocab), jnp.float32))(key_B)
-      # One parent (the root, or W = 1): the conditioning is monotone in g, the plain Gumbel-max is exact.
-      score_BxKxV = g_BxKxV if (root or self.width == 1) else conditioned_scores(g_BxKxV, score_BxK)
+      # One parent (the root, or W = 1): the conditioning is monotone in g, the plain Gumbel-max is exact. The
+      # official sampler (per_step) never conditions: W pairs drawn without replacement ∝ exp(φ) at every step.
+      plain = root or self.width == 1 or self.per_step
+      score_BxKxV = g_BxKxV if plain else conditioned_scores(g_BxKxV, score_BxK)
     else:
       score_BxKxV = phi_BxKxV
     best_BxW, flat_BxW = jax.lax.top_k(score_BxKxV.reshape(batch, beams * vocab), self.width)

@@ -187,6 +187,9 @@ class LossyGrid:
   beam_width: int = 4
   #: MTAD's beam drafter: sample the beams (False: the top ones).
   beam_sample: bool = True
+  #: MTAD's beam drafter: the official code's per-step sampler (W (beam, token) pairs ∝ exp(score) each step)
+  #: instead of Kool's stochastic beam search (with ``beam_sample``).
+  beam_per_step: bool = False
   #: SPRINTER with the bonus token after an accepted flagged token (True, the paper's), without it (False, this
   #: codebase's variant before 2026-11-28), or both side by side: (True, False).
   sprinter_bonus: tuple[bool, ...] = (True,)
@@ -207,7 +210,8 @@ class LossyGrid:
 
   def drafter_settings(self) -> dict:
     """The drafters' settings of every row: SPRINTER's head, MTAD's beam."""
-    return {"sprinter": {"head": self.sprinter_head}, "beam": {"width": self.beam_width, "sample": self.beam_sample}}
+    return {"sprinter": {"head": self.sprinter_head},
+            "beam": {"width": self.beam_width, "sample": self.beam_sample, "per_step": self.beam_per_step}}
 
 
 @gin.configurable("bench_lossy")
@@ -222,20 +226,22 @@ def bench_lossy_job(target: str = methods_lib.DEFAULT_TARGET, drafter: str = met
                     plot: str | None = "results/bench_lossy.png", cache_dir: str | None = None,
                     compilation_cache: str | None = None, share_prefills: bool = True,
                     humaneval_unsafe_no_sandbox: bool = False, mesh: tuple[int, int] | None = None,
-                    sprinter_bonus: tuple = (True,)) -> dict:
+                    sprinter_bonus: tuple = (True,), top_k: int = 0, top_p: float = 1.0,
+                    beam_per_step: bool = False) -> dict:
   """The bench (module docstring) from its flat gin bindings (``bench_lossy.gamma = 4``, …): builds the settings
   (:mod:`blockspec_jax.job_config` and :class:`LossyGrid`, where each one is documented; every one checked there,
   before a model is loaded; ``mesh``: ``job_config.Models.mesh``) and runs :func:`lossy_bench`, which documents the
   rest."""
   models = job_config.Models(target=target, drafters=(drafter,), dtype=dtype, scan_layers=True, cache_dir=cache_dir,
                              compilation_cache=compilation_cache, mesh=mesh)
-  sampler = job_config.SamplerSettings(temperatures=(temperature,), seed=seed)
+  sampler = job_config.SamplerSettings(temperatures=(temperature,), top_k=top_k, top_p=top_p, seed=seed)
   data = job_config.DataSettings(prompts=prompts_path, num_prompts=num_prompts, chat=chat,
                                  max_new_tokens=max_new_tokens)
   if not thresholds or not taus:
     raise checks.UsageError("bench_lossy needs at least one SPRINTER threshold and one MTAD tau")
   grid = LossyGrid(gamma=gamma, thresholds=thresholds, cap=cap, taus=taus, sprinter_head=sprinter_head,
-                   beam_width=beam_width, beam_sample=beam_sample, sprinter_bonus=tuple(sprinter_bonus))
+                   beam_width=beam_width, beam_sample=beam_sample, sprinter_bonus=tuple(sprinter_bonus),
+                   beam_per_step=beam_per_step)
   output = job_config.OutputSettings(output_json=output_json)
   return lossy_bench(models, grid, sampler, data, output, plot=plot, tabular_n=tabular_n,
                      humaneval_timeout_s=humaneval_timeout_s, share_prefills=share_prefills,
@@ -285,7 +291,8 @@ def lossy_bench(models: job_config.Models, grid: LossyGrid, sampler: job_config.
   print(f"\npeak resident memory of this job: {rss_gb:.2f} GB (10^9 bytes)")
   report = dict(target=models.target, drafter=models.drafters[0], sprinter_head=grid.sprinter_head,
                 dtype=models.dtype, temperature=temperature, gamma=gamma, cap=grid.cap, beam_width=grid.beam_width,
-                beam_sample=grid.beam_sample, max_new_tokens=data.max_new_tokens, seed=sampler.seed,
+                beam_sample=grid.beam_sample, beam_per_step=grid.beam_per_step, top_k=sampler.top_k,
+                top_p=sampler.top_p, max_new_tokens=data.max_new_tokens, seed=sampler.seed,
                 peak_rss_gb=rss_gb, seconds=time.perf_counter() - start,
                 prompts=[dict(id=r["id"], task=r["task"]) for r in rows], tabular_tv=tabular,
                 tabular_same_drafts=same, results=results)
@@ -323,7 +330,8 @@ def _bench_rows(grid: LossyGrid, sampler: job_config.SamplerSettings, data: job_
                                           gamma=grid.gamma, max_new_tokens=data.max_new_tokens,
                                           temperature=sampler.temperatures[0], seed=sampler.seed,
                                           stop_ids=target_model.stop_ids, drafter_settings=drafter_settings,
-                                          verifier_settings=s["verifier_settings"], prefills=prefills, mesh=mesh)
+                                          verifier_settings=s["verifier_settings"], top_k=sampler.top_k,
+                                          top_p=sampler.top_p, prefills=prefills, mesh=mesh)
     summary["label"] = s["label"]
     summary["verifier_settings"] = s["verifier_settings"]
     total, count, per_seq = target_loglik(target_model, prompt_ids, outputs)

@@ -37,7 +37,7 @@ from blockspec_jax.theory.exact import (_check_gamma, _check_models, _drafts, _m
 from blockspec_jax.theory.tabular import TabularLM
 
 __all__ = ["DRAFT_KINDS", "check_tau", "joint_log_ratios", "joint_accepted", "joint_conditional_law", "beam_search",
-           "beam_sampling_law", "mtad_block_law", "mtad_tau_law", "mtad_expected_accepted", "mtad_first_token_tv",
+           "beam_sampling_law", "per_step_beam_law", "mtad_block_law", "mtad_tau_law", "mtad_expected_accepted", "mtad_first_token_tv",
            "emitted_sequence_law", "mtad_sequence_tv"]
 
 #: How the draft of one iteration is made: an ancestral sample of the drafter, the best deterministic beam, or the
@@ -170,6 +170,48 @@ def beam_sampling_law(drafter: TabularLM, context: Sequence[int], gamma: int,
         draw(chosen + (i,), prob * p_i / mass_left, mass_left - p_i)
 
   draw((), 1.0, sum(prob for _, prob in support))
+  return {x: law[x] for x in sorted(law)}
+
+
+def per_step_beam_law(drafter: TabularLM, context: Sequence[int], gamma: int,
+                      width: int) -> dict[tuple[int, ...], float]:
+  """Law of the proposal of the official MTAD code's beam sampler (``BeamDrafter(sample=True, per_step=True)``):
+  ``{draft: probability}``.
+
+  At every depth the candidates are the ``(beam, token)`` continuations of the current beams, each weighted by its
+  cumulative ``M_s`` (the beam's probability times the token's); ``width`` of them are drawn one after another
+  without replacement in proportion to their weights (the law of Gumbel-top-``width``), in draw order, and become
+  the next beams. The proposal is the first final beam (in draw order) of maximal cumulative probability. Needs rows
+  of full support (every continuation positive: no dead beams); enumerates every sequence of draws,
+  ``O((W·V)^W)`` per depth per branch, meant for ``V`` ≤ 4, ``W`` ≤ 3, ``γ`` ≤ 3.
+  """
+  context = drafter._checked_prefix(context)  # pylint: disable=protected-access
+  gamma, width = _check_gamma(gamma), _check_draft("beam", width)
+  law: dict[tuple[int, ...], float] = {}
+
+  def depth(beams: list[tuple[tuple[int, ...], float]], prob: float, d: int) -> None:
+    if d == gamma:
+      best = max(range(len(beams)), key=lambda i: (beams[i][1], -i))  # first maximum in draw order
+      law[beams[best][0]] = law.get(beams[best][0], 0.0) + prob
+      return
+    candidates = []
+    for prefix, weight in beams:
+      q_V = drafter.next_probs(context + prefix)
+      if np.any(q_V <= 0):
+        raise ValueError("per_step_beam_law needs drafter rows of full support (no zero-probability token)")
+      candidates += [(prefix + (x,), weight * float(q_V[x])) for x in range(drafter.vocab_size)]
+
+    def draw(chosen: tuple[int, ...], p: float, mass_left: float) -> None:
+      if len(chosen) == min(width, len(candidates)):
+        depth([candidates[i] for i in chosen], p, d + 1)
+        return
+      for i, (_, w) in enumerate(candidates):
+        if i not in chosen:
+          draw(chosen + (i,), p * w / mass_left, mass_left - w)
+
+    draw((), prob, sum(w for _, w in candidates))
+
+  depth([((), 1.0)], 1.0, 0)
   return {x: law[x] for x in sorted(law)}
 
 
