@@ -100,9 +100,12 @@ def test_chain_is_the_single_draft_rule(rule):
 
 
 def test_known_orderings_of_expected_accepted():
-  """On these pairs and shapes (identical shapes, each rule's own sampling): rrs_wor ≥ rrs, traversal ≥ rrs_wor and
-  spectr ≥ rrs. (Exhaustively checked on random pairs while writing this, but not a theorem asserted in general;
-  rrs_wor vs spectr goes either way, so it is not asserted.)"""
+  """On these pairs and shapes (identical shapes, each rule's own sampling): traversal ≥ rrs_wor everywhere;
+  rrs_wor ≥ rrs and spectr ≥ rrs at one depth (siblings only). Deeper, the with-replacement rules walk every chain
+  that shares the accepted prefix (merged), and rrs can beat rrs_wor (and spectr): on top2_v4_d1 with branching
+  (2, 1), rrs 0.2946, spectr 0.2941, rrs_wor 0.2750. (Checked on these pairs, not theorems; rrs_wor vs spectr goes
+  either way, so it is not asserted.)"""
+  beaten = False
   for model in ("v3_d2", "v4_d1", "top2_v4_d1"):
     drafter, target, context = models(model)
     for branching in ((2,), (2, 1), (2, 2)):
@@ -110,11 +113,13 @@ def test_known_orderings_of_expected_accepted():
       e = {rule: trees.tree_expected_accepted(law_name(rule), drafter, target, context, parents_N)
            for rule in verify.TREE_RULES}
       print(model, branching, {rule: round(value, 4) for rule, value in e.items()})
-      assert e["rrs_wor"] >= e["rrs"] - 1e-12
+      if branching == (2,):
+        assert e["rrs_wor"] >= e["rrs"] - 1e-12 and e["spectr"] >= e["rrs"] - 1e-12
+      beaten |= e["rrs"] > e["rrs_wor"] + 1e-3
       assert e["traversal"] >= e["rrs_wor"] - 1e-12
-      assert e["spectr"] >= e["rrs"] - 1e-12
     if model != "top2_v4_d1":  # top-2 rows: every rule gives the same E[τ] on the binary tree
       assert e["rrs_wor"] > e["rrs"] + 1e-2  # strictly, on the binary tree
+  assert beaten  # merging shared prefixes is worth something: with replacement wins once
 
 
 def test_rsd_identity_star_of_all_tokens():

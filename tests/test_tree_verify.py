@@ -18,6 +18,7 @@ from scipy import optimize
 
 from blockspec_jax import theory
 from blockspec_jax.decoding import reference as ref
+from blockspec_jax.theory import trees as theory_trees
 from blockspec_jax.verify import tree
 from helpers import BIAS_P, PASS_P, row_counts, stable_seed, top_k_pair
 
@@ -136,14 +137,27 @@ def run_trees(rule, drafter_lm, target_lm, context, parents_N, num_samples, seed
   return tokens, res, emitted
 
 
-def assert_paths_are_chains(res, parents_N):
-  """Accepted nodes form a chain hanging from the root, ``num_accepted`` of them, at most one child per node."""
-  accepted = res.accepted_N
+def assert_paths_are_chains(res, parents_N, tokens=None):
+  """Accepted nodes form a chain hanging from the root, ``num_accepted`` of them, at most one child per node. With
+  ``tokens`` (``[..., N]``): in the tree whose equal prefixes are merged (``prefix_classes``: the with-replacement
+  rules walk it), where an accepted node's parent may be another node of the same prefix."""
+  accepted = np.asarray(res.accepted_N)
+  n_nodes = accepted.shape[-1]
   assert np.array_equal(accepted.sum(-1), res.num_accepted)
-  parent_ok = np.where(parents_N < 0, True, accepted[..., np.maximum(parents_N, 0)])
+  if tokens is None:
+    classes = np.broadcast_to(np.arange(n_nodes), accepted.shape)
+  else:
+    classes = theory_trees.prefix_classes_np(np.asarray(tokens).reshape(-1, n_nodes), parents_N).reshape(
+        accepted.shape)
+  parent_class = np.where(parents_N < 0, -1, np.take_along_axis(
+      classes, np.broadcast_to(np.maximum(parents_N, 0), accepted.shape), axis=-1))
+  # every accepted node's parent class holds an accepted node (or is the root) ...
+  parent_ok = (parent_class < 0) | np.any(accepted[..., None, :] & (classes[..., None, :] == parent_class[..., :, None]),
+                                          axis=-1)
   assert np.all(~accepted | parent_ok)
-  for parent in np.unique(parents_N):
-    assert np.all(accepted[..., parents_N == parent].sum(-1) <= 1)
+  # ... and no parent class has two accepted children
+  siblings = np.sum(accepted[..., None, :] & (parent_class[..., None, :] == parent_class[..., :, None]), axis=-1)
+  assert np.all(~accepted | (siblings <= 1))
 
 
 
@@ -251,9 +265,9 @@ def test_first_emitted_tokens_have_target_law(rule, case):
   make, context = MODELS[model]
   drafter, target = make()
   parents_N = np.asarray(SHAPES[shape], np.int32)
-  _, res, emitted = run_trees(rule, drafter, target, context, parents_N, NUM_SAMPLES,
-                              seed=stable_seed("tree_law", rule, case))
-  assert_paths_are_chains(res, parents_N)
+  tokens, res, emitted = run_trees(rule, drafter, target, context, parents_N, NUM_SAMPLES,
+                                   seed=stable_seed("tree_law", rule, case))
+  assert_paths_are_chains(res, parents_N, tokens)
   assert np.all((res.next_token >= 0) & (res.next_token < drafter.vocab_size))
   result = theory.chi2_gof(row_counts(emitted), theory.sequence_law(target, context, 3))
   message = (f"tree {rule} {case} ({tree.tree_sampling(rule)}): first 3 tokens χ² p = {result.p_value:.4g} "

@@ -194,65 +194,95 @@ def spectr_rho_f64(p_TxV, q_TxV, k: int, num_steps: int = SPECTR_BISECTION_STEPS
   return rho_T, beta_T, scale_T
 
 
-def _top_down_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV, *, spectr: bool, remove_drawn: bool) -> np.ndarray:
+def prefix_classes_np(tokens_TxN: np.ndarray, parents) -> np.ndarray:
+  """int ``[T, N]``: per tree, the first node with the same root-to-node token path as each node (itself when none
+  before it): ``verify.tree.prefix_classes`` in numpy."""
+  tokens_TxN = np.asarray(tokens_TxN)
+  parents = np.asarray(parents)
+  num_trees, num_nodes = tokens_TxN.shape
+  class_TxN = np.tile(np.arange(num_nodes), (num_trees, 1))
+  for n in range(num_nodes):
+    parent_class_TxN = np.where(parents[None, :] >= 0, class_TxN[:, np.clip(parents, 0, None)], -1)
+    for m in range(n - 1, -1, -1):  # the first match wins: scan down to it
+      same_T = (tokens_TxN[:, m] == tokens_TxN[:, n]) & (parent_class_TxN[:, m] == parent_class_TxN[:, n])
+      class_TxN[same_T, n] = m
+  return class_TxN
+
+
+def _top_down_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV, *, spectr: bool, remove_drawn: bool,
+                  merge: bool) -> np.ndarray:
   """The top-down rules, ``"rrs"`` / ``"rrs_wor"`` (``remove_drawn``: the drafter row loses each rejected sibling's
   token) and ``"spectr"`` (``spectr``: k-sequential selection): the mass reaching each node times its children's
-  decisions."""
+  decisions. ``merge`` (the with-replacement rules): the children of a node are those of every node with the same
+  root-to-node tokens (:func:`prefix_classes_np`), in node order, as the walk of ``verify.tree`` takes them."""
   num_trees, num_nodes = tokens_TxN.shape
-  children = _children(parents)
+  parents = np.asarray(parents)
+  class_TxN = prefix_classes_np(tokens_TxN, parents) if merge else np.tile(np.arange(num_nodes), (num_trees, 1))
+  parent_class_TxN = np.where(parents[None, :] >= 0, class_TxN[:, np.clip(parents, 0, None)], -1)
   law_TxN1xV = np.zeros(p_TxN1xV.shape, dtype=np.float64)
-  reach = {-1: np.ones(num_trees)}  # P(the walk makes u the current node)
-  for u in range(-1, num_nodes):  # topological: reach[u] is known before u's children are decided
+  reach_TxN1 = np.zeros((num_trees, num_nodes + 1))  # P(the walk makes u the current node), column u + 1
+  reach_TxN1[:, 0] = 1.0
+  for u in range(-1, num_nodes):  # topological: u's reach is complete before its children are decided
+    reach_T = reach_TxN1[:, u + 1]
     p_V = p_TxN1xV[:, u + 1]
-    kids = children[u]
-    if not kids:  # an accepted leaf: the bonus from its target row
-      law_TxN1xV[:, u + 1] = reach[u][:, None] * _y_row(p_V, p_V)
+    u_class_T = np.full(num_trees, -1) if u < 0 else class_TxN[:, u]
+    kid_TxN = (parent_class_TxN == u_class_T[:, None]) & (np.arange(num_nodes)[None, :] > u)
+    count_T = kid_TxN.sum(axis=1)
+    if not count_T.any():  # a leaf in every tree: the bonus from its target row
+      law_TxN1xV[:, u + 1] = reach_T[:, None] * _y_row(p_V, p_V)
       continue
-    q_V = q_TxNxV[:, kids[0]]
+    first_T = np.argmax(kid_TxN, axis=1)  # the class's children share their parent context's row
+    q_V = q_TxNxV[np.arange(num_trees), first_T]
     p_k, q_k = p_V, q_V
-    if spectr:  # one bisection per distinct (p, q) pair of rows (trees share their parents' contexts)
-      pairs_Ux2V, inverse_T = np.unique(np.concatenate([p_V, q_V], axis=1), axis=0, return_inverse=True)
-      rho_U, _, scale_U = spectr_rho_f64(pairs_Ux2V[:, :p_V.shape[1]], pairs_Ux2V[:, p_V.shape[1]:], len(kids))
-      rho_T, scale_T = rho_U[inverse_T.reshape(-1)], scale_U[inverse_T.reshape(-1)]
+    if spectr:  # one bisection per distinct (p, q, k) (trees share their parents' contexts)
+      rho_T, scale_T = np.ones(num_trees), np.ones(num_trees)
+      for k in np.unique(count_T[count_T > 0]):
+        sel = count_T == k
+        pairs_Ux2V, inverse = np.unique(np.concatenate([p_V[sel], q_V[sel]], axis=1), axis=0, return_inverse=True)
+        rho_U, _, scale_U = spectr_rho_f64(pairs_Ux2V[:, :p_V.shape[1]], pairs_Ux2V[:, p_V.shape[1]:], int(k))
+        rho_T[sel], scale_T[sel] = rho_U[inverse.reshape(-1)], scale_U[inverse.reshape(-1)]
     none_T = np.ones(num_trees)  # P(every child so far rejected)
-    for c in kids:
+    for c in range(u + 1, num_nodes):
+      kid_T = kid_TxN[:, c]
+      if not kid_T.any():
+        continue
       x_T = tokens_TxN[:, c]
       if spectr:
         accept_T = clipped_ratio(1.0 / rho_T, _at(p_V, x_T), _at(q_V, x_T))
       else:
         accept_T = clipped_ratio(1.0, _at(p_k, x_T), _at(q_k, x_T))
-      reach[c] = reach[u] * none_T * accept_T
+      accept_T = np.where(kid_T, accept_T, 0.0)
+      reach_TxN1[:, c + 1] += reach_T * none_T * accept_T
       none_T = none_T * (1.0 - accept_T)
       if not spectr:
         p_next = _normalised(np.maximum(p_k - q_k, 0.0), p_k)
         if remove_drawn:
           q_removed = np.where(np.arange(q_k.shape[1])[None, :] == x_T[:, None], 0.0, q_k)
-          q_k = _normalised(q_removed, q_removed)
-        p_k = p_next
-    if spectr:
-      residual_V = p_V - np.minimum(q_V, p_V / rho_T[:, None]) * scale_T[:, None]
-    else:
-      residual_V = p_k
-    law_TxN1xV[:, u + 1] = (reach[u] * none_T)[:, None] * _y_row(residual_V, p_V)
+          q_k = np.where(kid_T[:, None], _normalised(q_removed, q_removed), q_k)
+        p_k = np.where(kid_T[:, None], p_next, p_k)
+    residual_V = p_V - np.minimum(q_V, p_V / rho_T[:, None]) * scale_T[:, None] if spectr else p_k
+    leaf_T = count_T == 0
+    law_TxN1xV[:, u + 1] = reach_T[:, None] * np.where(leaf_T[:, None], _y_row(p_V, p_V),
+                                                       none_T[:, None] * _y_row(residual_V, p_V))
   return law_TxN1xV
 
 
 @tree_law("rrs", sampling=WITH_REPLACEMENT)
 def _rrs_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV) -> np.ndarray:
   """Recursive rejection sampling (SpecInfer) over i.i.d. siblings."""
-  return _top_down_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV, spectr=False, remove_drawn=False)
+  return _top_down_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV, spectr=False, remove_drawn=False, merge=True)
 
 
 @tree_law("rrs_wor", sampling=WITHOUT_REPLACEMENT)
 def _rrs_wor_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV) -> np.ndarray:
   """Recursive rejection sampling (RSD) over siblings drawn without replacement."""
-  return _top_down_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV, spectr=False, remove_drawn=True)
+  return _top_down_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV, spectr=False, remove_drawn=True, merge=False)
 
 
 @tree_law("spectr", sampling=WITH_REPLACEMENT)
 def _spectr_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV) -> np.ndarray:
   """SpecTr's k-sequential selection over i.i.d. siblings."""
-  return _top_down_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV, spectr=True, remove_drawn=False)
+  return _top_down_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV, spectr=True, remove_drawn=False, merge=True)
 
 
 def _postorder(parents: tuple[int, ...]) -> list[int]:

@@ -11,7 +11,9 @@ Contract (docs/ALGORITHMS.md §4)::
                                         replacement removal)
     target_probs_N1xV  float  [N+1, V]  row 0 = the target's law at the root, row n + 1 = after node n
     res.num_accepted   int32  []        τ ∈ [0, N]: number of nodes on the accepted path
-    res.accepted_N     bool   [N]       the accepted nodes: a chain from a child of the root down (τ of them)
+    res.accepted_N     bool   [N]       the accepted nodes, one per depth from a child of the root down (τ of
+                                        them) along one token path; under the with-replacement rules, which merge
+                                        equal prefixes, a node's parent may be another node with the same prefix
     res.next_token     int32  []        Y ∈ [0, V): the correction (children of the last accepted node all
                                         rejected) or the bonus token (the last accepted node is a leaf)
 
@@ -23,7 +25,8 @@ law) when the tree was drawn that way and the key is fresh for every call and ev
 
 All rules walk the tree once in node order (``lax.fori_loop`` over N, static N and V, any tree shape encoded in
 ``parents_N``), keeping the current node (−1 = root) and a state of ``[V]`` rows; the children of the current node
-are the nodes whose parent it is. A node whose subtree was left is skipped. Per-node constants (SpecTr's ρ) are
+are the nodes whose parent it is (``rrs`` and ``spectr``: whose parent has the current node's root-to-node tokens,
+:func:`prefix_classes`: SpecTr's K-SEQ over every draft consistent with the accepted prefix). A node whose subtree was left is skipped. Per-node constants (SpecTr's ρ) are
 computed for all nodes at once before the walk. Cost: N sequential steps of O(V) each, plus an ``[N, V]`` gather of
 parent rows for SpecTr. Jittable and vmappable; batch with ``jax.vmap`` (one key per row).
 
@@ -55,7 +58,7 @@ from blockspec_jax.verify.rules import clipped_ratio
 
 __all__ = ["TreeVerifyResult", "TREE_RULES", "WITH_REPLACEMENT", "WITHOUT_REPLACEMENT", "tree_verify",
            "tree_sampling", "check_tree", "chain_parents", "rrs_tree_verify", "rrs_wor_tree_verify",
-           "spectr_tree_verify", "spectr_rho"]
+           "spectr_tree_verify", "spectr_rho", "prefix_classes"]
 
 _SAMPLING_MODES = (WITH_REPLACEMENT, WITHOUT_REPLACEMENT)
 
@@ -160,6 +163,10 @@ def check_tree(tokens_N, parents_N, draft_probs_NxV, target_probs_N1xV) -> tuple
 class _NodeRule:
   """How one rule verifies the ordered children of a node; a state is a tuple of arrays of fixed shapes.
 
+  ``merge``: nodes with the same root-to-node token path are one node (:func:`prefix_classes`): the children of the
+  current node are the children of every node of its class, in node order (with-replacement drafts, whose sibling
+  chains may share prefixes: SpecTr's k chains, SpecInfer's token tree). Without-replacement trees have distinct
+  siblings, so merging would change nothing there.
   ``prepare(p_parent_NxV, q_NxV, siblings_N)``: optional per-node constants computed for all nodes at once before
   the walk (row n: target row of n's parent, n's draft row, number of children of n's parent), a pytree with a
   leading ``[N]``; the walk hands node n's slice to ``start`` (``None`` without ``prepare``).
@@ -173,6 +180,23 @@ class _NodeRule:
   reject: Callable[[Any, jax.Array], Any]
   correction: Callable[[Any], jax.Array]
   prepare: Optional[Callable[[jax.Array, jax.Array, jax.Array], Any]] = None
+  merge: bool = False
+
+
+def prefix_classes(tokens_N, parents_N) -> jax.Array:
+  """int32 ``[N]``: for every node, the first node (in node order) with the same root-to-node token path (itself when
+  there is none before it). Two nodes are in one class when their tokens are equal and their parents are in one
+  class (the root's children: the root). Jittable; O(N²)."""
+  tokens_N = jnp.asarray(tokens_N).astype(jnp.int32)
+  parents_N = jnp.asarray(parents_N).astype(jnp.int32)
+  index_N = jnp.arange(tokens_N.shape[0], dtype=jnp.int32)
+
+  def body(n, canon_N):
+    parent_class_N = jnp.where(parents_N >= 0, canon_N[jnp.clip(parents_N, 0)], -1)
+    same_N = (tokens_N == tokens_N[n]) & (parent_class_N == parent_class_N[n]) & (index_N < n)
+    return canon_N.at[n].set(jnp.where(jnp.any(same_N), jnp.argmax(same_N).astype(jnp.int32), n))
+
+  return jax.lax.fori_loop(0, tokens_N.shape[0], body, index_N)
 
 
 def _at(row_V: jax.Array, x: jax.Array) -> jax.Array:
@@ -191,8 +215,9 @@ def _walk(key, tokens_N, parents_N, draft_probs_NxV, target_probs_N1xV, node_rul
   """Verify the tree top-down with ``node_rule`` at every node on the way (see the module docstring).
 
   One ``fori_loop`` over the N nodes in order, carrying the current node (−1 = root), whether a child of it was
-  seen yet, the accepted mask and the rule's state. A node whose parent is not the current node is skipped: it lies
-  in a subtree already left (or below a node not reached yet, whose children come later since parents[n] < n).
+  seen yet, the accepted mask and the rule's state. A node whose parent is not the current node (``merge``: not in
+  the current node's prefix class) is skipped: it lies in a subtree already left (or below a node not reached yet,
+  whose children come later since parents[n] < n).
   """
   n_nodes, _ = check_tree(tokens_N, parents_N, draft_probs_NxV, target_probs_N1xV)
   tokens_N = jnp.asarray(tokens_N).astype(jnp.int32)
@@ -201,9 +226,11 @@ def _walk(key, tokens_N, parents_N, draft_probs_NxV, target_probs_N1xV, node_rul
   p_N1xV = jnp.asarray(target_probs_N1xV, jnp.float32)
   key_coins, key_next = jax.random.split(key)
   coins_N = jax.random.uniform(key_coins, (n_nodes,), jnp.float32)
+  class_N = prefix_classes(tokens_N, parents_N) if node_rule.merge else jnp.arange(n_nodes, dtype=jnp.int32)
+  parent_class_N = jnp.where(parents_N >= 0, class_N[jnp.clip(parents_N, 0)], -1)  # whose child each node is
   aux_N = None
   if node_rule.prepare is not None:
-    siblings_N = jnp.sum((parents_N[:, None] == parents_N[None, :]).astype(jnp.int32), axis=1)
+    siblings_N = jnp.sum((parent_class_N[:, None] == parent_class_N[None, :]).astype(jnp.int32), axis=1)
     aux_N = node_rule.prepare(p_N1xV[jnp.clip(parents_N + 1, 0, n_nodes)], q_NxV, siblings_N)
   # Placeholder of the right shapes: the state is started at the first child of the root (node 0).
   state_shapes = jax.eval_shape(node_rule.start, p_N1xV[0], q_NxV[0], jax.tree.map(lambda a: a[0], aux_N))
@@ -211,7 +238,7 @@ def _walk(key, tokens_N, parents_N, draft_probs_NxV, target_probs_N1xV, node_rul
 
   def body(n, carry):
     current, fresh, accepted_N, state = carry
-    is_child = parents_N[n] == current
+    is_child = parent_class_N[n] == jnp.where(current >= 0, class_N[jnp.clip(current, 0)], -1)
     x = tokens_N[n]
     # The state is (re)started at the first child of the current node; siblings after it share that state.
     p_V = jax.lax.dynamic_index_in_dim(p_N1xV, current + 1, keepdims=False)
@@ -267,7 +294,7 @@ def _rrs_correction(state):
   return state[0]
 
 
-_RRS = _NodeRule(_rrs_start, _rrs_accept_prob, _rrs_reject, _rrs_correction)
+_RRS = _NodeRule(_rrs_start, _rrs_accept_prob, _rrs_reject, _rrs_correction, merge=True)
 _RRS_WOR = _NodeRule(_rrs_start, _rrs_accept_prob, _rrs_wor_reject, _rrs_correction)
 
 
@@ -287,6 +314,12 @@ def rrs_tree_verify(key, tokens_N, parents_N, draft_probs_NxV, target_probs_N1xV
   argument repeats.
   Duplicates need no special case: a rejected ``x`` had ``p_k(x) < q(x)``, so ``p_{k+1}(x) = 0`` and a later copy
   of ``x`` is rejected.
+
+  Shared prefixes are merged (SpecInfer's token tree): the children of the current node are the children of every
+  node with the same root-to-node tokens (:func:`prefix_classes`), in node order. On SpecTr's ``k`` i.i.d. chains
+  that is every chain consistent with the accepted prefix, whose next tokens are i.i.d. draws from the drafter's row
+  there, independent of everything the walk has read (each chain's continuation depends on its own prefix only):
+  the argument above applies to them, however many they are.
   """
   return _walk(key, tokens_N, parents_N, draft_probs_NxV, target_probs_N1xV, _RRS)
 
@@ -376,7 +409,8 @@ def _spectr_correction(state):
   return p_V - jnp.minimum(q_V, p_V / rho) * scale
 
 
-_SPECTR = _NodeRule(_spectr_start, _spectr_accept_prob, _spectr_reject, _spectr_correction, _spectr_prepare)
+_SPECTR = _NodeRule(_spectr_start, _spectr_accept_prob, _spectr_reject, _spectr_correction, _spectr_prepare,
+                    merge=True)
 
 
 def spectr_tree_verify(key, tokens_N, parents_N, draft_probs_NxV, target_probs_N1xV) -> TreeVerifyResult:
@@ -392,6 +426,10 @@ def spectr_tree_verify(key, tokens_N, parents_N, draft_probs_NxV, target_probs_N
   none is accepted with probability ``(1 − β)^k``: adding ``(1 − β)^k p_res(x)`` gives ``p(x)``. ``p_res ≥ 0``
   because ``c ≤ ρ`` whenever ``f(ρ) ≤ 0`` (see :func:`spectr_rho`). The choice depends on tokens and coins only, so the
   selected child's subtree is a fresh draft. With ``k = 1``, ``ρ = 1``: token verification.
+
+  Over every draft consistent with the accepted prefix (SpecTr's K-SEQ on merged prefixes): the children of the
+  current node are those of its whole prefix class (:func:`prefix_classes`), ``k`` their number (the chains that
+  share the prefix), i.i.d. from the drafter's row there as :func:`rrs_tree_verify` explains.
   """
   return _walk(key, tokens_N, parents_N, draft_probs_NxV, target_probs_N1xV, _SPECTR)
 
