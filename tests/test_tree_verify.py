@@ -447,6 +447,24 @@ def test_garbage_rows_keep_outputs_in_range(rule):
       assert not res.accepted_N.any()
 
 
+@pytest.mark.parametrize("rule", ["rrs", "spectr"])
+def test_with_replacement_rules_verify_every_chain_consistent_with_the_accepted_prefix(rule):
+  """SpecTr's two chains (a, b) and (a, c), the target sure of a and then of c: both chains share the accepted
+  first token, so the second chain's c is a candidate at depth 2 and is accepted (τ = 2, nodes 0 and 3), every time;
+  a walk of node 0's own subtree only would reject b and stop at τ = 1."""
+  tokens_N = jnp.asarray([0, 0, 1, 2], jnp.int32)   # depth 1: a, a; depth 2: b under node 0, c under node 1
+  parents_N = jnp.asarray([-1, -1, 0, 1], jnp.int32)
+  q_NxV = jnp.asarray([[1.0, 0, 0], [1.0, 0, 0], [0, 0.5, 0.5], [0, 0.5, 0.5]], jnp.float32)
+  p_N1xV = jnp.asarray([[1.0, 0, 0], [0, 0, 1.0], [0, 0, 1.0], [1 / 3] * 3, [1 / 3] * 3], jnp.float32)
+  np.testing.assert_array_equal(np.asarray(tree.prefix_classes(tokens_N, parents_N)), [0, 0, 2, 3])
+  for seed in range(20):
+    res = tree.tree_verify(jax.random.key(seed), tokens_N, parents_N, q_NxV, p_N1xV, rule=rule)
+    assert int(res.num_accepted) == 2 and np.asarray(res.accepted_N).tolist() == [True, False, False, True]
+  law = theory_trees.tree_conditional_law(rule, np.asarray(tokens_N), np.asarray(parents_N), np.asarray(q_NxV),
+                                          np.asarray(p_N1xV))
+  assert law[4].sum() == pytest.approx(1.0)  # the walk ends at node 3, always
+
+
 def test_spectr_rho_solves_its_equation():
   """ρ from the f32 bisection matches a float64 root (brentq) and lies on the lossless side (c ≤ ρ)."""
   rng = np.random.default_rng(0)
