@@ -93,13 +93,8 @@ def collect_hidden(target_config: decoder_lib.DecoderConfig, target_params, toke
   tokens_NxT = np.zeros((num, width), np.int32)
   length_N = np.zeros((num,), np.int32)
   feats, seqs, positions = [], [], []
-  starts = range(0, num, batch_size)
-  if progress and num:
-    from tqdm import tqdm
-    starts = tqdm(starts, desc="target samples + hidden states", unit="batch", dynamic_ncols=True)
-  for i, start in enumerate(starts):
-    flat_B = np.arange(start, start + batch_size)
-    local_B = flat_B % num
+  batches = pools.wrapped_batches(num, batch_size, progress=progress, desc="target samples + hidden states")
+  for i, flat_B, local_B in batches:
     keys_B = distill._row_keys(key, rows[local_B])
     sample = lambda: distill.sample_sequences(target_config, target_params, tokens_BxP[local_B],
                                               prompt_len_B[local_B], keys_B, max_new_tokens=max_new_tokens,

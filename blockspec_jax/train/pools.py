@@ -65,6 +65,20 @@ def check_collection(tokens_BxP, prompt_len_B, rows, *, max_new_tokens: int, bat
   return tokens_BxP, prompt_len_B, rows, width
 
 
+def wrapped_batches(num: int, batch_size: int, *, progress: bool, desc: str):
+  """``(i, flat_B, local_B)`` for each batch of a collection pass over ``num`` prompts, ``batch_size`` at a time:
+  ``flat_B`` the batch's positions (past ``num`` in the last batch), ``local_B = flat_B % num`` the prompts it
+  holds (the last batch wraps around, so every batch has one shape: one compiled program; rows with ``flat_B >=
+  num`` are repeats the caller drops). A tqdm bar named ``desc`` with ``progress``."""
+  starts = range(0, num, batch_size)
+  if progress and num:
+    from tqdm import tqdm
+    starts = tqdm(starts, desc=desc, unit="batch", dynamic_ncols=True)
+  for i, start in enumerate(starts):
+    flat_B = np.arange(start, start + batch_size)
+    yield i, flat_B, flat_B % num
+
+
 def check_number(value, name: str, low: float = 0.0, strict: bool = False, *, job: str | None = None) -> float:
   """``value`` as a float when it is a finite number >= ``low`` (> when ``strict``); errors as :func:`check_int`."""
   ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)

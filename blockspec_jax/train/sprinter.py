@@ -100,13 +100,8 @@ def collect_labels(target_config: decoder_lib.DecoderConfig, target_params, draf
       configs=(target_config, drafter_config))
   num = tokens_BxP.shape[0]
   chunks: dict[str, list] = {name: [] for name in LABEL_FIELDS}
-  starts = range(0, num, batch_size)
-  if progress and num:
-    from tqdm import tqdm
-    starts = tqdm(starts, desc="drafter samples + labels", unit="batch", dynamic_ncols=True)
-  for i, start in enumerate(starts):
-    flat_B = np.arange(start, start + batch_size)
-    local_B = flat_B % num
+  batches = pools.wrapped_batches(num, batch_size, progress=progress, desc="drafter samples + labels")
+  for i, flat_B, local_B in batches:
     ids_B = rows[local_B]
     keys_B = distill._row_keys(key, ids_B)
     sample = lambda: distill.sample_sequences(drafter_config, drafter_params, tokens_BxP[local_B],
@@ -212,13 +207,9 @@ def collect_official_labels(target_config: decoder_lib.DecoderConfig, target_par
   chunks: dict[str, list] = {name: [] for name in LABEL_FIELDS}
   run = functools.partial(_official_pass, target=target_config, drafter=drafter_config,
                           max_new_tokens=max_new_tokens, temperature=float(temperature), stop_ids=tuple(stop_ids))
-  starts = range(0, num, batch_size)
-  if progress and num:
-    from tqdm import tqdm
-    starts = tqdm(starts, desc="official labels (drafter and target greedy)", unit="batch", dynamic_ncols=True)
-  for i, start in enumerate(starts):
-    flat_B = np.arange(start, start + batch_size)
-    local_B = flat_B % num
+  batches = pools.wrapped_batches(num, batch_size, progress=progress,
+                                  desc="official labels (drafter and target greedy)")
+  for i, flat_B, local_B in batches:
     with runtime.compiling("official label pass (both models, side by side)", when=i == 0):
       hidden_BxNxD, q_tok_BxN, p_tok_BxN, token_BxN, valid_BxN = parallel.map_rows(
           mesh, run, (target_params, drafter_params), tokens_BxP[local_B], prompt_len_B[local_B])
