@@ -138,15 +138,8 @@ def paired_acceptance(target_params, drafter_params, contexts: Sequence[Sequence
       raise ValueError(f"offsets must give each of the {len(contexts)} contexts a count of tokens past its prompt in "
                        "[0, its length − 1]")
   replay = offsets is not None and replay_stride >= 1
-  keys_D = jax.random.split(jax.random.key(seed), draws)
-  rows = 1
-  if mesh is not None and mesh.size > 1:
-    target_params = parallel.shard_params(target_params, mesh)
-    drafter_params = parallel.shard_params(drafter_params, mesh)
-    keys_D = parallel.replicate(keys_D, mesh)
-    rows = mesh.shape[parallel.DATA]
-  else:
-    mesh = None
+  mesh, (target_params, drafter_params), keys_D, rows = parallel.layout_rows(
+      mesh, (target_params, drafter_params), jax.random.split(jax.random.key(seed), draws))
   table_DxBxRxG = None
   for run in length_buckets([len(c) for c in contexts], buckets):
     full = parallel.pad_rows(run, len(run) + -len(run) % rows)  # run itself on one device

@@ -139,16 +139,10 @@ def run_arm(target_params, drafter_params, contexts: Sequence[Sequence[int]], ar
   ``parallel`` says (pass them placed already, ``parallel.shard_models``, to place them once for every arm); every
   process of a multi-host run passes the same contexts and gets the whole table. Context ``b`` drafts and verifies
   with the keys of row ``b`` wherever it runs, so the table is one device's up to float rounding."""
+  mesh, (target_params, drafter_params), keys_D, data = parallel.layout_rows(
+      mesh, (target_params, drafter_params), jax.random.split(jax.random.key(seed), draws))
   rows = len(contexts)
-  index = np.arange(rows)
-  keys_D = jax.random.split(jax.random.key(seed), draws)
-  if mesh is not None and mesh.size > 1:
-    index = parallel.pad_rows(index, rows + -rows % mesh.shape[parallel.DATA])
-    target_params = parallel.shard_params(target_params, mesh)
-    drafter_params = parallel.shard_params(drafter_params, mesh)
-    keys_D = parallel.replicate(keys_D, mesh)
-  else:
-    mesh = None
+  index = parallel.pad_rows(np.arange(rows), rows + -rows % data)
   tokens_BxP, prompt_len_B = spec.prepare_prompts([list(contexts[i]) for i in index])
   if mesh is not None:
     tokens_BxP, prompt_len_B = parallel.shard_batch(mesh, tokens_BxP, prompt_len_B)

@@ -33,7 +33,7 @@ from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.models.scorer import as_scorer
 
 __all__ = ["DATA", "MODEL", "make_mesh", "every_device_mesh", "initialize_multihost", "param_spec", "param_shardings", "shard_params",
-           "shard_model", "shard_models", "batch_sharding", "put_global", "replicate", "shard_batch", "gather", "cache_sharding",
+           "shard_model", "shard_models", "batch_sharding", "put_global", "replicate", "layout_rows", "shard_batch", "gather", "cache_sharding",
            "sharded_speculative", "sharded_autoregressive", "autoregressive_rows", "map_rows", "pad_rows", "take_rows"]
 
 DATA, MODEL = "data", "model"
@@ -145,6 +145,16 @@ def replicate(tree, mesh: Mesh):
   """Every leaf of ``tree`` (the same value on every process: sampling keys, small tables) whole on every device of
   ``mesh`` (:func:`put_global` on a replicated sharding)."""
   return jax.tree.map(lambda x: put_global(x, NamedSharding(mesh, P())), tree)
+
+
+def layout_rows(mesh: Mesh | None, param_trees: tuple, shared):
+  """``(mesh, param_trees, shared, rows)`` for a measurement that splits its rows over ``data``: on a ``mesh`` of
+  several devices each tree of ``param_trees`` laid out by :func:`shard_params`, ``shared`` (keys every row reads)
+  :func:`replicate`\ d, ``rows`` the ``data`` axis size a batch is padded to; else ``(None, param_trees, shared,
+  1)``: one device, nothing moved."""
+  if mesh is None or mesh.size == 1:
+    return None, param_trees, shared, 1
+  return mesh, tuple(shard_params(p, mesh) for p in param_trees), replicate(shared, mesh), mesh.shape[DATA]
 
 
 def shard_params(params, mesh: Mesh):
