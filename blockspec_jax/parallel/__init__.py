@@ -150,8 +150,8 @@ def replicate(tree, mesh: Mesh):
 def layout_rows(mesh: Mesh | None, param_trees: tuple, shared):
   """``(mesh, param_trees, shared, rows)`` for a measurement that splits its rows over ``data``: on a ``mesh`` of
   several devices each tree of ``param_trees`` laid out by :func:`shard_params`, ``shared`` (keys every row reads)
-  :func:`replicate`\ d, ``rows`` the ``data`` axis size a batch is padded to; else ``(None, param_trees, shared,
-  1)``: one device, nothing moved."""
+  replicated (:func:`replicate`), ``rows`` the ``data`` axis size a batch is padded to; else
+  ``(None, param_trees, shared, 1)``: one device, nothing moved."""
   if mesh is None or mesh.size == 1:
     return None, param_trees, shared, 1
   return mesh, tuple(shard_params(p, mesh) for p in param_trees), replicate(shared, mesh), mesh.shape[DATA]
