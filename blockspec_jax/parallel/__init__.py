@@ -32,9 +32,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.models.scorer import as_scorer
 
-__all__ = ["DATA", "MODEL", "make_mesh", "every_device_mesh", "initialize_multihost", "param_spec", "param_shardings", "shard_params",
-           "shard_model", "shard_models", "batch_sharding", "put_global", "replicate", "layout_rows", "shard_batch", "gather", "cache_sharding",
-           "sharded_speculative", "sharded_autoregressive", "autoregressive_rows", "map_rows", "pad_rows", "take_rows"]
+__all__ = ["DATA", "MODEL", "make_mesh", "every_device_mesh", "initialize_multihost", "param_spec", "param_shardings",
+           "shard_params", "shard_model", "shard_models", "batch_sharding", "put_global", "replicate", "layout_rows",
+           "shard_batch", "gather", "cache_sharding", "sharded_speculative", "sharded_autoregressive",
+           "autoregressive_rows", "map_rows", "pad_rows", "take_rows"]
 
 DATA, MODEL = "data", "model"
 
