@@ -69,11 +69,8 @@ class Models:
 
   def device_mesh(self):
     """The ``jax.sharding.Mesh`` of :attr:`mesh` over every device, or None on one device (today's programs)."""
-    import jax
-    if jax.device_count() == 1:
-      return None
     from blockspec_jax import parallel
-    return parallel.make_mesh(*self.mesh)
+    return parallel.job_mesh(self.mesh)
 
   def load(self):
     """Load the target and every drafter (``sources.load_models``): ``(target_model, drafter_models, seconds)``; on
@@ -88,21 +85,9 @@ class Models:
 
 
 def check_mesh_shape(shape) -> tuple[int, int]:
-  """``(data, model)`` of a job's mesh: ``shape`` (two positive integers whose product is the run's device count) or,
-  for None, ``(devices, 1)``; a :class:`UsageError` naming the problem otherwise. Touches the JAX backend (a
-  multi-host run must have joined before)."""
-  import jax
-  devices = jax.device_count()
-  if shape is None:
-    return (devices, 1)
-  if (isinstance(shape, (str, bytes)) or not hasattr(shape, "__len__") or len(shape) != 2
-      or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape)):
-    raise UsageError(f"mesh must be (data, model), two positive integers, got {shape!r}")
-  data, model = shape
-  if data * model != devices:
-    raise UsageError(f"mesh {data} x {model} (data x model) must cover the run's {devices} device(s): data × model "
-                     f"= {devices}")
-  return (data, model)
+  """``parallel.check_mesh_shape`` (imported here when called: this module does not load JAX)."""
+  from blockspec_jax import parallel
+  return parallel.check_mesh_shape(shape)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -100,6 +100,33 @@ def main():
   print(f"collect_labels and collect_hidden, 5 prompts in batches of 3 on data=4 model=2: equal={same} "
         f"({len(labels['labels_N'])} labels, {len(hidden['seq_M'])} hidden states)")
   ok &= same
+  # A training job's steps on a data x model mesh (trainer.fit with Loop.mesh, as a job with <job>.mesh = (4, 2)
+  # runs them): the frozen target split over model, the batch over data, the drafter's update equal to one device's
+  # within float32 reduction order, and different from where it started.
+  from blockspec_jax.train import distill, trainer
+  import tempfile
+  loss_fn = distill.DistillLoss(config, small, "fkl", 1.0)
+  opt = trainer.make_optimizer("adamw", 1e-3, "cosine", 1, 3, 0.01, 1.0)
+  rng = np.random.default_rng(0)
+  batches = [{"tokens_BxT": jax.numpy.asarray(rng.integers(0, 64, (8, 12)), jax.numpy.int32),
+              "mask_BxT": jax.numpy.asarray(rng.random((8, 12)) < 0.7, jax.numpy.float32)} for _ in range(3)]
+  fitted = []
+  for mesh in (None, parallel.make_mesh(4, 2)):
+    with tempfile.TemporaryDirectory() as workdir:
+      fitted.append(trainer.fit(loss_fn=loss_fn, optimizer=opt, trainable=drafter, frozen={"target": target, "drafter": {}},
+                                batch_fn=lambda s, t: batches[s], key=jax.random.key(0), workdir=workdir,
+                                loop=trainer.Loop(num_steps=3, mesh=mesh, checkpoint_every=2, progress=False,
+                                                  plot=False)).state)
+  diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+             for a, b in zip(jax.tree.leaves(jax.device_get(fitted[0])), jax.tree.leaves(jax.device_get(fitted[1]))))
+  moved = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+              for a, b in zip(jax.tree.leaves(jax.device_get(fitted[0].trainable)), jax.tree.leaves(drafter)))
+  placed = parallel.shard_tree({"target": target}, parallel.make_mesh(4, 2))["target"]
+  split = (placed["layers_0"]["attn"]["q"]["weight"].sharding.spec, placed["embed"]["embedding"].sharding.spec)
+  same = diff <= 1e-6 and moved > 1e-4 and split == (jax.sharding.PartitionSpec("model", None),) * 2
+  print(f"trainer.fit, 3 distillation steps on data=4 model=2: equal={same} (max diff {diff:.1e}, moved "
+        f"{moved:.1e}; frozen target q weight {split[0]}, embedding {split[1]})")
+  ok &= same
   # The stacked layout (layers compiled once, what the decoding jobs load) under a data x model mesh: the same
   # tokens as the unrolled model on one device (stacked leaves split as their one-layer counterparts, never over L).
   import dataclasses

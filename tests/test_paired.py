@@ -142,6 +142,8 @@ def test_rsd_c_branches_at_several_depths_within_each_budget():
     (["--trees", "--budgets", "4,0"], "every budget must be >= 1, got 0"),
     (["--drafters", "heads:/nonexistent/heads_run"], "/nonexistent/heads_run"),
     (["--json", "/proc/version/out.json"], "cannot write the folder of the report (--json)"),
+    (["--mesh", "2x2"], "--mesh 2 x 2 (data x model) must cover the run's 1 device(s)"),
+    (["--mesh", "four"], "--mesh takes DATAxMODEL (e.g. 4x2), got 'four'"),
 ])
 def test_option_mistakes_are_one_line_before_any_model_loads(argv, message, capsys, monkeypatch):
   from blockspec_jax import sources

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -55,6 +56,37 @@ def test_mesh_and_batch_errors():
   assert mesh.shape == {"data": len(jax.devices()), "model": 1}
   if len(jax.devices()) == 1:
     parallel.batch_sharding(mesh, 3)  # any batch divides a 1-wide data axis
+
+
+def test_mesh_shapes_are_checked_against_the_devices():
+  from blockspec_jax.checks import UsageError
+  devices = jax.device_count()
+  assert parallel.check_mesh_shape(None) == (devices, 1) == parallel.parse_mesh_shape(None)
+  assert parallel.parse_mesh_shape(f"{devices}x1") == parallel.parse_mesh_shape(f"{devices} × 1") == (devices, 1)
+  for bad, message in (("4", "--mesh takes DATAxMODEL"), ("x2", "--mesh takes DATAxMODEL"),
+                       (f"{devices}x2", f"--mesh {devices} x 2 \\(data x model\\) must cover")):
+    with pytest.raises(UsageError, match=message):
+      parallel.parse_mesh_shape(bad)
+  for bad in ((0, 1), (1.0, 1), (True, 1), (1, 1, 1), "1x1"):
+    with pytest.raises(UsageError, match="job.mesh must be \\(data, model\\), two positive integers"):
+      parallel.check_mesh_shape(bad, "job.mesh")
+  assert parallel.job_mesh((devices, 1)) is None if devices == 1 else parallel.job_mesh((devices, 1)).size == devices
+
+
+def test_frozen_trees_are_laid_out_as_models_wherever_their_decoder_parameters_sit():
+  """``tree_specs`` finds decoder parameters below any keys (a training job's ``frozen``) and applies the
+  model rules there; other leaves (a lone ``lm_head`` table, statistics) are replicated."""
+  from blockspec_jax.models import decoder as dec
+  params = dec.init_params(dec.DecoderConfig.tiny(vocab_size=64), 0)
+  stacked = dec.stack_layers(params, 2)
+  tree = {"target": params, "drafter": {"layers": stacked["layers"]}, "lm_head": np.zeros((64, 32)),
+          "mean_D": np.zeros(32)}
+  specs = parallel.tree_specs(tree, _FakeMesh())
+  assert specs["target"]["layers_0"]["attn"]["q"]["weight"] == P("model", None)
+  assert specs["target"]["layers_0"]["attn"]["o"]["weight"] == P(None, "model")
+  assert specs["target"]["embed"]["embedding"] == P("model", None)
+  assert specs["drafter"]["layers"]["attn"]["q"]["weight"] == P(None, "model", None)  # stacked: never over L
+  assert specs["lm_head"] == P() and specs["mean_D"] == P()
 
 
 def test_rows_are_padded_by_repeating_the_last_and_cut_back():

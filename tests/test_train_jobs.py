@@ -55,6 +55,13 @@ def test_each_job_has_one_frozen_settings_object_bound_by_its_gin_name(name):
   assert dataclasses.replace(settings, stop_after=3).loop().stop_after == 3
   with pytest.raises(checks.UsageError, match=rf"^{name}\.stop_after must be an integer >= 1, got 0"):
     dataclasses.replace(settings, stop_after=0)
+  # the (data, model) mesh shape: checked when made, before any model loads, naming the job's setting
+  assert dataclasses.replace(settings, mesh=(1, 1)).train_mesh() is None
+  with pytest.raises(checks.UsageError, match=rf"^{name}\.mesh 2 x 2 \(data x model\) must cover the run's 1 "):
+    dataclasses.replace(settings, mesh=(2, 2))
+  with pytest.raises(checks.UsageError, match=rf"^{name}\.mesh must be \(data, model\), two positive integers"):
+    dataclasses.replace(settings, mesh="4x2")
+  assert dataclasses.replace(settings, mesh=(2, 2), data_parallel=False).train_mesh() is None  # one device: no mesh
 
 
 @pytest.mark.parametrize("bad,message", [
@@ -103,7 +110,8 @@ def test_a_settings_mistake_is_one_usage_error_before_any_model_loads(name, tmp_
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_every_training_job_splits_its_batches_over_two_devices_by_default(name, tmp_path):
   """Each job's smoke gin file on 2 fake CPU devices: the default mesh splits every batch over both (the summary
-  says so), the run ends, and a batch that does not split is refused before anything runs."""
+  says so), the run ends, and a batch that does not split is refused before anything runs; with ``mesh = (1, 2)``
+  the job runs with its models over a model axis instead."""
   import json
   import os
   import subprocess
@@ -123,4 +131,11 @@ def test_every_training_job_splits_its_batches_over_two_devices_by_default(name,
                         env=fake_devices_env(2), capture_output=True, text=True, timeout=600)
   assert proc.returncode == 2 and f"{name}.batch_size = 3 must be a multiple of the 2 devices" in proc.stderr, \
       proc.stderr[-2000:]
+  # the same job on a model axis: the target's parameters over both devices, every batch whole on each
+  model = ["--gin_param", f"{name}.mesh = (1, 2)"]
+  proc = subprocess.run(command + ["--workdir", str(tmp_path / "model")] + steps + model, cwd=repo,
+                        env=fake_devices_env(2), capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary = json.loads((tmp_path / "model" / "metrics.json").read_text())
+  assert summary["mesh"] == [1, 2] and summary["data_parallel_devices"] == 1 and summary["steps"] == 12
   assert not (tmp_path / "odd" / "checkpoints").exists()

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--max-new-tokens", type=int, default=32)
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--json", default="results/bench_trees.json")
+  ap.add_argument("--mesh", default=None, metavar="DATAxMODEL",
+                  help="the devices' mesh, data × model = every device (e.g. 4x2): prompts over data, both models' "
+                       "parameters over model; default every device over data")
   return ap
 
 
@@ -78,9 +81,9 @@ def main(argv=None) -> int:
     arms = _arms(args.paired, args.temperature)
     for method, _, _, _ in arms:
       methods.parse_method(method)
+    mesh = parallel.job_mesh(parallel.parse_mesh_shape(args.mesh))
   start = time.perf_counter()
   target, (drafter,), _ = sources.load_models(args.target, [args.drafter])  # one object when they are one model
-  mesh = parallel.every_device_mesh()
   if mesh is not None:
     target, drafter = parallel.shard_models((target, drafter), mesh)
   rows = prompts_lib.load_prompts(prompts_lib.DEFAULT_PROMPTS, limit=args.num_prompts)

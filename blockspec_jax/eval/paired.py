@@ -197,7 +197,7 @@ def sampled_contexts(target, prompt_ids, temperature: float, args, owners: list 
   from blockspec_jax import runtime
   tokens_BxP, prompt_len_B = spec.prepare_prompts(prompt_ids)
   keys_B = jax.random.split(jax.random.key(args.seed + 1), len(prompt_ids))
-  mesh = parallel.every_device_mesh()
+  mesh = args.device_mesh
   with runtime.compiling(f"the target's sampling loop at T = {temperature:g} (compiled and run once)"):
     out = parallel.autoregressive_rows(mesh, target.params["params"], keys_B, tokens_BxP, prompt_len_B,
                                        target=target.config, max_new_tokens=args.sample_tokens,
@@ -217,7 +217,7 @@ def _trees_main(args, target, drafter_model, prompt_ids, start) -> int:
   if done:
     print(f"resuming from {path}: {len(done)} arms already measured", flush=True)
   results = list(done)
-  mesh = parallel.every_device_mesh()
+  mesh = args.device_mesh
   placed = (target, drafter_model) if mesh is None else parallel.shard_models((target, drafter_model), mesh)
   for temperature in args.temperature_list:
     contexts = sampled_contexts(placed[0], prompt_ids, temperature, args)
@@ -332,7 +332,7 @@ def _drafters_main(args, target, prompt_rows, prompt_ids, start) -> int:
                                   target=target.config, drafter=drafter_obj, gamma=args.gamma,
                                   temperature=temperature, draws=draws, seed=args.seed, verifiers=rules,
                                   buckets=args.buckets, offsets=offsets, replay_stride=stride or 0,
-                                  mesh=parallel.every_device_mesh())
+                                  mesh=args.device_mesh)
       del drafter_obj, drafter_params
       results.append(dict(temperature=temperature, drafter=label, name=name, tasks=tasks, offsets=offsets,
                           replay_stride=stride,
@@ -443,6 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "on --drafter's model) compared on the same contexts, the first as reference; resumable, "
                        "and more drafters may be appended to a finished --json")
   ap.add_argument("--verify-draws", type=int, default=16, help="--trees: verifier keys per draft for tree rules")
+  ap.add_argument("--mesh", default=None, metavar="DATAxMODEL",
+                  help="the devices' mesh, data × model = every device (e.g. 4x2): contexts and sampled rows over "
+                       "data, both models' parameters over model; default every device over data")
   return ap
 
 
@@ -481,6 +484,7 @@ def _check_args(args) -> None:
     for entry in args.drafter_list:
       _trained_entry(entry, args)  # a trained drafter's run and settings, before any model loads
   runtime.check_output_file(args.json, "the report (--json)")
+  args.device_mesh = parallel.job_mesh(parallel.parse_mesh_shape(args.mesh))
 
 
 def main(argv=None) -> int:
@@ -529,7 +533,7 @@ def _pair_main(args) -> int:
     table = paired_acceptance(target.params["params"], drafter.params["params"], contexts, target=target.config,
                               drafter=ModelDrafter(drafter.config), gamma=args.gamma, temperature=args.temperature,
                               draws=args.draws, seed=args.seed, buckets=args.buckets,
-                              mesh=parallel.every_device_mesh())
+                              mesh=args.device_mesh)
   summary = summarize_paired(table)
   print(f"{'γ':>2} | {'BE token':>8} {'BE block':>8} | {'block − token (E[τ])':>20} | {'gain':>6}")
   for s in summary:

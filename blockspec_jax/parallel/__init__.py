@@ -32,10 +32,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.models.scorer import as_scorer
 
-__all__ = ["DATA", "MODEL", "make_mesh", "every_device_mesh", "initialize_multihost", "param_spec", "param_shardings",
-           "shard_params", "shard_model", "shard_models", "batch_sharding", "put_global", "replicate", "layout_rows",
-           "shard_batch", "gather", "cache_sharding", "sharded_speculative", "sharded_autoregressive",
-           "autoregressive_rows", "map_rows", "pad_rows", "take_rows"]
+__all__ = ["DATA", "MODEL", "make_mesh", "check_mesh_shape", "parse_mesh_shape", "job_mesh", "initialize_multihost",
+           "param_spec", "param_shardings", "tree_specs", "tree_shardings", "shard_tree", "shard_params", "shard_model",
+           "shard_models", "batch_sharding", "put_global", "replicate", "layout_rows", "shard_batch", "gather",
+           "cache_sharding", "sharded_speculative", "sharded_autoregressive", "autoregressive_rows", "map_rows",
+           "pad_rows", "take_rows"]
 
 DATA, MODEL = "data", "model"
 
@@ -66,10 +67,40 @@ def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
   return Mesh(np.asarray(devices).reshape(data, model), (DATA, MODEL))
 
 
-def every_device_mesh() -> Mesh | None:
-  """The default layout of a job that takes no mesh setting: every device of the run over ``data``
-  (``make_mesh()``), or None on one device (the one-device programs, as without a mesh)."""
-  return make_mesh() if jax.device_count() > 1 else None
+def check_mesh_shape(shape, name: str = "mesh") -> tuple[int, int]:
+  """``(data, model)`` of a job's mesh: ``shape`` (two positive integers whose product is the run's device count) or,
+  for None, ``(devices, 1)``; a ``UsageError`` naming ``name`` and the problem otherwise. Touches the JAX backend (a
+  multi-host run must have joined before)."""
+  from blockspec_jax.checks import UsageError
+  devices = jax.device_count()
+  if shape is None:
+    return (devices, 1)
+  if (isinstance(shape, (str, bytes)) or not hasattr(shape, "__len__") or len(shape) != 2
+      or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape)):
+    raise UsageError(f"{name} must be (data, model), two positive integers, got {shape!r}")
+  data, model = shape
+  if data * model != devices:
+    raise UsageError(f"{name} {data} x {model} (data x model) must cover the run's {devices} device(s): data × model "
+                     f"= {devices}")
+  return (data, model)
+
+
+def parse_mesh_shape(text: str | None, option: str = "--mesh") -> tuple[int, int]:
+  """A command line's ``DATAxMODEL`` (``"4x2"``; None: every device over ``data``) checked by
+  :func:`check_mesh_shape`."""
+  from blockspec_jax.checks import UsageError
+  if text is None:
+    return check_mesh_shape(None, option)
+  parts = str(text).lower().replace("×", "x").split("x")
+  if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+    raise UsageError(f"{option} takes DATAxMODEL (e.g. 4x2), got {text!r}")
+  return check_mesh_shape(tuple(int(p) for p in parts), option)
+
+
+def job_mesh(shape: tuple[int, int]) -> Mesh | None:
+  """The mesh of a checked ``(data, model)`` shape (:func:`check_mesh_shape`), or None on one device (the one-device
+  programs, as without a mesh)."""
+  return make_mesh(*shape) if jax.device_count() > 1 else None
 
 
 def _divisible(size: int, mesh: Mesh, axis: str) -> bool:
@@ -112,6 +143,35 @@ def _path_names(path) -> tuple[str, ...]:
 def param_shardings(params, mesh: Mesh):
   return jax.tree_util.tree_map_with_path(
       lambda path, x: NamedSharding(mesh, param_spec(_path_names(path), tuple(x.shape), mesh)), params)
+
+
+_DECODER_TOP = ("embed", "layers", "final_norm", "lm_head")
+
+
+def tree_specs(tree, mesh: Mesh):
+  """Partition specs for any pytree that holds decoder parameters somewhere inside (a training job's frozen inputs,
+  ``{"target": params, "drafter": part of params}``): a leaf whose path passes through a decoder's top-level name
+  (``embed``, ``layers``, ``layers_<i>``, ``final_norm``, ``lm_head``) is laid out by :func:`param_spec` from that
+  name on, as :func:`shard_params` lays out a model; every other leaf (and a lone ``lm_head`` table, which is not a
+  ``.../weight``) is replicated."""
+  def spec(path, x):
+    names = _path_names(path)
+    for i, name in enumerate(names):
+      if name in _DECODER_TOP or name.startswith("layers_"):
+        return param_spec(names[i:], tuple(np.shape(x)), mesh)
+    return P()
+  return jax.tree_util.tree_map_with_path(spec, tree)
+
+
+def tree_shardings(tree, mesh: Mesh):
+  """:func:`tree_specs` as ``NamedSharding`` on ``mesh``."""
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), tree_specs(tree, mesh),
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def shard_tree(tree, mesh: Mesh):
+  """``tree`` on ``mesh`` by :func:`tree_shardings` (every process passes the same values)."""
+  return jax.tree.map(put_global, tree, tree_shardings(tree, mesh))
 
 
 def _is_key(x) -> bool:

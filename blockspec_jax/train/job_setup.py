@@ -95,9 +95,13 @@ class JobSettings:
   progress: bool = True
   """Progress bars and per-step lines."""
   data_parallel: bool = True
-  """Split every training batch over all devices (a ``(data, 1)`` mesh: ``batch_size`` must be a multiple of the
-  device count), the same updates as one device up to the order of float32 sums; on one device nothing changes (no
-  mesh). False: the first device only."""
+  """Train on every device (the ``mesh`` below: each batch split over ``data``, so ``batch_size`` must be a
+  multiple of its size), the same updates as one device up to the order of float32 sums; on one device nothing
+  changes (no mesh). False: the first device only."""
+  mesh: tuple | None = None
+  """``(data, model)`` with ``data × model`` = the run's devices (checked with the other settings, before any model
+  loads): batches and the target's sampled rows over ``data``, the frozen target's parameters over ``model`` (as the
+  main job lays out a model). None: ``(devices, 1)``, every device over ``data``."""
   stop_after: int | None = None
   """Stop (with a checkpoint) once this many steps are done, as if killed: for resume tests."""
 
@@ -109,15 +113,19 @@ class JobSettings:
     self.train_mesh()
 
   def train_mesh(self):
-    """The ``(data, 1)`` mesh over every device of the run with ``data_parallel`` and more than one device, else
-    None; a UsageError when ``batch_size`` does not split over it."""
-    mesh = parallel.every_device_mesh() if self.data_parallel else None
+    """The ``(data, model)`` mesh of :attr:`mesh` over every device of the run with ``data_parallel`` and more than
+    one device, else None; a UsageError when the shape does not cover the devices or ``batch_size`` does not split
+    over ``data``."""
+    if not self.data_parallel:
+      return None
+    shape = parallel.check_mesh_shape(self.mesh, self.name("mesh"))
+    mesh = parallel.job_mesh(shape)
     if mesh is None:
       return None
     if self.batch_size % mesh.shape[parallel.DATA]:
       raise checks.UsageError(f"{self.name('batch_size')} = {self.batch_size} must be a multiple of the "
-                              f"{mesh.shape[parallel.DATA]} devices the batches are split over (or "
-                              f"{self.name('data_parallel')} = False: one device)")
+                              f"{mesh.shape[parallel.DATA]} devices the batches are split over (or another "
+                              f"{self.name('mesh')}, or {self.name('data_parallel')} = False: one device)")
     return mesh
 
   def loop(self) -> trainer.Loop:
@@ -288,8 +296,9 @@ def seconds_total(rows: list):
 
 
 def machine(settings: JobSettings) -> dict:
-  """``peak_rss_gb``, ``device`` (the platform) and ``data_parallel_devices`` (the devices each training batch was
-  split over: 1 without a mesh) for a summary."""
+  """``peak_rss_gb``, ``device`` (the platform), ``data_parallel_devices`` (the devices each training batch was
+  split over: 1 without a mesh) and ``mesh`` (``[data, model]``) for a summary."""
   mesh = settings.train_mesh()
   return {"peak_rss_gb": runtime.peak_rss_gb(), "device": jax.devices()[0].platform,
-          "data_parallel_devices": 1 if mesh is None else mesh.size}
+          "data_parallel_devices": 1 if mesh is None else mesh.shape[parallel.DATA],
+          "mesh": [1, 1] if mesh is None else [mesh.shape[parallel.DATA], mesh.shape[parallel.MODEL]]}

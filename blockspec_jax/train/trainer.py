@@ -16,10 +16,12 @@ the current trainable parameters, which on-policy data needs) and ``jax.random.f
 the whole :class:`TrainState` (exact float32 arrays), so a run stopped after ``k`` steps and resumed by a new
 :func:`fit` call on the same workdir reaches bit-identical parameters to an uninterrupted run.
 
-Data parallelism: with a ``mesh`` (``blockspec_jax.parallel.make_mesh``; :class:`Loop`'s ``mesh`` for :func:`fit`) the step is the same jitted function with
-``in_shardings``: every batch leaf split over the mesh's ``data`` axis by its leading dimension, parameters,
-optimizer state and key replicated. The loss is a mean over the *global* batch (jit's semantics are global), so the
-gradient and the update equal one device's up to the order of floating-point reductions.
+Data (and model) parallelism: with a ``mesh`` (``blockspec_jax.parallel.make_mesh``; :class:`Loop`'s ``mesh`` for
+:func:`fit`) the step is the same jitted function on inputs placed on the mesh: every batch leaf split over its
+``data`` axis by its leading dimension, the frozen decoder parameters (a target the loss reads) over ``model`` as
+``parallel`` lays out a model, the trainable parameters, optimizer state and key replicated. The loss is a mean over
+the *global* batch (jit's semantics are global), so the gradient and the update equal one device's up to the order
+of floating-point reductions.
 
 Outputs of :func:`fit` in ``workdir``: ``metrics.jsonl`` (one JSON object per step, flushed at every write, so a
 killed run keeps its curve; lines past the restored step are dropped on resume), ``checkpoints/`` (orbax
@@ -174,8 +176,10 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
   """The jitted step ``(state, frozen, batch, key) -> (state, metrics)``.
 
   With ``mesh``: inputs are put on the mesh first (batch leaves split over ``data`` by their leading dimension,
-  which must be a multiple of the axis size; everything else replicated), outputs come back replicated, and the
-  call runs under the mesh (so mesh-aware layers, e.g. the decoder's linear kernels, take their sharded path).
+  which must be a multiple of the axis size; decoder parameters inside ``frozen`` over ``model`` as
+  ``parallel.tree_shardings`` lays them out, so a ``(data, model)`` mesh holds a frozen target split over ``model``;
+  the state and the key replicated), outputs come back replicated, and the call runs under the mesh (so mesh-aware
+  layers, e.g. the decoder's linear kernels, take their sharded path).
   Each call builds (and on first use compiles) a new step: hold on to it rather than calling this per step.
   """
   return _make_train_step(loss_fn, optimizer, mesh)
@@ -189,9 +193,10 @@ def _make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, m
   replicated = NamedSharding(mesh, P())
   rows = NamedSharding(mesh, P(DATA_AXIS))
   data_size = mesh.shape[DATA_AXIS]
+  # no in_shardings: every input is placed below (committed), and the program takes the placement it is given
   sharded = jax.jit(lambda state, frozen, batch, key: train_step(state, frozen, batch, key, loss_fn=loss_fn,
                                                                  optimizer=optimizer),
-                    in_shardings=(replicated, replicated, rows, replicated), out_shardings=replicated)
+                    out_shardings=replicated)
 
   def call(state, frozen, batch, key):
     for leaf in jax.tree.leaves(batch):
@@ -200,7 +205,8 @@ def _make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, m
                          f"{data_size}; got shape {np.shape(leaf)}")
     # parallel.put_global: jax.device_put on one host; across hosts each places what its devices hold (every host
     # passes the same state and the same global batch)
-    state, frozen, key = jax.tree.map(lambda x: parallel.put_global(x, replicated), (state, frozen, key))
+    state, key = jax.tree.map(lambda x: parallel.put_global(x, replicated), (state, key))
+    frozen = parallel.shard_tree(frozen, mesh)
     batch = jax.tree.map(lambda x: parallel.put_global(x, rows), batch)
     with _mesh_context(mesh):
       return sharded(state, frozen, batch, key)
@@ -228,7 +234,8 @@ class Loop:
   stop_after: int | None = None
   """Stop (with a checkpoint) once this many steps are done, as if killed: for resume tests."""
   mesh: Mesh | None = None
-  """A data-parallel mesh (:func:`make_train_step`): every batch leaf split over ``data``; None: one device."""
+  """A ``(data, model)`` mesh (:func:`make_train_step`): every batch leaf split over ``data``, the frozen decoder
+  parameters over ``model``; None: one device."""
 
   def __post_init__(self):
     check_int(self.num_steps, "num_steps")
@@ -367,6 +374,8 @@ def fit(*, loss_fn: LossFn, optimizer: optax.GradientTransformation, trainable, 
   start = int(state.step)
   end = num_steps if stop_after is None else min(num_steps, stop_after)
   step_fn = make_train_step(loss_fn, optimizer, mesh)
+  if mesh is not None:
+    frozen = parallel.shard_tree(frozen, mesh)  # placed once (each step's placement is then a no-op)
   manager = checkpoints_lib.make_manager(workdir / "checkpoints", max_to_keep, checkpoint_every)
   if resumed_from is not None:
     checkpoints_lib.delete_after(manager, resumed_from)  # the damaged steps past it: saved again below
