@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from typing import Sequence
+from typing import Any, Sequence
 
 from blockspec_jax import methods as methods_lib
 from blockspec_jax import runtime
 from blockspec_jax import sources
 from blockspec_jax.checks import UsageError
 
-__all__ = ["Models", "MethodGrid", "SamplerSettings", "DataSettings", "OutputSettings", "check_switch",
-           "check_mesh_shape"]
+__all__ = ["Models", "MethodGrid", "SamplerSettings", "DataSettings", "OutputSettings", "EvalSettings",
+           "check_switch", "check_mesh_shape"]
 
 
 def check_switch(value, name: str) -> bool:
@@ -212,3 +212,64 @@ class OutputSettings:
     if self.out_dir is not None:
       object.__setattr__(self, "out_dir", runtime.check_output_dir(pathlib.Path(self.out_dir),
                                                                    "the suite's directory"))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalSettings:
+  """The settings every evaluation job binds flat in gin (``run_job.target``, ``suite.seed``, ``bench_lossy.mesh``).
+
+  Each job's settings object (``run.RunSettings``, ``eval.suite.SuiteSettings``, ``eval.bench_lossy.LossySettings``)
+  subclasses this one, adds its own fields and defaults, and groups them into the dataclasses above with
+  :meth:`models`, :meth:`sampler_settings` and :meth:`data_settings` (each checks its fields when built); it builds
+  every group when it is made, so a mistake is one :class:`UsageError` before any model loads, as with the training
+  jobs' settings (``train.job_setup.JobSettings``).
+  """
+
+  target: str = methods_lib.DEFAULT_TARGET
+  """:attr:`Models.target`."""
+  drafter: Any = methods_lib.DEFAULT_DRAFTER
+  """:attr:`Models.drafters` (a name, or a tuple of them where the job runs several)."""
+  dtype: str = "float32"
+  """:attr:`Models.dtype`."""
+  scan_layers: bool = True
+  """:attr:`Models.scan_layers`."""
+  cache_dir: str | None = None
+  """:attr:`Models.cache_dir`."""
+  compilation_cache: str | None = None
+  """:attr:`Models.compilation_cache`."""
+  mesh: tuple | None = None
+  """:attr:`Models.mesh` (``(data, model)``; None: every device over ``data``)."""
+  seed: int = 0
+  """:attr:`SamplerSettings.seed`."""
+  top_k: int = 0
+  """:attr:`SamplerSettings.top_k`."""
+  top_p: float = 1.0
+  """:attr:`SamplerSettings.top_p`."""
+  chat: bool = True
+  """:attr:`DataSettings.chat`."""
+  max_new_tokens: int = 64
+  """:attr:`DataSettings.max_new_tokens`."""
+  share_prefills: bool = True
+  """Rows that run the same prefill (same models, drafter, γ and budget) compute each prompt's prefill once
+  (``harness.PrefillCache``: the same state bit for bit) and each count its measured time; False times every row's
+  own."""
+
+  def __post_init__(self):
+    check_switch(self.share_prefills, "share_prefills")
+    self.groups()
+
+  def groups(self) -> tuple:
+    """The job's grouped settings, in the order its run function takes them (each checked as it is built)."""
+    raise NotImplementedError
+
+  def models(self) -> Models:
+    return Models(target=self.target, drafters=self.drafter, dtype=self.dtype, scan_layers=self.scan_layers,
+                  cache_dir=self.cache_dir, compilation_cache=self.compilation_cache, mesh=self.mesh)
+
+  def sampler_settings(self, temperatures) -> SamplerSettings:
+    return SamplerSettings(temperatures=temperatures, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
+
+  def data_settings(self, prompts: str, **fields) -> DataSettings:
+    """:class:`DataSettings` of ``prompts`` and ``fields`` (``num_prompts``, ``tasks``, …) with :attr:`chat` and
+    :attr:`max_new_tokens`."""
+    return DataSettings(prompts=prompts, chat=self.chat, max_new_tokens=self.max_new_tokens, **fields)

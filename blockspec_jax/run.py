@@ -23,6 +23,7 @@ is printed per method so a person can see it is real.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import gin
@@ -79,29 +80,46 @@ def format_table(rows, drafters: list[str] | None = None) -> str:
 
 
 @gin.configurable("run_job")
-def run_job(target: str = methods_lib.DEFAULT_TARGET, drafter=methods_lib.DEFAULT_DRAFTER,
-            prompts_path: str = str(prompts_lib.DEFAULT_PROMPTS), num_prompts: int | None = 6, gamma: int = 4,
-            temperatures=(0.0, 1.0), methods=METHODS, max_new_tokens: int = 64, dtype: str = "float32",
-            seed: int = 0, chat: bool = True, output_json: str | None = "results/run.json",
-            cache_dir: str | None = None, show_text: bool = True, compilation_cache: str | None = None,
-            drafter_settings: dict | None = None, verifier_settings: dict | None = None,
-            scan_layers: bool = True, share_prefills: bool = True, mesh: tuple[int, int] | None = None) -> dict:
-  """The main job (see the module docstring), from its flat gin bindings (``run_job.gamma = 6``, …): builds the
-  settings (:mod:`blockspec_jax.job_config`, where each one is documented; every one checked there, before a model is
-  loaded) and runs :func:`main_job`. ``drafter``: ``job_config.Models.drafters`` (a name, or a tuple of them);
-  ``gamma``: the one γ of ``job_config.MethodGrid.gammas``; ``prompts_path``: ``job_config.DataSettings.prompts``.
-  ``share_prefills``: see :func:`main_job`; ``mesh``: ``job_config.Models.mesh`` ((data, model); None: every device
-  over data)."""
-  methods_lib.check_gamma(gamma)  # the one γ, named as it is bound (MethodGrid says "every gamma")
-  models = job_config.Models(target=target, drafters=drafter, dtype=dtype, scan_layers=scan_layers,
-                             cache_dir=cache_dir, compilation_cache=compilation_cache, mesh=mesh)
-  grid = job_config.MethodGrid(methods=methods, gammas=(gamma,), drafter_settings=drafter_settings,
-                               verifier_settings=verifier_settings)
-  sampler = job_config.SamplerSettings(temperatures=temperatures, seed=seed)
-  data = job_config.DataSettings(prompts=prompts_path, num_prompts=num_prompts, chat=chat,
-                                 max_new_tokens=max_new_tokens)
-  output = job_config.OutputSettings(output_json=output_json, show_text=show_text)
-  return main_job(models, grid, sampler, data, output, share_prefills=share_prefills)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunSettings(job_config.EvalSettings):
+  """``run_job``'s settings (gin: ``run_job.gamma = 6``, …): the fields every evaluation job has
+  (``job_config.EvalSettings``: the models, the sampler's seed and filters, ``chat``, ``max_new_tokens``, the mesh,
+  ``share_prefills``) and these; made once, they check every field (``job_config``'s groups), before a model loads."""
+
+  prompts_path: str = str(prompts_lib.DEFAULT_PROMPTS)
+  """``job_config.DataSettings.prompts``: the prompt file."""
+  num_prompts: int | None = 6
+  """``job_config.DataSettings.num_prompts``."""
+  gamma: int = 4
+  """The one γ of ``job_config.MethodGrid.gammas``."""
+  temperatures: tuple = (0.0, 1.0)
+  """``job_config.SamplerSettings.temperatures``."""
+  methods: tuple = METHODS
+  """``job_config.MethodGrid.methods``."""
+  drafter_settings: dict | None = None
+  """``job_config.MethodGrid.drafter_settings``."""
+  verifier_settings: dict | None = None
+  """``job_config.MethodGrid.verifier_settings``."""
+  output_json: str | None = "results/run.json"
+  """``job_config.OutputSettings.output_json``."""
+  show_text: bool = True
+  """``job_config.OutputSettings.show_text``."""
+
+  def groups(self) -> tuple:
+    """``(models, grid, sampler, data, output)`` for :func:`main_job`."""
+    methods_lib.check_gamma(self.gamma)  # the one γ, named as it is bound (MethodGrid says "every gamma")
+    grid = job_config.MethodGrid(methods=self.methods, gammas=(self.gamma,), drafter_settings=self.drafter_settings,
+                                 verifier_settings=self.verifier_settings)
+    return (self.models(), grid, self.sampler_settings(self.temperatures),
+            self.data_settings(self.prompts_path, num_prompts=self.num_prompts),
+            job_config.OutputSettings(output_json=self.output_json, show_text=self.show_text))
+
+
+def run_job(**overrides) -> dict:
+  """The main job (see the module docstring): :class:`RunSettings` from gin (``run_job.*``) and ``overrides``,
+  checked before a model loads, then :func:`main_job`."""
+  settings = RunSettings(**overrides)
+  return main_job(*settings.groups(), share_prefills=settings.share_prefills)
 
 
 def main_job(models: job_config.Models, grid: job_config.MethodGrid, sampler: job_config.SamplerSettings,

@@ -2,6 +2,10 @@
 reaches the subprocesses' XLA flags, and bad settings fail in one line before any job starts. The benchmark's real run
 is documented in docs/results/mesh.md (the main job on 8 fake devices is tested in tests/test_main_job_ids.py)."""
 
+import json
+import pathlib
+import subprocess
+
 import pytest
 
 from blockspec_jax import checks
@@ -42,8 +46,34 @@ def test_the_device_count_replaces_any_count_in_xla_flags():
     (dict(devices=(1, 0)), "devices must be a tuple of device counts"),
     (dict(devices=4), "devices must be a tuple of device counts"),
     (dict(job_gin_file="gin/runs/nope.gin"), "no gin file"),
+    (dict(devices=(), compile_jobs=("suite", "train")), r"unknown job\(s\) \['train'\]"),
+    (dict(devices=(), compile_jobs=("suite",), compile_devices=()), "compile_devices must be a tuple"),
 ])
 def test_bad_settings_fail_before_any_job_runs(settings, message, monkeypatch):
   monkeypatch.setattr(bench_mesh.subprocess, "run", lambda *a, **k: pytest.fail("a job ran"))
   with pytest.raises(checks.UsageError, match=message):
     bench_mesh.bench_mesh_job(**settings, output_json=None)
+
+
+def test_the_compile_table_marks_recompiles_and_changed_numbers(monkeypatch, tmp_path):
+  """``compile_counts`` runs every job on every count in its own process (here a stand-in) and compares each count's
+  numbers with the first's; the table shows "-" for a job without repeated calls and NO for changed numbers."""
+  runs = []
+
+  def fake_run(command, env, **kwargs):
+    devices = int(env["XLA_FLAGS"].rsplit("=", 1)[1])
+    runs.append((command[3], devices))
+    (pathlib.Path(command[4])).write_text(json.dumps({"rc": 0, "programs_compiled": 10 + devices}))
+    return subprocess.CompletedProcess(command, 0, "", "")
+
+  def fake_job(n, tmp):
+    return "blockspec_jax.fake", [], lambda: (None if n == 1 else 0, [1.0] if n == 1 else [2.0])
+
+  monkeypatch.setattr(bench_mesh.subprocess, "run", fake_run)
+  monkeypatch.setitem(bench_mesh.COMPILE_JOBS, "fake", fake_job)
+  lines = bench_mesh.compile_counts(("fake",), (1, 8), timeout_s=10)
+  assert runs == [("blockspec_jax.fake", 1), ("blockspec_jax.fake", 8)]
+  assert [(x["devices"], x["programs_compiled"], x["after_first"], x["same"]) for x in lines] == [
+      (1, 11, None, True), (8, 18, 0, False)]
+  table = bench_mesh.format_compile_table(lines).splitlines()
+  assert table[2].split() == ["fake", "1", "11", "-", "yes"] and table[3].split() == ["fake", "8", "18", "0", "NO"]

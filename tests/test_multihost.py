@@ -29,6 +29,7 @@ def test_processes_on_one_global_mesh_emit_one_devices_tokens(count):
     assert f"process {i} of {count}: 2 local devices, {2 * count} in all" in out
 
 
+@pytest.mark.slow  # the distillation smoke job across processes (train steps, checkpoints, resume) runs by default
 def test_data_parallel_train_steps_across_processes_reach_one_devices_parameters():
   """2 processes × 2 devices: three train steps of a tiny DistillSpec pair on a 4 x 1 data mesh (every process passing
   the same global batches; the trainer places the rows each process's devices hold) reach the parameters one device

@@ -154,3 +154,20 @@ def test_option_mistakes_are_one_line_before_any_model_loads(argv, message, caps
   err = capsys.readouterr().err.strip().splitlines()
   assert exit_info.value.code == 2
   assert len(err) == 1 and err[0].startswith("python -m blockspec_jax.eval.paired: error:") and message in err[0], err
+
+
+def test_the_plain_comparison_runs_end_to_end_and_records_its_mesh(tmp_path, capsys):
+  """``eval.paired`` on SmolLM2 drafting for itself (T = 1): a drafter equal to its target has every draft accepted
+  under both rules (BE = γ + 1 at every γ), and the report records the options and the mesh it ran on."""
+  import json
+  from blockspec_jax.eval import paired
+  out = tmp_path / "paired.json"
+  assert paired.main(["--target", "smollm2-135m", "--drafter", "smollm2-135m", "--num-prompts", "1",
+                      "--sample-tokens", "4", "--positions", "2", "--gamma", "2", "--draws", "2",
+                      "--json", str(out)]) == 0
+  saved = json.loads(out.read_text())
+  assert saved["config"]["mesh"] == [1, 1] and saved["config"]["gamma"] == 2 and len(saved["contexts"]) == 2
+  assert [(s["gamma"], s["be"]["token"], s["be"]["block"]) for s in saved["summary"]] == [
+      (1, pytest.approx(2.0, abs=1e-3), pytest.approx(2.0, abs=1e-3)),
+      (2, pytest.approx(3.0, abs=1e-3), pytest.approx(3.0, abs=1e-3))]
+  assert "BE = 1 + Σ_i P(τ ≥ i | X^i)" in capsys.readouterr().out

@@ -24,8 +24,8 @@ def test_sharded_equals_unsharded_on_eight_devices():
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "ALL EQUAL" in proc.stdout
   # four mesh cases, 5 rows padded to the data axis, eval.paired's chain table and a trees arm, the training jobs'
-  # label collection, the stacked layout
-  assert proc.stdout.count("equal=True") == 9
+  # label collection, a training fit on data x model, the stacked layout
+  assert proc.stdout.count("equal=True") == 10
   assert "q weight P(None, 'model', None)" in proc.stdout  # a stacked q weight: split over model, not over L
   assert "compiled once: True" in proc.stdout  # a second batch of the same shapes does not recompile
 

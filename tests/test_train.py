@@ -574,6 +574,9 @@ def test_resume_reaches_bit_identical_params(tmp_path):
   rows_b = trainer.read_metrics(tmp_path / "b" / "metrics.jsonl")
   assert [r["step"] for r in rows_b] == list(range(1, 7))
   assert [r["loss"] for r in rows_a] == [r["loss"] for r in rows_b]
+  # nothing recompiles per step: programs are compiled only in the first step of each process's fit
+  assert all(r["programs_compiled"] == 0 for r in rows_a[1:]) and rows_a[0]["programs_compiled"] >= 1
+  assert [r["step"] for r in rows_b if r["programs_compiled"]] == [1, 4]  # the first step of each of the two fits
   assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir() if p.name.isdigit()) == ["4", "6"]
   before = distill.heldout_tv(drafter, target, data)
   assert 0.0 < before < 1.0

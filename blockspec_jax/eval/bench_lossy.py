@@ -41,8 +41,8 @@ from blockspec_jax import runtime
 from blockspec_jax.data import prompts as prompts_lib
 from blockspec_jax.eval.fidelity import target_loglik
 
-__all__ = ["method_specs", "tabular_pair", "same_draft_table", "tabular_fidelity", "target_loglik", "format_table", "bench_lossy_job",
-           "LossyGrid", "lossy_bench", "main"]
+__all__ = ["method_specs", "tabular_pair", "same_draft_table", "tabular_fidelity", "target_loglik", "format_table",
+           "LossySettings", "bench_lossy_job", "LossyGrid", "lossy_bench", "main"]
 
 
 def method_specs(thresholds, taus, cap: int, lossless=("token", "block"), sprinter_bonus=(True,)) -> list[dict]:
@@ -215,37 +215,61 @@ class LossyGrid:
 
 
 @gin.configurable("bench_lossy")
-def bench_lossy_job(target: str = methods_lib.DEFAULT_TARGET, drafter: str = methods_lib.DEFAULT_DRAFTER,
-                    sprinter_head: str | None = "results/train/sprinter_qwen",
-                    prompts_path: str = str(prompts_lib.DEFAULT_PROMPTS), num_prompts: int | None = None,
-                    temperature: float = 1.0, gamma: int = 4, max_new_tokens: int = 96,
-                    thresholds=(0.3, 0.5, 0.7), cap: int = 20, taus=(0.3, 0.5), beam_width: int = 4,
-                    beam_sample: bool = True, dtype: str = "float32", seed: int = 0, chat: bool = True,
-                    humaneval_timeout_s: float = 10.0, tabular_n: int = 3,
-                    output_json: str | None = "results/bench_lossy.json",
-                    plot: str | None = "results/bench_lossy.png", cache_dir: str | None = None,
-                    compilation_cache: str | None = None, share_prefills: bool = True,
-                    humaneval_unsafe_no_sandbox: bool = False, mesh: tuple[int, int] | None = None,
-                    sprinter_bonus: tuple = (True,), top_k: int = 0, top_p: float = 1.0,
-                    beam_per_step: bool = False) -> dict:
-  """The bench (module docstring) from its flat gin bindings (``bench_lossy.gamma = 4``, …): builds the settings
-  (:mod:`blockspec_jax.job_config` and :class:`LossyGrid`, where each one is documented; every one checked there,
-  before a model is loaded; ``mesh``: ``job_config.Models.mesh``) and runs :func:`lossy_bench`, which documents the
-  rest."""
-  models = job_config.Models(target=target, drafters=(drafter,), dtype=dtype, scan_layers=True, cache_dir=cache_dir,
-                             compilation_cache=compilation_cache, mesh=mesh)
-  sampler = job_config.SamplerSettings(temperatures=(temperature,), top_k=top_k, top_p=top_p, seed=seed)
-  data = job_config.DataSettings(prompts=prompts_path, num_prompts=num_prompts, chat=chat,
-                                 max_new_tokens=max_new_tokens)
-  if not thresholds or not taus:
-    raise checks.UsageError("bench_lossy needs at least one SPRINTER threshold and one MTAD tau")
-  grid = LossyGrid(gamma=gamma, thresholds=thresholds, cap=cap, taus=taus, sprinter_head=sprinter_head,
-                   beam_width=beam_width, beam_sample=beam_sample, sprinter_bonus=tuple(sprinter_bonus),
-                   beam_per_step=beam_per_step)
-  output = job_config.OutputSettings(output_json=output_json)
-  return lossy_bench(models, grid, sampler, data, output, plot=plot, tabular_n=tabular_n,
-                     humaneval_timeout_s=humaneval_timeout_s, share_prefills=share_prefills,
-                     humaneval_unsafe_no_sandbox=humaneval_unsafe_no_sandbox)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossySettings(job_config.EvalSettings):
+  """The bench's settings (gin: ``bench_lossy.gamma = 4``, …): the fields every evaluation job has
+  (``job_config.EvalSettings``) and these (:class:`LossyGrid` documents the grid's); made once, they check every
+  field, before a model loads. One drafter (``drafter``), one temperature."""
+
+  sprinter_head: str | None = "results/train/sprinter_qwen"
+  """:attr:`LossyGrid.sprinter_head`."""
+  prompts_path: str = str(prompts_lib.DEFAULT_PROMPTS)
+  """``job_config.DataSettings.prompts``."""
+  num_prompts: int | None = None
+  """``job_config.DataSettings.num_prompts``."""
+  temperature: float = 1.0
+  """The one temperature of the bench."""
+  max_new_tokens: int = 96
+  """``job_config.DataSettings.max_new_tokens``."""
+  gamma: int = 4
+  thresholds: tuple = (0.3, 0.5, 0.7)
+  cap: int = 20
+  taus: tuple = (0.3, 0.5)
+  beam_width: int = 4
+  beam_sample: bool = True
+  beam_per_step: bool = False
+  sprinter_bonus: tuple = (True,)
+  """:class:`LossyGrid`'s fields of the same names."""
+  tabular_n: int = 3
+  """The exact fidelity on the tabular pair compares the law of the first ``n`` emitted tokens."""
+  humaneval_timeout_s: float = 10.0
+  """Each HumanEval completion's time limit."""
+  humaneval_unsafe_no_sandbox: bool = False
+  """Where this machine cannot contain generated code, run the HumanEval completions anyway (:func:`lossy_bench`)."""
+  output_json: str | None = "results/bench_lossy.json"
+  """``job_config.OutputSettings.output_json``."""
+  plot: str | None = "results/bench_lossy.png"
+  """The speed-against-fidelity plot (a PNG path; None: none)."""
+
+  def groups(self) -> tuple:
+    """``(models, grid, sampler, data, output)`` for :func:`lossy_bench`."""
+    models = self.models()
+    sampler = self.sampler_settings((self.temperature,))
+    data = self.data_settings(self.prompts_path, num_prompts=self.num_prompts)
+    if not self.thresholds or not self.taus:
+      raise checks.UsageError("bench_lossy needs at least one SPRINTER threshold and one MTAD tau")
+    grid = LossyGrid(gamma=self.gamma, thresholds=self.thresholds, cap=self.cap, taus=self.taus,
+                     sprinter_head=self.sprinter_head, beam_width=self.beam_width, beam_sample=self.beam_sample,
+                     sprinter_bonus=tuple(self.sprinter_bonus), beam_per_step=self.beam_per_step)
+    return models, grid, sampler, data, job_config.OutputSettings(output_json=self.output_json)
+
+
+def bench_lossy_job(**overrides) -> dict:
+  """The bench (module docstring): :class:`LossySettings` from gin (``bench_lossy.*``) and ``overrides``, checked
+  before a model loads, then :func:`lossy_bench`, which documents the rest."""
+  s = LossySettings(**overrides)
+  return lossy_bench(*s.groups(), plot=s.plot, tabular_n=s.tabular_n, humaneval_timeout_s=s.humaneval_timeout_s,
+                     share_prefills=s.share_prefills, humaneval_unsafe_no_sandbox=s.humaneval_unsafe_no_sandbox)
 
 
 def lossy_bench(models: job_config.Models, grid: LossyGrid, sampler: job_config.SamplerSettings,

@@ -81,7 +81,8 @@ def main(argv=None) -> int:
     arms = _arms(args.paired, args.temperature)
     for method, _, _, _ in arms:
       methods.parse_method(method)
-    mesh = parallel.job_mesh(parallel.parse_mesh_shape(args.mesh))
+    mesh_shape = parallel.parse_mesh_shape(args.mesh)
+    mesh = parallel.job_mesh(mesh_shape)
   start = time.perf_counter()
   target, (drafter,), _ = sources.load_models(args.target, [args.drafter])  # one object when they are one model
   if mesh is not None:
@@ -114,7 +115,8 @@ def main(argv=None) -> int:
   if args.json:
     path = pathlib.Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(config=vars(args), devices=runtime.describe_devices(mesh), results=results),
+    config = dict(vars(args), mesh=list(mesh_shape))
+    path.write_text(json.dumps(dict(config=config, devices=runtime.describe_devices(mesh), results=results),
                                indent=1))
     print(f"wrote {path}")
   return 0

@@ -237,7 +237,7 @@ def _trees_main(args, target, drafter_model, prompt_ids, start) -> int:
         print(f"  T={temperature:g} N={budget:>2} {arm.label:<18} BE {be}  ({time.perf_counter() - t0:.0f} s)",
               flush=True)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(dict(config=vars(args), contexts=len(contexts), results=results)))
+        path.write_text(json.dumps(dict(config=_config(args), contexts=len(contexts), results=results)))
   print(format_trees(results, args.temperature_list))
   for temperature in args.temperature_list:
     rows = pt.summarize_arms([r for r in results if r["temperature"] == temperature])
@@ -341,7 +341,7 @@ def _drafters_main(args, target, prompt_rows, prompt_ids, start) -> int:
       print(f"  T={temperature:g} {label}: BE block γ=4 {be[1, min(3, args.gamma - 1)]:.3f}, γ={args.gamma} "
             f"{be[1, -1]:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
       path.parent.mkdir(parents=True, exist_ok=True)
-      path.write_text(json.dumps(dict(config=vars(args), drafters=args.drafter_list, results=results)))
+      path.write_text(json.dumps(dict(config=_config(args), drafters=args.drafter_list, results=results)))
   report = []
   for temperature in args.temperature_list:
     here = {r["drafter"]: r for r in results if r["temperature"] == temperature}
@@ -484,7 +484,14 @@ def _check_args(args) -> None:
     for entry in args.drafter_list:
       _trained_entry(entry, args)  # a trained drafter's run and settings, before any model loads
   runtime.check_output_file(args.json, "the report (--json)")
-  args.device_mesh = parallel.job_mesh(parallel.parse_mesh_shape(args.mesh))
+  args.mesh_shape = parallel.parse_mesh_shape(args.mesh)
+  args.device_mesh = parallel.job_mesh(args.mesh_shape)
+
+
+def _config(args) -> dict:
+  """The options as a report records them (the mesh as its ``[data, model]`` shape)."""
+  return dict({k: v for k, v in vars(args).items() if k not in ("device_mesh", "mesh_shape")},
+              mesh=list(args.mesh_shape))
 
 
 def main(argv=None) -> int:
@@ -544,7 +551,7 @@ def _pair_main(args) -> int:
   if args.json:
     path = pathlib.Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(config=vars(args), contexts=[len(c) for c in contexts], summary=summary,
+    path.write_text(json.dumps(dict(config=_config(args), contexts=[len(c) for c in contexts], summary=summary,
                                     table=table.tolist()), indent=1))
     print(f"wrote {path}")
   return 0

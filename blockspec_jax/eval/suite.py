@@ -35,12 +35,14 @@ Only process 0 of a multi-host run writes (``runtime.is_main_process``).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import datetime
 import math
 import pathlib
 import platform
 import sys
 import time
+from typing import Any
 
 import gin
 import jax
@@ -55,8 +57,8 @@ from blockspec_jax import runtime
 from blockspec_jax.eval import fidelity as fidelity_lib
 from blockspec_jax.data import prompts as prompts_lib
 
-__all__ = ["suite_job", "load_suite_prompts", "ROW_FIELDS", "write_csv", "write_plots", "write_markdown",
-           "bucket_width", "main"]
+__all__ = ["SuiteSettings", "suite_job", "load_suite_prompts", "ROW_FIELDS", "write_csv", "write_plots",
+           "write_markdown", "bucket_width", "main"]
 
 #: The columns of ``results.csv`` (and of every row of ``results.json``), in order.
 ROW_FIELDS = ("task", "method", "gamma", "draft_nodes", "temperature", "top_k", "top_p", "lossy", "prompts",
@@ -324,31 +326,66 @@ def _default_out_dir(name: str) -> pathlib.Path:
 
 
 @gin.configurable("suite")
-def suite_job(name: str = "suite", target: str = methods_lib.DEFAULT_TARGET, drafter: str = methods_lib.DEFAULT_DRAFTER,
-              prompts: str = "six", tasks=None, prompts_per_task: int | None = None,
-              methods=methods_lib.METHODS, gammas=(4,), temperatures=(1.0,), top_k: int = 0, top_p: float = 1.0,
-              max_new_tokens: int = 64, dtype: str = "float32", seed: int = 0, chat: bool = True,
-              drafter_settings: dict | None = None, verifier_settings: dict | None = None,
-              method_gammas: dict | None = None, width_bucket: int = 64, out_dir: str | None = None,
-              cache_dir: str | None = None, compilation_cache: str | None = None, plots: bool = True,
-              progress: bool = True, fidelity: bool | None = None, scan_layers: bool = True,
-              share_prefills: bool = True, mesh: tuple[int, int] | None = None) -> dict:
-  """Run a suite (see the module docstring) from its flat gin bindings (``suite.gammas = (2, 4)``, …): builds the
-  settings (:mod:`blockspec_jax.job_config`, where each one is documented; every one checked there, before a model is
-  loaded) and runs :func:`run_suite`, which documents ``name``, ``width_bucket``, ``fidelity`` and
-  ``share_prefills``. ``drafter``: the one drafter of ``job_config.Models.drafters``; ``out_dir``: default
-  ``results/suites/<name>-<UTC time>``; ``mesh``: ``job_config.Models.mesh``."""
-  models = job_config.Models(target=target, drafters=(drafter,), dtype=dtype, scan_layers=scan_layers,
-                             cache_dir=cache_dir, compilation_cache=compilation_cache, mesh=mesh)
-  grid = job_config.MethodGrid(methods=methods, gammas=gammas, drafter_settings=drafter_settings,
-                               verifier_settings=verifier_settings, method_gammas=method_gammas)
-  sampler = job_config.SamplerSettings(temperatures=temperatures, top_k=top_k, top_p=top_p, seed=seed)
-  data = job_config.DataSettings(prompts=prompts, tasks=tasks, prompts_per_task=prompts_per_task, chat=chat,
-                                 max_new_tokens=max_new_tokens)
-  output = job_config.OutputSettings(out_dir=str(out_dir) if out_dir else str(_default_out_dir(name)), plots=plots,
-                                     progress=progress)
-  return run_suite(name, models, grid, sampler, data, output, width_bucket=width_bucket, fidelity=fidelity,
-                   share_prefills=share_prefills)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SuiteSettings(job_config.EvalSettings):
+  """A suite's settings (gin: ``suite.gammas = (2, 4)``, …): the fields every evaluation job has
+  (``job_config.EvalSettings``) and these; made once, they check every field (``job_config``'s groups), before a model
+  loads. A suite runs one drafter (``drafter``)."""
+
+  name: str = "suite"
+  """The suite's name (in its report and default directory)."""
+  prompts: str = "six"
+  """``job_config.DataSettings.prompts``."""
+  tasks: Any = None
+  """``job_config.DataSettings.tasks``."""
+  prompts_per_task: int | None = None
+  """``job_config.DataSettings.prompts_per_task``."""
+  methods: tuple = methods_lib.METHODS
+  """``job_config.MethodGrid.methods``."""
+  gammas: tuple = (4,)
+  """``job_config.MethodGrid.gammas``."""
+  method_gammas: dict | None = None
+  """``job_config.MethodGrid.method_gammas``."""
+  drafter_settings: dict | None = None
+  """``job_config.MethodGrid.drafter_settings``."""
+  verifier_settings: dict | None = None
+  """``job_config.MethodGrid.verifier_settings``."""
+  temperatures: tuple = (1.0,)
+  """``job_config.SamplerSettings.temperatures``."""
+  width_bucket: int = 64
+  """Prompts are padded to a multiple of it, so suites whose prompts fall in one bucket share compiled programs."""
+  fidelity: bool | None = None
+  """Measure every row's mean target log-likelihood of its emitted tokens (:func:`run_suite`); None: when a rule of
+  the grid is lossy at one of its temperatures."""
+  out_dir: str | None = None
+  """The suite's directory (default ``results/suites/<name>-<UTC time>``)."""
+  plots: bool = True
+  """``job_config.OutputSettings.plots``."""
+  progress: bool = True
+  """``job_config.OutputSettings.progress``."""
+
+  def __post_init__(self):
+    if not self.out_dir:  # the default directory's time, once
+      object.__setattr__(self, "out_dir", str(_default_out_dir(self.name)))
+    super().__post_init__()
+
+  def groups(self) -> tuple:
+    """``(models, grid, sampler, data, output)`` for :func:`run_suite` (the output directory made last, once the
+    rest is checked)."""
+    grid = job_config.MethodGrid(methods=self.methods, gammas=self.gammas, drafter_settings=self.drafter_settings,
+                                 verifier_settings=self.verifier_settings, method_gammas=self.method_gammas)
+    models, sampler = self.models(), self.sampler_settings(self.temperatures)
+    data = self.data_settings(self.prompts, tasks=self.tasks, prompts_per_task=self.prompts_per_task)
+    return (models, grid, sampler, data,
+            job_config.OutputSettings(out_dir=str(self.out_dir), plots=self.plots, progress=self.progress))
+
+
+def suite_job(**overrides) -> dict:
+  """Run a suite (see the module docstring): :class:`SuiteSettings` from gin (``suite.*``) and ``overrides``, checked
+  before a model loads, then :func:`run_suite`."""
+  s = SuiteSettings(**overrides)
+  return run_suite(s.name, *s.groups(), width_bucket=s.width_bucket, fidelity=s.fidelity,
+                   share_prefills=s.share_prefills)
 
 
 def run_suite(name: str, models: job_config.Models, grid: job_config.MethodGrid,

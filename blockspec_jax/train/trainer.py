@@ -24,8 +24,9 @@ the *global* batch (jit's semantics are global), so the gradient and the update 
 of floating-point reductions.
 
 Outputs of :func:`fit` in ``workdir``: ``metrics.jsonl`` (one JSON object per step, flushed at every write, so a
-killed run keeps its curve; lines past the restored step are dropped on resume), ``checkpoints/`` (orbax
-``CheckpointManager``: every ``checkpoint_every`` steps, ``max_to_keep`` kept, and a final one), beside it
+killed run keeps its curve; ``programs_compiled``: the programs XLA compiled inside that step's call, nonzero only at
+a run's first step when nothing recompiles per step; lines past the restored step are dropped on resume),
+``checkpoints/`` (orbax ``CheckpointManager``: every ``checkpoint_every`` steps, ``max_to_keep`` kept, and a final one), beside it
 ``checkpoints_sha256/`` (each kept step's file sizes and SHA-256, checked on resume: a damaged step is passed over
 for the previous intact one, see :mod:`blockspec_jax.train.checkpoints`), and ``loss.png`` (when matplotlib is
 installed).
@@ -388,11 +389,13 @@ def fit(*, loss_fn: LossFn, optimizer: optax.GradientTransformation, trainable, 
       for step in range(start, end):
         batch = batch_fn(step, state.trainable)
         step_key = jax.random.fold_in(key, step)
+        compiled_before = runtime.backend_compiles()
         with runtime.compiling(label, when=step == start):
           state, metrics = step_fn(state, frozen, batch, step_key)
           if step == start:
             jax.block_until_ready(state)
-        row = {"step": step + 1, **_to_python(metrics)}
+        row = {"step": step + 1, **_to_python(metrics),
+               "programs_compiled": runtime.backend_compiles() - compiled_before}
         if not math.isfinite(row["loss"]):
           raise FloatingPointError(f"loss is {row['loss']} at step {step + 1}")
         done = step + 1
