@@ -77,3 +77,6 @@ def test_the_compile_table_marks_recompiles_and_changed_numbers(monkeypatch, tmp
       (1, 11, None, True), (8, 18, 0, False)]
   table = bench_mesh.format_compile_table(lines).splitlines()
   assert table[2].split() == ["fake", "1", "11", "-", "yes"] and table[3].split() == ["fake", "8", "18", "0", "NO"]
+  # floats agree to 1e-5 relative (float32 sums split over devices), counts and structure exactly
+  assert bench_mesh._same({"a": [1, 2.0]}, {"a": [1, 2.0 + 1e-6]}) and not bench_mesh._same([1, 2.0], [1, 2.001])
+  assert not bench_mesh._same({"a": 1}, {"b": 1}) and not bench_mesh._same([6, 16], [6, 17])
