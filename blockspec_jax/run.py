@@ -159,7 +159,8 @@ def main_job(models: job_config.Models, grid: job_config.MethodGrid, sampler: jo
   rss_gb = runtime.peak_rss_gb()
   print(f"\npeak resident memory of this job: {rss_gb:.2f} GB (10^9 bytes)")
   report = dict(target=models.target, drafter=list(models.drafters) if several else models.drafters[0],
-                dtype=models.dtype, gamma=grid.gammas[0], max_new_tokens=data.max_new_tokens, peak_rss_gb=rss_gb,
+                dtype=models.dtype, gamma=grid.gammas[0], max_new_tokens=data.max_new_tokens, top_k=sampler.top_k,
+                top_p=sampler.top_p, peak_rss_gb=rss_gb,
                 devices=runtime.describe_devices(mesh), mesh=list(models.mesh),
                 programs_compiled=runtime.backend_compiles() - compiles_before,
                 prompts=[dict(id=r["id"], task=r["task"], source=r["source"], licence=r["licence"]) for r in rows],

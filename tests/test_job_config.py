@@ -86,6 +86,14 @@ def test_the_main_job_and_the_suites_share_the_settings_types(tmp_path, monkeypa
   assert run_settings[0] == suite_settings[0]  # the same pair of models
   assert run_settings[1].gammas == (3,) and suite_settings[1].gammas == (2, 3)
   assert seen["run"][1] == dict(share_prefills=True)
+  # the fields every evaluation job has (job_config.EvalSettings) reach the same groups in every job: the main job
+  # takes the sampler's filters too
+  seen.clear()
+  run.run_job(target="smollm2-135m", drafter="smollm2-135m", top_k=5, top_p=0.9, mesh=None, output_json=None)
+  sampler = seen["run"][0][2]
+  assert (sampler.top_k, sampler.top_p) == (5, 0.9)
+  assert isinstance(run.RunSettings(), job_config.EvalSettings) and isinstance(suite.SuiteSettings(
+      out_dir=str(tmp_path / "s2")), job_config.EvalSettings)
 
 
 def test_a_bad_binding_fails_in_the_front_before_its_job_runs(tmp_path, monkeypatch):
