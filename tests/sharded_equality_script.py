@@ -121,7 +121,7 @@ def main():
              for a, b in zip(jax.tree.leaves(jax.device_get(fitted[0])), jax.tree.leaves(jax.device_get(fitted[1]))))
   moved = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
               for a, b in zip(jax.tree.leaves(jax.device_get(fitted[0].trainable)), jax.tree.leaves(drafter)))
-  placed = parallel.shard_tree({"target": target}, parallel.make_mesh(4, 2))["target"]
+  placed = parallel.shard_params({"target": target}, parallel.make_mesh(4, 2))["target"]
   split = (placed["layers_0"]["attn"]["q"]["weight"].sharding.spec, placed["embed"]["embedding"].sharding.spec)
   same = diff <= 1e-6 and moved > 1e-4 and split == (jax.sharding.PartitionSpec("model", None),) * 2
   print(f"trainer.fit, 3 distillation steps on data=4 model=2: equal={same} (max diff {diff:.1e}, moved "

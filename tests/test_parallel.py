@@ -74,19 +74,25 @@ def test_mesh_shapes_are_checked_against_the_devices():
 
 
 def test_frozen_trees_are_laid_out_as_models_wherever_their_decoder_parameters_sit():
-  """``tree_specs`` finds decoder parameters below any keys (a training job's ``frozen``) and applies the
+  """``param_specs`` finds decoder parameters below any keys (a training job's ``frozen``) and applies the
   model rules there; other leaves (a lone ``lm_head`` table, statistics) are replicated."""
   from blockspec_jax.models import decoder as dec
   params = dec.init_params(dec.DecoderConfig.tiny(vocab_size=64), 0)
   stacked = dec.stack_layers(params, 2)
   tree = {"target": params, "drafter": {"layers": stacked["layers"]}, "lm_head": np.zeros((64, 32)),
           "mean_D": np.zeros(32)}
-  specs = parallel.tree_specs(tree, _FakeMesh())
+  specs = parallel.param_specs(tree, _FakeMesh())
   assert specs["target"]["layers_0"]["attn"]["q"]["weight"] == P("model", None)
   assert specs["target"]["layers_0"]["attn"]["o"]["weight"] == P(None, "model")
   assert specs["target"]["embed"]["embedding"] == P("model", None)
   assert specs["drafter"]["layers"]["attn"]["q"]["weight"] == P(None, "model", None)  # stacked: never over L
   assert specs["lm_head"] == P() and specs["mean_D"] == P()
+  # a model's own tree: every leaf as param_spec lays out its path (what shard_params always did for a model)
+  for tree_ in (params, stacked):
+    own = jax.tree_util.tree_leaves_with_path(parallel.param_specs(tree_, _FakeMesh()),
+                                              is_leaf=lambda x: isinstance(x, P))
+    for (path, spec), (_, leaf) in zip(own, jax.tree_util.tree_leaves_with_path(tree_)):
+      assert spec == parallel.param_spec(parallel._path_names(path), leaf.shape, _FakeMesh()), path
 
 
 def test_rows_are_padded_by_repeating_the_last_and_cut_back():

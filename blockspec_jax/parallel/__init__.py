@@ -33,10 +33,10 @@ from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.models.scorer import as_scorer
 
 __all__ = ["DATA", "MODEL", "make_mesh", "check_mesh_shape", "parse_mesh_shape", "job_mesh", "initialize_multihost",
-           "param_spec", "param_shardings", "tree_specs", "tree_shardings", "shard_tree", "shard_params", "shard_model",
-           "shard_models", "batch_sharding", "put_global", "replicate", "layout_rows", "shard_batch", "gather",
-           "cache_sharding", "sharded_speculative", "sharded_autoregressive", "autoregressive_rows", "map_rows",
-           "pad_rows", "take_rows"]
+           "param_spec", "param_specs", "param_shardings", "shard_params", "shard_model", "shard_models",
+           "batch_sharding", "put_global", "replicate", "layout_rows", "shard_batch", "gather", "cache_sharding",
+           "sharded_speculative", "sharded_autoregressive", "autoregressive_rows", "map_rows", "pad_rows",
+           "take_rows"]
 
 DATA, MODEL = "data", "model"
 
@@ -140,20 +140,15 @@ def _path_names(path) -> tuple[str, ...]:
   return tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
 
 
-def param_shardings(params, mesh: Mesh):
-  return jax.tree_util.tree_map_with_path(
-      lambda path, x: NamedSharding(mesh, param_spec(_path_names(path), tuple(x.shape), mesh)), params)
-
-
 _DECODER_TOP = ("embed", "layers", "final_norm", "lm_head")
 
 
-def tree_specs(tree, mesh: Mesh):
-  """Partition specs for any pytree that holds decoder parameters somewhere inside (a training job's frozen inputs,
-  ``{"target": params, "drafter": part of params}``): a leaf whose path passes through a decoder's top-level name
-  (``embed``, ``layers``, ``layers_<i>``, ``final_norm``, ``lm_head``) is laid out by :func:`param_spec` from that
-  name on, as :func:`shard_params` lays out a model; every other leaf (and a lone ``lm_head`` table, which is not a
-  ``.../weight``) is replicated."""
+def param_specs(tree, mesh: Mesh):
+  """Partition specs of a model's parameters, or of any pytree that holds them somewhere inside (a drafter's
+  ``{"model": …, "heads": …}``, a training job's frozen inputs ``{"target": params, "drafter": part of params}``): a
+  leaf whose path passes through a decoder's top-level name (``embed``, ``layers``, ``layers_<i>``, ``final_norm``,
+  ``lm_head``) is laid out by :func:`param_spec` from that name on; every other leaf (and a lone ``lm_head`` table,
+  which is not a ``.../weight``) is replicated."""
   def spec(path, x):
     names = _path_names(path)
     for i, name in enumerate(names):
@@ -163,15 +158,10 @@ def tree_specs(tree, mesh: Mesh):
   return jax.tree_util.tree_map_with_path(spec, tree)
 
 
-def tree_shardings(tree, mesh: Mesh):
-  """:func:`tree_specs` as ``NamedSharding`` on ``mesh``."""
-  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), tree_specs(tree, mesh),
+def param_shardings(params, mesh: Mesh):
+  """:func:`param_specs` as ``NamedSharding`` on ``mesh``."""
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs(params, mesh),
                       is_leaf=lambda x: isinstance(x, P))
-
-
-def shard_tree(tree, mesh: Mesh):
-  """``tree`` on ``mesh`` by :func:`tree_shardings` (every process passes the same values)."""
-  return jax.tree.map(put_global, tree, tree_shardings(tree, mesh))
 
 
 def _is_key(x) -> bool:
@@ -219,7 +209,8 @@ def layout_rows(mesh: Mesh | None, param_trees: tuple, shared):
 
 
 def shard_params(params, mesh: Mesh):
-  """The parameters on ``mesh`` by :func:`param_spec` (every process passes the same parameters)."""
+  """The parameters (a model's, or any tree holding them: :func:`param_specs`) on ``mesh`` (every process passes the
+  same parameters)."""
   return jax.tree.map(put_global, params, param_shardings(params, mesh))
 
 

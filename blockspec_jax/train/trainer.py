@@ -178,7 +178,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
 
   With ``mesh``: inputs are put on the mesh first (batch leaves split over ``data`` by their leading dimension,
   which must be a multiple of the axis size; decoder parameters inside ``frozen`` over ``model`` as
-  ``parallel.tree_shardings`` lays them out, so a ``(data, model)`` mesh holds a frozen target split over ``model``;
+  ``parallel.param_shardings`` lays them out, so a ``(data, model)`` mesh holds a frozen target split over ``model``;
   the state and the key replicated), outputs come back replicated, and the call runs under the mesh (so mesh-aware
   layers, e.g. the decoder's linear kernels, take their sharded path).
   Each call builds (and on first use compiles) a new step: hold on to it rather than calling this per step.
@@ -207,7 +207,7 @@ def _make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, m
     # parallel.put_global: jax.device_put on one host; across hosts each places what its devices hold (every host
     # passes the same state and the same global batch)
     state, key = jax.tree.map(lambda x: parallel.put_global(x, replicated), (state, key))
-    frozen = parallel.shard_tree(frozen, mesh)
+    frozen = parallel.shard_params(frozen, mesh)
     batch = jax.tree.map(lambda x: parallel.put_global(x, rows), batch)
     with _mesh_context(mesh):
       return sharded(state, frozen, batch, key)
@@ -376,7 +376,7 @@ def fit(*, loss_fn: LossFn, optimizer: optax.GradientTransformation, trainable, 
   end = num_steps if stop_after is None else min(num_steps, stop_after)
   step_fn = make_train_step(loss_fn, optimizer, mesh)
   if mesh is not None:
-    frozen = parallel.shard_tree(frozen, mesh)  # placed once (each step's placement is then a no-op)
+    frozen = parallel.shard_params(frozen, mesh)  # placed once (each step's placement is then a no-op)
   manager = checkpoints_lib.make_manager(workdir / "checkpoints", max_to_keep, checkpoint_every)
   if resumed_from is not None:
     checkpoints_lib.delete_after(manager, resumed_from)  # the damaged steps past it: saved again below
