@@ -32,6 +32,7 @@ sees it. Writes a JSON report.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 import time
@@ -47,7 +48,7 @@ from blockspec_jax import methods
 from blockspec_jax import runtime
 from blockspec_jax import sources
 
-__all__ = ["bench_startup_job", "matmul_gflops", "memory_gbps", "linear_params", "decode_weight_bytes", "main"]
+__all__ = ["StartupSettings", "bench_startup_job", "matmul_gflops", "memory_gbps", "linear_params", "decode_weight_bytes", "main"]
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -125,63 +126,73 @@ def _compile_and_time(prefill_fn, decode_fn, prefill_args, decode_args_of, repea
 
 
 @gin.configurable("bench_startup")
-def bench_startup_job(target: str = methods.DEFAULT_TARGET, drafter: str | None = methods.DEFAULT_DRAFTER,
-                      gamma: int = 4, dtypes=("float32", "bfloat16"), layouts=("scanned", "unrolled"),
-                      prompt_width: int = 256, batch: int = 1,
-                      max_new_tokens: int = 32, matmul_size: int = 2048, bandwidth_mib: int = 1024,
-                      repeats: int = 3, cache_dir: str | None = None,
-                      output_json: str | None = "results/bench_startup.json") -> dict:
-  """Run the benchmark (see the module docstring); returns the report. With ``drafter`` (None: skip), the block
-  verification programs (prefill of both models, the speculative loop at ``gamma``) are compiled and timed too.
-  ``layouts``: "scanned" (layers stacked and compiled once, what the decoding jobs load) and / or "unrolled" (one
-  copy of every layer in each program), each a row per dtype, side by side."""
-  shape = dict(prompt_width=prompt_width, batch=batch, max_new_tokens=max_new_tokens, matmul_size=matmul_size,
-               repeats=repeats)
-  _check_startup_settings(target, drafter, gamma, dtypes, layouts,
-                          dict(prompt_width=prompt_width, batch=batch, max_new_tokens=max_new_tokens,
-                               matmul_size=matmul_size, bandwidth_mib=bandwidth_mib, repeats=repeats))
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StartupSettings:
+  """The benchmark's settings (gin: ``bench_startup.gamma = 2``, …), every one checked when made, before any model
+  loads (a :class:`checks.UsageError` naming the setting otherwise)."""
+
+  target: str = methods.DEFAULT_TARGET
+  drafter: str | None = methods.DEFAULT_DRAFTER
+  """With a drafter (None: skip), block verification's programs are compiled and timed too."""
+  gamma: int = 4
+  dtypes: tuple = ("float32", "bfloat16")
+  layouts: tuple = ("scanned", "unrolled")
+  """"scanned" (layers stacked and compiled once, what the decoding jobs load) and / or "unrolled" (one copy of every
+  layer in each program), each a row per dtype, side by side."""
+  prompt_width: int = 256
+  batch: int = 1
+  max_new_tokens: int = 32
+  matmul_size: int = 2048
+  """The square matmul that measures the machine's peak."""
+  bandwidth_mib: int = 1024
+  """The array the memory-bandwidth probe sums."""
+  repeats: int = 3
+  cache_dir: str | None = None
+  output_json: str | None = "results/bench_startup.json"
+
+  def __post_init__(self):
+    for name in ("prompt_width", "batch", "max_new_tokens", "matmul_size", "bandwidth_mib", "repeats"):
+      methods._check_positive_int(getattr(self, name), name)
+    methods.check_gamma(self.gamma)
+    methods.check_settings(models=(self.target,) + ((self.drafter,) if self.drafter else ()))
+    for dtype in self.dtypes:
+      methods.check_settings(dtype=dtype)
+    bad = [layout for layout in self.layouts if layout not in ("scanned", "unrolled")]
+    if bad or not self.layouts:
+      raise checks.UsageError(f"bench_startup.layouts must name 'scanned' and / or 'unrolled', got "
+                              f"{list(self.layouts)}")
+
+
+def bench_startup_job(**overrides) -> dict:
+  """Run the benchmark (see the module docstring) on :class:`StartupSettings` from gin (``bench_startup.*``) and
+  ``overrides``, checked before any model loads; returns the report."""
+  s = StartupSettings(**overrides)
   runtime.enable_compilation_cache("off")  # compile times must be compile times, not cache loads
-  bandwidth = memory_gbps(bandwidth_mib, repeats)
-  print(f"memory bandwidth (jitted sum over {bandwidth_mib} MiB): {bandwidth:.1f} GB/s", flush=True)
-  rows = [_startup_row(target, drafter, gamma, dtype, layout, shape, cache_dir, bandwidth)
-          for dtype in dtypes for layout in layouts]
+  bandwidth = memory_gbps(s.bandwidth_mib, s.repeats)
+  print(f"memory bandwidth (jitted sum over {s.bandwidth_mib} MiB): {bandwidth:.1f} GB/s", flush=True)
+  rows = [_startup_row(s, dtype, layout, bandwidth) for dtype in s.dtypes for layout in s.layouts]
   _print_rows(rows)
-  report = dict(target=target, drafter=drafter, gamma=gamma, prompt_width=prompt_width, batch=batch,
-                max_new_tokens=max_new_tokens, matmul_size=matmul_size, repeats=repeats, memory_gbps=bandwidth,
-                bandwidth_mib=bandwidth_mib, jax=jax.__version__,
+  report = dict(target=s.target, drafter=s.drafter, gamma=s.gamma, prompt_width=s.prompt_width, batch=s.batch,
+                max_new_tokens=s.max_new_tokens, matmul_size=s.matmul_size, repeats=s.repeats, memory_gbps=bandwidth,
+                bandwidth_mib=s.bandwidth_mib, jax=jax.__version__,
                 platform=jax.devices()[0].platform, peak_rss_gb=runtime.peak_rss_gb(), rows=rows)
-  if output_json and runtime.is_main_process():
-    print(f"wrote {runtime.write_report(output_json, report)}")
+  if s.output_json and runtime.is_main_process():
+    print(f"wrote {runtime.write_report(s.output_json, report)}")
   return report
 
 
-def _check_startup_settings(target: str, drafter: str | None, gamma: int, dtypes, layouts, sizes: dict) -> None:
-  """Every setting of the benchmark, before any model loads; a :class:`UsageError` otherwise."""
-  for name, value in sizes.items():
-    methods._check_positive_int(value, name)
-  methods.check_gamma(gamma)
-  methods.check_settings(models=(target,) + ((drafter,) if drafter else ()))
-  for dtype in dtypes:
-    methods.check_settings(dtype=dtype)
-  bad = [layout for layout in layouts if layout not in ("scanned", "unrolled")]
-  if bad or not layouts:
-    raise checks.UsageError(f"bench_startup.layouts must name 'scanned' and / or 'unrolled', got {list(layouts)}")
-
-
-def _startup_row(target: str, drafter: str | None, gamma: int, dtype: str, layout: str, shape: dict,
-                 cache_dir: str | None, bandwidth: float) -> dict:
+def _startup_row(s: StartupSettings, dtype: str, layout: str, bandwidth: float) -> dict:
   """One row: the target's load, the autoregressive programs' compile and run times in ``dtype`` and ``layout``
-  (``shape``: prompt_width, batch, max_new_tokens, matmul_size, repeats), against the matmul peak and the memory
-  roofline; with ``drafter``, block verification's too. Prints its line."""
+  against the matmul peak and the memory roofline; with ``s.drafter``, block verification's too. Prints its line."""
   from blockspec_jax import sampling
   from blockspec_jax.decoding import speculative as spec
-  batch, prompt_width, max_new_tokens, repeats = (shape[k] for k in ("batch", "prompt_width", "max_new_tokens",
-                                                                     "repeats"))
+  target, drafter, gamma = s.target, s.drafter, s.gamma
+  batch, prompt_width, max_new_tokens, repeats = s.batch, s.prompt_width, s.max_new_tokens, s.repeats
   scan = layout == "scanned"
   sampler = sampling.Sampler(temperature=1.0)
-  peak = matmul_gflops(shape["matmul_size"], jnp.dtype(dtype), repeats)
+  peak = matmul_gflops(s.matmul_size, jnp.dtype(dtype), repeats)
   start = time.perf_counter()
-  model = sources.load_model(target, dtype, cache_dir, progress=False, scan_layers=scan)
+  model = sources.load_model(target, dtype, s.cache_dir, progress=False, scan_layers=scan)
   load_s = time.perf_counter() - start
   tp, config = model.params["params"], model.config
   methods.check_cache_room(prompt_width, max_new_tokens, gamma if drafter else 0, config)
@@ -215,7 +226,7 @@ def _startup_row(target: str, drafter: str | None, gamma: int, dtype: str, layou
           f"that {row['decode_bytes_per_token'] / 1e9:.2f} GB of weights per token allow at {bandwidth:.1f} GB/s)")
   if drafter:
     start = time.perf_counter()
-    dmodel = sources.load_model(drafter, dtype, cache_dir, progress=False, scan_layers=scan)
+    dmodel = sources.load_model(drafter, dtype, s.cache_dir, progress=False, scan_layers=scan)
     sources.check_pair(model, dmodel)
     row["drafter_load_s"] = time.perf_counter() - start
     block = _time_block(model, dmodel, gamma, static, sampler, (tokens, lens, keys), repeats)
