@@ -170,43 +170,67 @@ def run(max_new_tokens=64, gamma=4, reps=5, prompt_len=32, temperature=0.0, veri
   tokens_BxP, prompt_len_B = speculative.prepare_prompts([prompt])
   keys_B = verify.row_keys(k_rows, 1)
   sampler = sampling.Sampler(temperature=temperature)
-  greedy = sampling.greedy_sampler()
   cache_len = prompt_len + max_new_tokens + gamma + 1
   position = prompt_len + max_new_tokens // 2  # representative: the middle of the generation
   figures = dict(config=dict(max_new_tokens=max_new_tokens, gamma=gamma, reps=reps, prompt_len=prompt_len,
                              temperature=temperature, cache_len=cache_len, position=position,
                              jax=jax.__version__, platform=jax.devices()[0].platform))
 
-  # 1. Autoregressive.
   ar_fn = jax.jit(lambda tp, k, t, l: speculative.generate_autoregressive(
       tp, k, t, l, target=target_config, max_new_tokens=max_new_tokens, sampler=sampler))
   wall_s, out = _wall_and_output(ar_fn, (target_params, keys_B, tokens_BxP, prompt_len_B), reps)
   num_tokens = int(out.num_tokens_B[0])
   figures["autoregressive"] = dict(wall_s=wall_s, tokens=num_tokens, tokens_per_s=num_tokens / wall_s)
   print(f"[1] autoregressive: {num_tokens / wall_s:.1f} tok/s ({wall_s:.2f} s)", flush=True)
+  pair = (target_config, target_params, drafter_config, drafter_params)
+  prompts = (keys_B, tokens_BxP, prompt_len_B)
+  figures["speculative"] = _speculative_rows(pair, prompts, gamma, max_new_tokens, sampler, reps,
+                                             figures["autoregressive"]["tokens_per_s"])
+  figures["overhead"], forward_ms = _overhead(pair, prompts, gamma, max_new_tokens, overhead_verifier, reps,
+                                              (cache_len, position, prompt_len), k_fwd)
+  figures["verify"] = _verify_shares(gamma, target_config.vocab_size, figures["overhead"]["verify_pass_ms"],
+                                     verify_reps)
+  # 5. Multi-token target passes vs a single-token step.
+  figures["forward_ms"] = {str(t): ms for t, ms in forward_ms.items()}
+  figures["multi_token_ratio"] = {}
+  for t in sorted({gamma + 1, 9}):
+    ratio = forward_ms[t] / forward_ms[1]
+    figures["multi_token_ratio"][str(t)] = dict(ratio=ratio, target=MULTI_TOKEN_RATIO_TARGET,
+                                                passed=ratio <= MULTI_TOKEN_RATIO_TARGET)
+  return figures
 
-  # 2. Speculative with the 2-layer drafter.
+
+def _speculative_rows(pair, prompts, gamma, max_new_tokens, sampler, reps, autoregressive_tokens_per_s) -> dict:
+  """Section 2: token and block verification with the 2-layer drafter, against the autoregressive rate."""
+  target_config, target_params, drafter_config, drafter_params = pair
   drafter = ModelDrafter(drafter_config)
-  figures["speculative"] = {}
+  rows = {}
   for name in ("token", "block"):
     spec_fn = jax.jit(lambda tp, dp, k, t, l, name=name: speculative.generate_speculative(
         tp, dp, k, t, l, target=target_config, drafter=drafter, gamma=gamma, max_new_tokens=max_new_tokens,
         verifier=name, sampler=sampler))
-    wall_s, out = _wall_and_output(spec_fn, (target_params, drafter_params, keys_B, tokens_BxP, prompt_len_B), reps)
+    wall_s, out = _wall_and_output(spec_fn, (target_params, drafter_params, *prompts), reps)
     num_tokens = int(out.num_tokens_B[0])
-    figures["speculative"][name] = dict(
+    rows[name] = dict(
         wall_s=wall_s, tokens=num_tokens, tokens_per_s=num_tokens / wall_s, iterations=int(out.iterations),
         mean_acceptance_length=mean_acceptance_length(out),
-        speedup_vs_autoregressive=(num_tokens / wall_s) / figures["autoregressive"]["tokens_per_s"])
+        speedup_vs_autoregressive=(num_tokens / wall_s) / autoregressive_tokens_per_s)
     print(f"[2] speculative {name}: {num_tokens / wall_s:.1f} tok/s, acceptance length "
           f"{mean_acceptance_length(out):.2f}, {int(out.iterations)} iterations", flush=True)
+  return rows
 
-  # 3. Loop overhead: drafter identical to the target, greedy.
+
+def _overhead(pair, prompts, gamma, max_new_tokens, overhead_verifier, reps, where, k_fwd) -> tuple[dict, dict]:
+  """Section 3: the loop's overhead with a drafter identical to the target, greedy (every draft accepted), against
+  the forwards it runs (``where``: cache length, the representative position, the prompt length); returns the
+  figures and the timed forwards ``{tokens: ms}``."""
+  target_config, target_params, drafter_config, drafter_params = pair
+  cache_len, position, prompt_len = where
   same_drafter = ModelDrafter(target_config)
   same_fn = jax.jit(lambda tp, dp, k, t, l: speculative.generate_speculative(
       tp, dp, k, t, l, target=target_config, drafter=same_drafter, gamma=gamma, max_new_tokens=max_new_tokens,
-      verifier=overhead_verifier, sampler=greedy))
-  wall_s, out = _wall_and_output(same_fn, (target_params, target_params, keys_B, tokens_BxP, prompt_len_B), reps)
+      verifier=overhead_verifier, sampler=sampling.greedy_sampler()))
+  wall_s, out = _wall_and_output(same_fn, (target_params, target_params, *prompts), reps)
   iterations = int(out.iterations)
   per_iteration_ms = 1e3 * wall_s / iterations
   forward_ms = time_forwards(target_config, target_params, cache_len, position,
@@ -220,7 +244,7 @@ def run(max_new_tokens=64, gamma=4, reps=5, prompt_len=32, temperature=0.0, veri
   # Both models prefill the prompt once per call (the drafter is the target here): 2 prompt forwards per call.
   per_iteration_no_prefill_ms = (1e3 * wall_s - 2 * prefill_ms) / iterations
   overhead_no_prefill = 1.0 - (propose_ms + verify_pass_ms) / per_iteration_no_prefill_ms
-  figures["overhead"] = dict(
+  figures = dict(
       verifier=overhead_verifier, wall_s=wall_s, iterations=iterations, tokens=int(out.num_tokens_B[0]),
       mean_acceptance_length=mean_acceptance_length(out), per_iteration_ms=per_iteration_ms,
       propose_forwards_ms=propose_ms, verify_pass_ms=verify_pass_ms, overhead_share=overhead,
@@ -230,26 +254,21 @@ def run(max_new_tokens=64, gamma=4, reps=5, prompt_len=32, temperature=0.0, veri
       drafter_2layer_propose_forwards_ms=drafter_propose_ms)
   print(f"[3] identical drafter: {per_iteration_ms:.1f} ms/iteration, (a) {propose_ms:.1f} ms, (b) "
         f"{verify_pass_ms:.1f} ms, overhead {100 * overhead:.1f}%", flush=True)
+  return figures, forward_ms
 
-  # 4. Verification vs the target's verify pass.
-  inputs = make_inputs(jax.random.key(1000 + gamma), 1, gamma, target_config.vocab_size)
+
+def _verify_shares(gamma, vocab_size, verify_pass_ms, verify_reps) -> dict:
+  """Section 4: each pure verification rule's time against the target's verify pass."""
+  inputs = make_inputs(jax.random.key(1000 + gamma), 1, gamma, vocab_size)
   verify_keys_B = verify.row_keys(jax.random.key(7), 1)
-  figures["verify"] = {}
+  shares = {}
   for name in ("token", "block"):
     verify_ms = median_ms(jax.jit(verify.get_verifier(name).batch), (verify_keys_B, *inputs), verify_reps)
     share = verify_ms / verify_pass_ms
-    figures["verify"][name] = dict(ms=verify_ms, share_of_verify_pass=share, target=VERIFY_SHARE_TARGET,
-                                   passed=share <= VERIFY_SHARE_TARGET)
-  print("[4] verify: " + ", ".join(f"{n} {v['ms']:.3f} ms" for n, v in figures["verify"].items()), flush=True)
-
-  # 5. Multi-token target passes vs a single-token step.
-  figures["forward_ms"] = {str(t): ms for t, ms in forward_ms.items()}
-  figures["multi_token_ratio"] = {}
-  for t in sorted({gamma + 1, 9}):
-    ratio = forward_ms[t] / forward_ms[1]
-    figures["multi_token_ratio"][str(t)] = dict(ratio=ratio, target=MULTI_TOKEN_RATIO_TARGET,
-                                                passed=ratio <= MULTI_TOKEN_RATIO_TARGET)
-  return figures
+    shares[name] = dict(ms=verify_ms, share_of_verify_pass=share, target=VERIFY_SHARE_TARGET,
+                        passed=share <= VERIFY_SHARE_TARGET)
+  print("[4] verify: " + ", ".join(f"{n} {v['ms']:.3f} ms" for n, v in shares.items()), flush=True)
+  return shares
 
 
 def _verdict(passed):
