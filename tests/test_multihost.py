@@ -74,6 +74,11 @@ def test_the_distillation_smoke_job_stopped_and_resumed_across_processes_equals_
   assert steps[count] == steps[1]
 
 
+# slow: the job path across processes runs by default in the distillation smoke job above (process-local rows,
+# gathered outputs, process 0 writes), the sharded loops across processes in the first test, the recorded ids in one
+# process (tests/test_main_job_ids.py); this one (5 minutes of the default run) runs SmolLM2 at XLA's default level
+# in every process.
+@pytest.mark.slow
 @pytest.mark.parametrize("count", [2, pytest.param(4, marks=pytest.mark.heavy)])
 def test_the_main_job_and_the_smoke_suite_across_processes_give_the_recorded_numbers(tmp_path, count):
   """2 processes × 2 devices (4 × 2 in the heavy run: a data axis of 8, 3 prompts and 5 padded rows), each running the SmolLM2 main job (at T = 1: sampled rows, each from its own keys; the
