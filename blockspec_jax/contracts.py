@@ -32,7 +32,7 @@ from blockspec_jax import sampling
 
 __all__ = ["Draft", "Commit", "Scored", "TargetScorer", "Drafter", "chain_draft", "chain_parents_BxN",
            "ancestors", "node_depths", "tree_positions", "tree_attention_mask", "accepted_path", "path_slots",
-           "SAMPLING_CHAIN", "SAMPLING_BEAM", "WITH_REPLACEMENT", "WITHOUT_REPLACEMENT", "check_drafter", "StepDrafter",
+           "SAMPLING_CHAIN", "SAMPLING_BEAM", "WITH_REPLACEMENT", "WITHOUT_REPLACEMENT", "POINT_MASS", "check_drafter", "StepDrafter",
            "prompt_commit", "reads_target",
            "replays_history", "target_layers"]
 
@@ -46,6 +46,10 @@ SAMPLING_BEAM = "beam"
 WITH_REPLACEMENT = "with_replacement"
 #: A tree drafter's siblings drawn without replacement (RSD's Gumbel-top-k trees), and the rules that need that.
 WITHOUT_REPLACEMENT = "without_replacement"
+#: A tree drafter whose nodes are no draws at all: fixed tokens chosen from the context (the p best paths of a
+#: lattice search, the top-b tokens of a row); its ``q`` rows are the point masses ``one_hot(tokens)`` (``q = None``).
+#: Only rules that never read ``q`` as a law may verify it (``verify.tree.point_mass_tree_verify``).
+POINT_MASS = "point_mass"
 
 
 @struct.dataclass
@@ -61,8 +65,8 @@ class Draft:
                                          removal). ``None`` means every node is a point mass at its token (n-gram /
                                          prompt lookup): no ``[B, N, V]`` is built by the drafter; verification forms
                                          the one-hot rows inside its fused computation (:meth:`q_rows`).
-                                         Only chains may omit ``q`` (siblings drawn from a point mass would repeat
-                                         one token).
+                                         Only chains and :data:`POINT_MASS` trees (fixed siblings, no draw) may omit
+                                         ``q`` (siblings drawn from a point mass would repeat one token).
   ``is_chain``     static bool           the drafter promises ``parents = chain``: the loop then skips the tree mask and
                                          the path commit (slots already equal positions).
   """

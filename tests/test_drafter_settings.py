@@ -37,6 +37,13 @@ BAD = {
               ({"top_k": 0}, r"top_k must be an integer in \[1, V\]"), ({"pbest": 0}, "pbest must be an integer"),
               ({"lm_weight": -1.0}, "lm_weight must be a finite number"), ({"lm_weight": float("nan")}, "lm_weight"),
               ({"heads": 5}, "heads must name a directory"), ({"ngram": ""}, "ngram must name a directory")],
+    "heads_tree": [({"rescore": "ngram"}, "heads_tree proposes the p best paths .* must be one of pbest_ngram, "
+                                          "pbest_none, got 'ngram'"),
+                   ({"rescore": "pbest_neural"}, "neural LM's cache can follow one path only"),
+                   ({"num_heads": 0}, "num_heads must be an integer >= 1"),
+                   ({"top_k": 0}, r"top_k must be an integer in \[1, V\]"), ({"pbest": 0}, "pbest must be an integer"),
+                   ({"lm_weight": -1.0}, "lm_weight must be a finite number"), ({"heads": 5}, "heads must name a"),
+                   ({"ngram": ""}, "ngram must name a directory")],
     "steered": [({"target_layers": (-1,)}, "target_layers must be layer indices >= 0"),
                 ({"target_layers": 3}, "target_layers must be a non-empty tuple"),
                 ({"steered_layers": (1, 0)}, "steered_layers must be strictly increasing"),
@@ -61,7 +68,7 @@ def error(fn, *args) -> str:
 
 def write_run(name, directory) -> None:
   """A finished training run of drafter ``name`` in ``directory``, written by its artifact's ``save``."""
-  if name == "heads":
+  if name in ("heads", "heads_tree"):
     heads_train.save_heads(directory, heads_lib.init_heads(CONFIG.d_model, 2, jax.random.key(0)))
   elif name == "sprinter":
     sprinter_train.save_head(directory, sprinter_lib.init_head(CONFIG.d_model))

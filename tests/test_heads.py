@@ -429,3 +429,72 @@ def test_real_target_gin_file_parses_and_validates(tmp_path):
   assert settings["target"] == "qwen2.5-coder-1.5b" and settings["num_heads"] == 8
   assert settings["temperature"] == 1.0 and settings["dtype"] == "float32"
   assert not (tmp_path / "qwen").exists()
+
+
+# --- the p best paths verified together (heads_tree, the paper's global rescoring) -----------------------------------
+
+def _tree_drafter(config, target, vocab, rescore, num_heads=3, pbest=4, top_k=4, scale=2.0):
+  """A heads_tree drafter with random heads (and, for "pbest_ngram", an n-gram LM of a few repeated sequences)."""
+  params = {"heads": random_heads(config, num_heads, scale=scale), "lm_head": heads_lib.lm_head_weight(config, target)}
+  if rescore == "pbest_ngram":
+    params["ngram"] = lattice.build_ngram([[1, 2, 3, 4, 5, 0] * 4, [3, 1, 4, 1, 5, 2] * 4], vocab, order=3)
+  drafter = heads_lib.HeadsTreeDrafter.build(config, None, num_heads=num_heads, rescore=rescore, top_k=top_k,
+                                             pbest=pbest, lm_weight=0.7)
+  return drafter, params
+
+
+@pytest.mark.parametrize("rescore", ["pbest_ngram", "pbest_none"])
+def test_the_tree_is_the_searchs_p_best_paths_as_point_mass_chains(rescore):
+  """The draft holds the search's ``pbest`` paths (lattice.pbest_paths on the heads' logits and the same LM), path
+  ``w``'s token ``d`` at node ``d·p + w``, each chain's nodes children of the one above, no q rows (point masses); the
+  best path is the 1best chain drafter's draft."""
+  config, target, _ = model_pair(vocab=6, seed=3, noise=1.0)
+  drafter, params = _tree_drafter(config, target, 6, rescore)
+  gamma, batch = 3, 2
+  tokens_BxS = jnp.asarray([[1, 4, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+                            [3, 1, 4, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]], jnp.int32)
+  length_B = jnp.asarray([3, 4], jnp.int32)
+  state = heads_lib.HeadsState(jax.random.normal(jax.random.key(4), (batch, config.d_model)))
+  _, draft = drafter.propose(params, state, tokens_BxS, length_B, jax.random.split(jax.random.key(0), batch), gamma,
+                             T1)
+  assert draft.q_BxNxV is None and not draft.is_chain and draft.tokens_BxN.shape == (batch, 4 * gamma)
+  logits = heads_lib.heads_logits(params, config, state.hidden_BxD, gamma)
+  cand, logp = lattice.lattice_candidates(logits, 4)
+  lm, lm_state = (lattice.ngram_lattice_lm(params["ngram"], tokens_BxS, length_B) if rescore == "pbest_ngram"
+                  else lattice.zero_lattice_lm())
+  _, paths_BxWxG, score_BxW, _ = lattice.pbest_paths(cand, logp, lm, lm_state, 0.7, 4)
+  assert np.all(np.diff(np.asarray(score_BxW), axis=1) <= 0)  # best first
+  assert len({tuple(p) for p in np.asarray(paths_BxWxG[0]).tolist()}) == 4  # distinct paths (4^3 >= 4)
+  np.testing.assert_array_equal(np.asarray(draft.tokens_BxN).reshape(batch, gamma, 4),
+                                np.swapaxes(np.asarray(paths_BxWxG), 1, 2))
+  np.testing.assert_array_equal(np.asarray(draft.parents_BxN[0]), [-1, -1, -1, -1, 0, 1, 2, 3, 4, 5, 6, 7])
+  chain = heads_lib.HeadsDrafter.build(config, None, num_heads=3, rescore=rescore, top_k=4, pbest=4, lm_weight=0.7)
+  _, one = chain.propose(params, state, tokens_BxS, length_B, jax.random.split(jax.random.key(0), batch), gamma, T1)
+  np.testing.assert_array_equal(np.asarray(one.tokens_BxN), np.asarray(paths_BxWxG[:, 0]))
+
+
+@pytest.mark.parametrize("rescore", ["pbest_ngram", "pbest_none"])
+def test_the_p_best_tree_is_greedy_exact_and_lossless_at_t1(rescore):
+  """Random heads, γ = 3, 4 paths: at T = 0 the tokens are the autoregressive ones and some drafts are accepted;
+  at T = 1 (V = 6) the first 3 emitted tokens follow the target's exact law (χ², 20k rows)."""
+  config, target, _ = model_pair()
+  drafter, params = _tree_drafter(config, target, 64, rescore, top_k=16, scale=0.1)
+  keys = jax.random.split(jax.random.key(0), 4)
+  ar = run_ar(config, target, RAGGED, keys, 12)
+  tokens, lens = spec.prepare_prompts(RAGGED)
+  out = spec.generate_speculative(target, params, keys, tokens, lens, target=config, drafter=drafter, gamma=3,
+                                  max_new_tokens=12, verifier="point_mass", sampler=GREEDY)
+  np.testing.assert_array_equal(out.tokens_BxN, ar.tokens_BxN)
+  assert int(out.metrics.num_accepted_tokens.sum()) > 0
+  config, target, _ = model_pair(vocab=6, seed=3, noise=1.0)
+  drafter, params = _tree_drafter(config, target, 6, rescore)
+  prompt, n = [1, 4], 20_000
+  tokens, lens = spec.prepare_prompts([prompt] * n)
+  out = spec.generate_speculative(target, params, jax.random.split(jax.random.key(11), n), tokens, lens,
+                                  target=config, drafter=drafter, gamma=3, max_new_tokens=3, verifier="point_mass",
+                                  sampler=T1)
+  counts = collections.Counter(map(tuple, np.asarray(out.tokens_BxN).tolist()))
+  res = theory.chi2_gof(counts, target_sequence_law(config, target, prompt, 3))
+  assert res.p_value > 1e-3, res
+  m = out.metrics
+  assert 0 < int(m.num_accepted_tokens.sum()) < int(m.num_draft_tokens.sum())

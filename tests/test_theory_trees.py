@@ -220,8 +220,12 @@ def test_exact_laws_match_the_jitted_rule(rule):
   parents_N = trees.branching_parents(MC_BRANCHING)
   num_nodes, vocab = len(parents_N), target.vocab_size
   without_replacement = verify.tree_sampling(rule) == trees.WITHOUT_REPLACEMENT
-  tokens_BxN, q_BxNxV, p_BxN1xV = gumbel_trees(stable_seed("mc_trees", rule), drafter, target, context, parents_N,
-                                               MC_SAMPLES, without_replacement)
+  if verify.tree_sampling(rule) == trees.POINT_MASS:  # no draw: the drafter's top-token tree, every row
+    tokens_BxN, q_BxNxV, p_BxN1xV = trees.sample_trees(0, drafter, target, context, parents_N, MC_SAMPLES,
+                                                       trees.POINT_MASS)
+  else:
+    tokens_BxN, q_BxNxV, p_BxN1xV = gumbel_trees(stable_seed("mc_trees", rule), drafter, target, context, parents_N,
+                                                 MC_SAMPLES, without_replacement)
   end_B, tau_B, y_B = run_jitted(rule, parents_N, stable_seed("mc_verify", rule), tokens_BxN, q_BxNxV, p_BxN1xV)
 
   law = law_name(rule)
@@ -260,7 +264,7 @@ def test_exact_laws_match_the_jitted_rule(rule):
 
 def test_errors():
   drafter, target, context = models("v3_d2")
-  with pytest.raises(ValueError, match="known tree rules: rrs, rrs_wor, spectr, traversal"):
+  with pytest.raises(ValueError, match="known tree rules: point_mass, rrs, rrs_wor, spectr, traversal"):
     trees.tree_expected_accepted("specinfer", drafter, target, context, [-1])
   with pytest.raises(ValueError, match="topological"):
     trees.tree_expected_accepted("rrs", drafter, target, context, [-1, 2, 0])

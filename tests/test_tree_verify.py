@@ -557,3 +557,35 @@ def test_shape_and_parent_errors():
     jax.jit(verify)(tokens_N, parents_N, q_NxV, jnp.ones((5, 3), jnp.float32) / 3)
   with pytest.raises(ValueError, match="tokens_N must have shape"):
     jax.vmap(verify)(tokens_N[None, None], parents_N[None], q_NxV[None], p_N1xV[None])
+
+
+def test_point_mass_rule_keeps_the_longest_prefix_any_path_shares_with_a_greedy_target():
+  """T = 0 (one-hot target rows) over p fixed chains (BPD's p best paths; shared prefixes merged): the point-mass rule
+  accepts exactly the longest prefix any chain shares with the target's greedy continuation, whatever the key, and
+  Y is the target's next greedy token; the draft rows are never read (uniform here)."""
+  rng = np.random.default_rng(0)
+  vocab, width, depth = 3, 4, 3
+  node_N = np.arange(width * depth)
+  parents_N = np.where(node_N < width, -1, node_N - width)
+  keys = jax.random.split(jax.random.key(5), 8)
+  run = jax.jit(jax.vmap(tree.point_mass_tree_verify, in_axes=(0, None, None, None, None)))
+  seen = set()
+  for _ in range(40):
+    greedy = rng.integers(0, vocab, depth + 1)
+    paths_WxG = rng.integers(0, vocab, (width, depth))
+    tokens_N = paths_WxG.T.reshape(-1)
+    rows = [np.eye(vocab)[greedy[0]]]
+    for n in node_N:
+      d, w = n // width + 1, n % width
+      on_greedy = np.array_equal(paths_WxG[w, :d], greedy[:d])
+      rows.append(np.eye(vocab)[greedy[d] if on_greedy else (7 * n + 1) % vocab])
+    matched = [next((j for j in range(depth) if paths_WxG[w, j] != greedy[j]), depth) for w in range(width)]
+    expected = max(matched)
+    seen.add(expected)
+    res = run(keys, jnp.asarray(tokens_N, jnp.int32), jnp.asarray(parents_N, jnp.int32),
+              jnp.full((width * depth, vocab), 1.0 / vocab, jnp.float32), jnp.asarray(np.stack(rows), jnp.float32))
+    assert np.asarray(res.num_accepted).tolist() == [expected] * len(keys)
+    assert np.asarray(res.next_token).tolist() == [int(greedy[expected])] * len(keys)
+    accepted_tokens = tokens_N[np.asarray(res.accepted_N[0])]
+    np.testing.assert_array_equal(accepted_tokens, greedy[:expected])
+  assert seen == set(range(depth + 1))  # every prefix length occurred

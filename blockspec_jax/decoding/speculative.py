@@ -227,9 +227,10 @@ def draft_and_score(target_params, drafter_params, state: DecodeState, key_B, *,
     raise ValueError(f"{type(drafter).__name__} declared N = {n_nodes} nodes for gamma = {gamma} but proposed "
                      f"tokens {draft.tokens_BxN.shape} and parents {draft.parents_BxN.shape}; expected "
                      f"{(batch, n_nodes)}")
-  if draft.q_BxNxV is None and not draft.is_chain:
-    raise ValueError(f"{type(drafter).__name__} proposed a tree without rows q: point-mass drafts must be chains "
-                     "(siblings drawn from a point mass repeat one token; a tree needs the laws it was drawn from)")
+  if draft.q_BxNxV is None and not draft.is_chain and drafter.sibling_sampling != contracts.POINT_MASS:
+    raise ValueError(f"{type(drafter).__name__} proposed a tree without rows q: point-mass drafts must be chains or "
+                     "declare sibling_sampling = POINT_MASS (siblings drawn from a point mass repeat one token; a "
+                     "drawn tree needs the laws it was drawn from)")
   if draft.is_chain != drafter.is_chain:
     raise ValueError(f"{type(drafter).__name__} declares is_chain = {drafter.is_chain} but its draft says "
                      f"{draft.is_chain}")

@@ -27,9 +27,18 @@ last committed token, offset 1). Training (:mod:`blockspec_jax.train.heads`) mat
   head ``j``'s top ``k`` (T = 1), scores ``log q_j + λ · log LM(x | context, drafted prefix)``, token ``j`` drawn from
   ``sampler.probs`` of the scores (``−inf`` off the candidates); ``q`` rows = exactly those laws: lossless at any
   temperature, the paper's greedy local rescoring at T = 0.
-* ``"pbest_ngram"`` / ``"pbest_neural"`` (global, :func:`~blockspec_jax.drafters.lattice.pbest_search`): the best
-  path of a width-``pbest`` beam search over the ``k^γ`` lattice; deterministic given the committed tokens, so a
-  point-mass draft (``q = None``): lossless with every rule.
+* ``"pbest_ngram"`` / ``"pbest_neural"`` / ``"pbest_none"`` (global,
+  :func:`~blockspec_jax.drafters.lattice.pbest_search`; ``"pbest_none"`` ranks by the heads' scores alone): the best
+  path of a width-``pbest`` beam search over the ``k^γ`` lattice ("1best"); deterministic given the committed
+  tokens, so a point-mass draft (``q = None``): lossless with every rule.
+
+**The p best paths verified together** (:class:`HeadsTreeDrafter`, ``"heads_tree"``, the paper's global rescoring):
+the same search's ``pbest`` paths proposed as one tree of ``pbest`` chains (``N = pbest·γ``, node ``d·p + w`` =
+path ``w``'s token ``d``), every node a point mass, verified in one target pass by ``"point_mass"``
+(:func:`blockspec_jax.verify.tree.point_mass_tree_verify`, shared prefixes merged): lossless at any temperature, and
+at T = 0 exactly "keep the longest accepted prefix". With the n-gram LM (``"pbest_ngram"``) or none
+(``"pbest_none"``, the paper's "p-best 0-gram" control); the neural LM stays with the chain (its cache keeps one
+path, and which path the target accepts is known only after the drafter's last call).
 
 At T = 0 every variant emits exactly the target's greedy tokens (the verifier keeps only what the target's argmax
 agrees with).
@@ -59,18 +68,21 @@ from flax import struct
 
 from blockspec_jax import artifacts, sampling
 from blockspec_jax.checks import check_int
-from blockspec_jax.contracts import SAMPLING_CHAIN, Commit, chain_draft
+from blockspec_jax.contracts import POINT_MASS, SAMPLING_CHAIN, Commit, Draft, chain_draft
 from blockspec_jax.drafters import lattice
 from blockspec_jax.drafters.base import ModelDrafter
 from blockspec_jax.drafters.registry import register
 from blockspec_jax.drafters.settings import Settings, check_count, check_directory, is_int, read_record
 from blockspec_jax.models import decoder as decoder_lib
 
-__all__ = ["RESCORERS", "HeadsDrafter", "HeadsState", "init_heads", "heads_logits", "lm_head_weight",
+__all__ = ["RESCORERS", "TREE_RESCORERS", "HeadsDrafter", "HeadsTreeDrafter", "HeadsState", "init_heads", "heads_logits", "lm_head_weight",
            "check_heads"]
 
-#: ``rescore`` values: the raw heads, local rescoring with either LM, the p-best search with either LM.
-RESCORERS = ("none", "ngram", "neural", "pbest_ngram", "pbest_neural")
+#: ``rescore`` values: the raw heads, local rescoring with either LM, the p-best search with either LM or with none
+#: (``"pbest_none"``: the heads' scores alone, the paper's "0-gram" control).
+RESCORERS = ("none", "ngram", "neural", "pbest_ngram", "pbest_neural", "pbest_none")
+#: The tree drafter's (:class:`HeadsTreeDrafter`): the p best paths with the n-gram LM or with none.
+TREE_RESCORERS = ("pbest_ngram", "pbest_none")
 _NGRAM_RESCORERS, _NEURAL_RESCORERS = ("ngram", "pbest_ngram"), ("neural", "pbest_neural")
 _HEAD_KEYS = ("w1_HxDxD", "b1_HxD", "w2_HxDxD")
 _LOG_FLOOR = 1e-30  # the neural LM's probabilities are floored before the log: no −inf score, no NaN law
@@ -321,12 +333,7 @@ class HeadsDrafter(Settings):
       draft_BxG = jax.vmap(jax.vmap(sampling.sample))(keys_BxG, q_BxGxV)
       return state, chain_draft(draft_BxG, q_BxGxV)
     cand_BxGxK, head_logp_BxGxK = lattice.lattice_candidates(logits_BxGxV, self.top_k)
-    if self.uses_ngram:
-      lm, lm_state = lattice.ngram_lattice_lm(params["ngram"], tokens_BxS, length_B)
-    elif self.is_global:
-      lm, lm_state = self._tree_lm(params["lm"], state.lm_cache, tokens_BxS, length_B, gamma)
-    else:
-      lm, lm_state = self._chain_lm(params["lm"], state.lm_cache, tokens_BxS, length_B)
+    lm, lm_state = self._lattice_lm(params, state, tokens_BxS, length_B, gamma)
     if not self.is_global:
       lm_state, draft_BxG, q_BxGxV = lattice.local_rescore(key_B, cand_BxGxK, head_logp_BxGxK, lm, lm_state,
                                                            self.lm_weight, sampler, self.vocab_size)
@@ -338,6 +345,17 @@ class HeadsDrafter(Settings):
     if self.uses_neural:
       state = state.replace(lm_cache=self._keep_path(lm_state, lm_path_B, length_B, gamma))
     return state, chain_draft(draft_BxG)
+
+  def _lattice_lm(self, params, state: HeadsState, tokens_BxS, length_B, gamma):
+    """``(LatticeLM, its state)`` of the rescorer: the n-gram LM, the neural LM (``p`` paths at once for the global
+    search, one path for the local one) or none (``"pbest_none"``)."""
+    if self.uses_ngram:
+      return lattice.ngram_lattice_lm(params["ngram"], tokens_BxS, length_B)
+    if not self.uses_neural:
+      return lattice.zero_lattice_lm()
+    if self.is_global:
+      return self._tree_lm(params["lm"], state.lm_cache, tokens_BxS, length_B, gamma)
+    return self._chain_lm(params["lm"], state.lm_cache, tokens_BxS, length_B)
 
   # --- the neural LM as a lattice LM --------------------------------------------------------------------------------
 
@@ -480,3 +498,60 @@ def load_heads(workdir, d_model: int | None = None, num_heads: int | None = None
       raise ValueError(f"the checkpoint in {workdir} has {found_heads} heads; the drafter asks for {num_heads}")
     heads = {k: v[:num_heads] for k, v in heads.items()}
   return {k: jnp.asarray(v) for k, v in heads.items()}, info
+
+
+@register("heads_tree")
+@dataclasses.dataclass(frozen=True)
+class HeadsTreeDrafter(HeadsDrafter):
+  """BPD's global rescoring as the paper verifies it (module docstring): the ``pbest`` best paths of the lattice,
+  with the n-gram LM (``rescore = "pbest_ngram"``) or by the heads' scores alone (``"pbest_none"``, the default: the
+  "p-best 0-gram" control, and what :meth:`untrained` heads run), proposed as one tree of ``pbest`` chains of γ point masses
+  (``N = pbest·γ``, depth-major: node ``d·p + w`` is path ``w``'s token ``d``, path 0 the best). Verify with
+  ``"point_mass"``. Fields as :class:`HeadsDrafter`; ``pbest`` is the number of paths (and the search's width)."""
+
+  rescore: str = "pbest_none"
+  sibling_sampling = POINT_MASS
+  is_chain = False
+
+  @classmethod
+  def checked(cls, values, config=None):
+    values = super().checked(values, config)
+    if values["rescore"] not in TREE_RESCORERS:
+      raise ValueError(f"heads_tree proposes the p best paths of the n-gram or 0-gram lattice search: rescore must be "
+                       f"one of {', '.join(TREE_RESCORERS)}, got {values['rescore']!r} (the local rescorers draft one "
+                       f"chain: use the 'heads' drafter; the neural LM's cache can follow one path only)")
+    return values
+
+  @classmethod
+  def budget_shape(cls, budget, branches=2):
+    """``branches`` paths (``pbest``) of depth ``budget / branches`` (one head per depth)."""
+    if isinstance(branches, bool) or not isinstance(branches, int) or branches < 1:
+      raise ValueError(f"branches must be an integer >= 1, got {branches!r}")
+    if budget % branches:
+      raise ValueError(f"heads_tree shapes with {branches} paths need a budget divisible by {branches}, got {budget}")
+    depth = budget // branches
+    return {"num_heads": depth, "pbest": int(branches)}, depth
+
+  def num_nodes(self, gamma: int) -> int:
+    return super().num_nodes(gamma) * self.pbest
+
+  def propose(self, params, state: HeadsState, tokens_BxS, length_B, key_B, gamma, sampler):
+    """``(state, Draft)``: the ``pbest`` paths as a tree of chains, ``q = None`` (point masses: the search draws
+    nothing, so neither ``key_B`` nor the sampler's temperature enters)."""
+    del key_B, sampler
+    super().num_nodes(gamma)
+    logits_BxGxV = heads_logits(params, self.target, state.hidden_BxD, gamma)
+    cand_BxGxK, head_logp_BxGxK = lattice.lattice_candidates(logits_BxGxV, self.top_k)
+    lm, lm_state = self._lattice_lm(params, state, tokens_BxS, length_B, gamma)
+    _, paths_BxWxG, _, _ = lattice.pbest_paths(cand_BxGxK, head_logp_BxGxK, lm, lm_state, self.lm_weight,
+                                               self.pbest)
+    batch, width = paths_BxWxG.shape[:2]
+    tokens_BxN = jnp.swapaxes(paths_BxWxG, 1, 2).reshape(batch, gamma * width)
+    return state, Draft(tokens_BxN.astype(jnp.int32), chain_tree_parents(batch, width, gamma))
+
+
+def chain_tree_parents(batch: int, width: int, gamma: int) -> jax.Array:
+  """int32 ``[B, width·γ]``: ``width`` chains of depth ``γ`` laid out depth-major (node ``d·width + w`` is chain
+  ``w``'s node of depth ``d + 1``, child of node ``(d − 1)·width + w``; the root's children first)."""
+  node_N = jnp.arange(width * gamma, dtype=jnp.int32)
+  return jnp.broadcast_to(jnp.where(node_N < width, -1, node_N - width), (batch, width * gamma))

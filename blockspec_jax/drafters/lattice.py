@@ -56,7 +56,7 @@ from blockspec_jax.checks import check_int
 
 __all__ = ["NGramTable", "NGramLM", "NGRAM_JSON", "NGRAM_NPZ", "hash_rows", "build_ngram", "ngram_logprob",
            "context_window", "save_ngram", "load_ngram", "LatticeLM", "lattice_candidates", "ngram_lattice_lm",
-           "local_rescore", "pbest_search", "path_scores"]
+           "local_rescore", "pbest_search", "pbest_paths", "zero_lattice_lm", "path_scores"]
 
 NGRAM_JSON, NGRAM_NPZ = "ngram.json", "ngram.npz"
 _NGRAM = artifacts.Artifact(
@@ -410,7 +410,32 @@ def pbest_search(cand_BxGxK: jax.Array, head_logp_BxGxK: jax.Array, lm: LatticeL
   ``(lm_state, tokens_BxG int32, score_B f32, lm_path_B int32)``: the best path found, its score, and the index of
   its prefix (tokens ``0 .. γ − 2``) among the paths of the last ``lm.extend`` call (0 when ``γ = 1``), for a cached
   LM that keeps the chosen path. Deterministic; exhaustive (the exact best path) when ``width ≥ k^(γ−1)``. Ties go
-  to the earlier path in (beam, candidate) order."""
+  to the earlier path in (beam, candidate) order. :func:`pbest_paths` returns all ``width`` paths."""
+  lm_state, paths_BxWxG, score_BxW, parent_BxW = pbest_paths(cand_BxGxK, head_logp_BxGxK, lm, lm_state, lm_weight,
+                                                             width)
+  return lm_state, paths_BxWxG[:, 0], score_BxW[:, 0], parent_BxW[:, 0]
+
+
+def zero_lattice_lm() -> tuple[LatticeLM, None]:
+  """The "0-gram" LM: every candidate scores 0, so a search ranks paths by the heads' scores alone (the BPD paper's
+  control)."""
+
+  def init(state, cand_BxK):
+    return state, jnp.zeros(cand_BxK.shape, jnp.float32)
+
+  def extend(state, j, prefix_BxWxG, parent_BxW, cand_BxK):
+    del j, parent_BxW
+    return state, jnp.zeros(prefix_BxWxG.shape[:2] + cand_BxK.shape[1:], jnp.float32)
+
+  return LatticeLM(init, extend), None
+
+
+def pbest_paths(cand_BxGxK: jax.Array, head_logp_BxGxK: jax.Array, lm: LatticeLM, lm_state, lm_weight: float,
+                width: int):
+  """The beam search of :func:`pbest_search`, every path kept: ``(lm_state, paths_BxWxG int32, score_BxW f32,
+  lm_parent_BxW int32)``, best first (path ``w``'s prefix is path ``lm_parent[w]`` of the last ``lm.extend`` call).
+  The paths are distinct while the lattice holds ``width`` finite-score paths (``k^γ ≥ width``); where it holds
+  fewer, the last ones repeat a path with score ``−inf``."""
   _check_lattice(cand_BxGxK, head_logp_BxGxK)
   width = check_int(width, "p-best width")
   batch, gamma, k = cand_BxGxK.shape
@@ -446,7 +471,7 @@ def pbest_search(cand_BxGxK: jax.Array, head_logp_BxGxK: jax.Array, lm: LatticeL
   (lm_state, score_BxW, _, prefix_BxWxG, last_parent_BxW), _ = jax.lax.scan(
       step, (lm_state, score_BxW, parent_BxW, prefix_BxWxG, last_parent_BxW), xs)
   # top_k sorts best first: path 0 is the best one.
-  return lm_state, prefix_BxWxG[:, 0], score_BxW[:, 0], last_parent_BxW[:, 0]
+  return lm_state, prefix_BxWxG, score_BxW, last_parent_BxW
 
 
 def _top_pad(flat_BxF, width: int):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from blockspec_jax.contracts import SAMPLING_BEAM, SAMPLING_CHAIN, WITH_REPLACEMENT, WITHOUT_REPLACEMENT
+from blockspec_jax.contracts import POINT_MASS, SAMPLING_BEAM, SAMPLING_CHAIN, WITH_REPLACEMENT, WITHOUT_REPLACEMENT
 from blockspec_jax.drafters.settings import Settings
 
 __all__ = ["DRAFTERS", "register", "SAMPLINGS"]
@@ -29,7 +29,7 @@ DRAFTERS: dict[str, type] = {}
 
 #: The sibling samplings a drafter may declare; chains draw one child per node (``"chain"``, or ``"beam"``: the best
 #: of several beams).
-SAMPLINGS = (SAMPLING_CHAIN, SAMPLING_BEAM, WITH_REPLACEMENT, WITHOUT_REPLACEMENT)
+SAMPLINGS = (SAMPLING_CHAIN, SAMPLING_BEAM, WITH_REPLACEMENT, WITHOUT_REPLACEMENT, POINT_MASS)
 
 _CONTRACT = ("num_nodes", "init_state", "propose", "commit")
 

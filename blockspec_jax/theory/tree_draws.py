@@ -1,7 +1,7 @@
 """Trees of a tabular drafter, as the tree rules' exact laws (:mod:`blockspec_jax.theory.trees`) see them: the
 layout checks (``parents_N``), and every tree of one shape drawn with or without replacement, enumerated with its
 probability (:func:`enumerate_trees`) or sampled (:func:`sample_trees`), with the drafter's and the target's rows
-at every node."""
+at every node; or, for :data:`POINT_MASS`, the one deterministic tree of the drafter's top tokens."""
 
 from __future__ import annotations
 
@@ -13,19 +13,23 @@ import numpy as np
 from blockspec_jax.theory.exact import _check_models  # one check of a tabular pair
 from blockspec_jax.theory.tabular import TabularLM
 
-__all__ = ["WITH_REPLACEMENT", "WITHOUT_REPLACEMENT", "MAX_ENUMERATED_TREES", "check_parents", "branching_parents",
+__all__ = ["WITH_REPLACEMENT", "WITHOUT_REPLACEMENT", "POINT_MASS", "MAX_ENUMERATED_TREES", "check_parents", "branching_parents",
            "tree_depths", "TreeDraws", "enumerate_trees", "sample_trees"]
 
 WITH_REPLACEMENT = "with_replacement"
 WITHOUT_REPLACEMENT = "without_replacement"
+#: No draw: every sibling group is the top tokens of its row (the first sibling the most probable, ties to the lower
+#: id), one tree per context with probability 1 (the tabular stand-in for a deterministic tree drafter).
+POINT_MASS = "point_mass"
+_SAMPLINGS = (WITH_REPLACEMENT, WITHOUT_REPLACEMENT, POINT_MASS)
 
 #: Largest ``V**N`` (token assignments of one shape) that :func:`enumerate_trees` accepts.
 MAX_ENUMERATED_TREES = 2**18
 
 
 def _check_sampling(sampling: str) -> str:
-  if sampling not in (WITH_REPLACEMENT, WITHOUT_REPLACEMENT):
-    raise ValueError(f"sampling must be {WITH_REPLACEMENT!r} or {WITHOUT_REPLACEMENT!r}, got {sampling!r}")
+  if sampling not in _SAMPLINGS:
+    raise ValueError(f"sampling must be one of {', '.join(map(repr, _SAMPLINGS))}, got {sampling!r}")
   return sampling
 
 
@@ -198,6 +202,8 @@ def enumerate_trees(drafter: TabularLM, target: TabularLM, context: Sequence[int
   sampling = _check_sampling(sampling)
   epsilon = _check_epsilon(epsilon)
   vocab, num_nodes = target.vocab_size, len(parents)
+  if sampling == POINT_MASS:  # no draw: one tree
+    return _point_mass_tree(drafter, target, context, parents, epsilon, 1)
   if vocab**num_nodes > MAX_ENUMERATED_TREES:
     raise ValueError(f"V**N = {vocab}**{num_nodes} = {vocab**num_nodes} trees is too many to enumerate (at most "
                      f"{MAX_ENUMERATED_TREES}); use a smaller vocabulary or fewer nodes")
@@ -219,6 +225,29 @@ def enumerate_trees(drafter: TabularLM, target: TabularLM, context: Sequence[int
   return TreeDraws(parents, tokens_TxN[keep_T], weights_T[keep_T], draft_TxNxV[keep_T], target_TxN1xV[keep_T])
 
 
+def _point_mass_tree(drafter, target, context, parents, epsilon, copies: int) -> TreeDraws:
+  """The one :data:`POINT_MASS` tree after ``context`` (``copies`` rows of it, weight ``1/copies`` each): sibling
+  number ``r`` of a group is the ``r``-th most probable token of its row (stable: ties to the lower id); a group
+  larger than ``V`` is a ``ValueError``. Its draft rows are the point masses ``one_hot(token)``."""
+  num_nodes, vocab = len(parents), target.vocab_size
+  largest_group = max(len(kids) for kids in _children(parents).values())
+  if largest_group > vocab:
+    raise ValueError(f"a point-mass tree names distinct siblings: a node has {largest_group} children but there are "
+                     f"only V = {vocab} tokens")
+  prefix = {-1: np.asarray(context, np.int64)[None, :]}
+  tokens_N = np.zeros(num_nodes, dtype=np.int64)
+  for n, u in enumerate(parents):
+    rank = sum(1 for s in range(n) if parents[s] == u)
+    order_V = np.argsort(-_smoothed(_rows(drafter, prefix[u]), epsilon)[0], kind="stable")
+    tokens_N[n] = order_V[rank]
+    prefix[n] = np.concatenate([prefix[u], tokens_N[None, n:n + 1]], axis=1)
+  tokens_TxN = np.broadcast_to(tokens_N, (copies, num_nodes)).copy()
+  _, target_TxN1xV = _tree_rows(drafter, target, context, parents, tokens_TxN[:1], epsilon)
+  draft_TxNxV = np.broadcast_to(np.eye(vocab)[tokens_N], (copies, num_nodes, vocab)).copy()
+  return TreeDraws(parents, tokens_TxN, np.full(copies, 1.0 / copies), draft_TxNxV,
+                   np.broadcast_to(target_TxN1xV, (copies,) + target_TxN1xV.shape[1:]).copy())
+
+
 def sample_trees(rng, drafter: TabularLM, target: TabularLM, context: Sequence[int], parents_N, num_samples: int,
                  sampling: str, epsilon: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Draw ``num_samples`` trees of shape ``parents_N`` with numpy (inverse CDF, nodes in order; vectorised).
@@ -235,6 +264,9 @@ def sample_trees(rng, drafter: TabularLM, target: TabularLM, context: Sequence[i
     raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}")
   rng = np.random.default_rng(rng)
   num, num_nodes, vocab = int(num_samples), len(parents), target.vocab_size
+  if sampling == POINT_MASS:
+    draws = _point_mass_tree(drafter, target, context, parents, epsilon, num)
+    return draws.tokens_TxN, draws.draft_probs_TxNxV, draws.target_probs_TxN1xV
   rows_B = np.arange(num)
   prefix = {-1: np.broadcast_to(np.asarray(context, np.int64), (num, len(context)))}
   tokens_BxN = np.zeros((num, num_nodes), dtype=np.int64)

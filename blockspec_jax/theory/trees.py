@@ -35,6 +35,9 @@ tree verifier (``verify.TreeVerifier``) naming the law as its ``theory_law`` tak
   ``x_1..x_K``: ``p_1 = p``, ``q_1 = q``; child ``k`` accepted w.p. ``min(1, p_k(x_k)/q_k(x_k))``, else
   ``p_{k+1} = norm(max(p_k − q_k, 0))`` and, for ``"rrs_wor"`` only, ``q_{k+1} = norm(q_k`` without ``x_k)``
   (``"rrs"``: ``q_{k+1} = q``). All rejected: ``Y ~ p_{K+1}``; an accepted leaf: ``Y ~`` its target row.
+* ``"point_mass"`` (top down, ``"rrs"`` with every child its own point mass ``q_k = one_hot(x_k)``, the rows never
+  read): child ``k`` accepted w.p. ``p_k(x_k)``, else ``p_{k+1} = norm(p_k`` without ``x_k)``; shared prefixes
+  merged. Its trees are the :data:`POINT_MASS` ones (no draw: the drafter's top tokens).
 * ``"spectr"`` (top down, k-sequential selection): ``ρ`` solves ``1 − (1 − β(ρ))^K = ρ β(ρ)``,
   ``β(ρ) = Σ min(q, p/ρ)``, by bisection on ``[1, K]`` keeping the upper end (the lossless side), as
   ``verify.tree.spectr_rho`` does, here in float64 with :data:`SPECTR_BISECTION_STEPS` steps; child ``k`` accepted
@@ -65,11 +68,12 @@ import numpy as np
 from blockspec_jax.theory.estimators import clipped_ratio
 from blockspec_jax.theory.exact import _check_models, sequence_law  # one check of a tabular pair
 from blockspec_jax.theory.tabular import TabularLM
-from blockspec_jax.theory.tree_draws import (MAX_ENUMERATED_TREES, WITH_REPLACEMENT, WITHOUT_REPLACEMENT, TreeDraws,
+from blockspec_jax.theory.tree_draws import (MAX_ENUMERATED_TREES, POINT_MASS, WITH_REPLACEMENT, WITHOUT_REPLACEMENT,
+                                             TreeDraws,
                                              _check_sampling, _children, _path_nodes, branching_parents,
                                              check_parents, enumerate_trees, sample_trees, tree_depths)
 
-__all__ = ["WITH_REPLACEMENT", "WITHOUT_REPLACEMENT", "TREE_LAWS", "TreeLaw", "tree_law", "TREE_RULE_SAMPLING",
+__all__ = ["WITH_REPLACEMENT", "WITHOUT_REPLACEMENT", "POINT_MASS", "TREE_LAWS", "TreeLaw", "tree_law", "TREE_RULE_SAMPLING",
            "MAX_ENUMERATED_TREES",
            "SPECTR_BISECTION_STEPS", "TreeDraws", "branching_parents", "check_parents", "tree_depths",
            "enumerate_trees", "sample_trees", "tree_conditional_law", "spectr_rho_f64", "tree_outcome_law",
@@ -210,9 +214,10 @@ def prefix_classes_np(tokens_TxN: np.ndarray, parents) -> np.ndarray:
 
 
 def _top_down_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV, *, spectr: bool, remove_drawn: bool,
-                  merge: bool) -> np.ndarray:
+                  merge: bool, point_mass: bool = False) -> np.ndarray:
   """The top-down rules, ``"rrs"`` / ``"rrs_wor"`` (``remove_drawn``: the drafter row loses each rejected sibling's
-  token) and ``"spectr"`` (``spectr``: k-sequential selection): the mass reaching each node times its children's
+  token), ``"spectr"`` (``spectr``: k-sequential selection) and ``"point_mass"`` (``point_mass``: every child is its
+  own point mass, ``q_k = one_hot(x_k)``, whatever rows are given): the mass reaching each node times its children's
   decisions. ``merge`` (the with-replacement rules): the children of a node are those of every node with the same
   root-to-node tokens (:func:`prefix_classes_np`), in node order, as the walk of ``verify.tree`` takes them."""
   num_trees, num_nodes = tokens_TxN.shape
@@ -234,6 +239,8 @@ def _top_down_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV, *, spectr: bool, remov
     first_T = np.argmax(kid_TxN, axis=1)  # the class's children share their parent context's row
     q_V = q_TxNxV[np.arange(num_trees), first_T]
     p_k, q_k = p_V, q_V
+    if point_mass:  # the rows are never read: each child is its own point mass
+      q_V = np.zeros_like(p_V)
     if spectr:  # one bisection per distinct (p, q, k) (trees share their parents' contexts)
       rho_T, scale_T = np.ones(num_trees), np.ones(num_trees)
       for k in np.unique(count_T[count_T > 0]):
@@ -247,6 +254,8 @@ def _top_down_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV, *, spectr: bool, remov
       if not kid_T.any():
         continue
       x_T = tokens_TxN[:, c]
+      if point_mass:
+        q_k = np.eye(p_V.shape[1])[x_T]
       if spectr:
         accept_T = clipped_ratio(1.0 / rho_T, _at(p_V, x_T), _at(q_V, x_T))
       else:
@@ -277,6 +286,13 @@ def _rrs_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV) -> np.ndarray:
 def _rrs_wor_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV) -> np.ndarray:
   """Recursive rejection sampling (RSD) over siblings drawn without replacement."""
   return _top_down_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV, spectr=False, remove_drawn=True, merge=False)
+
+
+@tree_law("point_mass", sampling=POINT_MASS)
+def _point_mass_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV) -> np.ndarray:
+  """Recursive rejection sampling over fixed siblings, each its own point mass (shared prefixes merged)."""
+  return _top_down_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV, spectr=False, remove_drawn=False, merge=True,
+                       point_mass=True)
 
 
 @tree_law("spectr", sampling=WITH_REPLACEMENT)

@@ -53,14 +53,15 @@ import numpy as np
 from flax import struct
 
 from blockspec_jax import sampling
-from blockspec_jax.contracts import WITH_REPLACEMENT, WITHOUT_REPLACEMENT
+from blockspec_jax.contracts import POINT_MASS, WITH_REPLACEMENT, WITHOUT_REPLACEMENT
 from blockspec_jax.verify.rules import clipped_ratio
 
-__all__ = ["TreeVerifyResult", "TREE_RULES", "WITH_REPLACEMENT", "WITHOUT_REPLACEMENT", "tree_verify",
+__all__ = ["TreeVerifyResult", "TREE_RULES", "WITH_REPLACEMENT", "WITHOUT_REPLACEMENT", "POINT_MASS", "tree_verify",
            "tree_sampling", "check_tree", "chain_parents", "rrs_tree_verify", "rrs_wor_tree_verify",
+           "point_mass_tree_verify",
            "spectr_tree_verify", "spectr_rho", "prefix_classes"]
 
-_SAMPLING_MODES = (WITH_REPLACEMENT, WITHOUT_REPLACEMENT)
+_SAMPLING_MODES = (WITH_REPLACEMENT, WITHOUT_REPLACEMENT, POINT_MASS)
 
 _RHO_BISECTION_STEPS = 32  # [1, k] halved 32 times: below one f32 ulp of ρ for any k < 2**8
 
@@ -294,7 +295,23 @@ def _rrs_correction(state):
   return state[0]
 
 
+def _point_mass_start(p_V, q_V, aux):
+  del q_V, aux
+  return (p_V,)
+
+
+def _point_mass_accept_prob(state, x):
+  return jnp.clip(_at(state[0], x), 0.0, 1.0)
+
+
+def _point_mass_reject(state, x):
+  """``p ← norm(p`` without ``x)``: ``norm(max(p − one_hot(x), 0))``."""
+  p_V = state[0]
+  return (_normalised(jnp.where(jnp.arange(p_V.shape[-1]) == x, 0.0, jnp.maximum(p_V, 0.0)), p_V),)
+
+
 _RRS = _NodeRule(_rrs_start, _rrs_accept_prob, _rrs_reject, _rrs_correction, merge=True)
+_POINT_MASS = _NodeRule(_point_mass_start, _point_mass_accept_prob, _point_mass_reject, _rrs_correction, merge=True)
 _RRS_WOR = _NodeRule(_rrs_start, _rrs_accept_prob, _rrs_wor_reject, _rrs_correction)
 
 
@@ -334,6 +351,27 @@ def rrs_wor_tree_verify(key, tokens_N, parents_N, draft_probs_NxV, target_probs_
   The tree must never hold more siblings than their row has tokens of positive probability.
   """
   return _walk(key, tokens_N, parents_N, draft_probs_NxV, target_probs_N1xV, _RRS_WOR)
+
+
+def point_mass_tree_verify(key, tokens_N, parents_N, draft_probs_NxV, target_probs_N1xV) -> TreeVerifyResult:
+  """Recursive rejection sampling over FIXED siblings (``POINT_MASS`` trees: the p best paths of a lattice search, a
+  top-b token tree), each child its own point mass ``q_k = one_hot(x_k)``. Lossless. ``draft_probs_NxV`` is not
+  read (only checked for shape).
+
+  At a node with target row ``p`` and ordered children ``x_1..x_K`` (those of every node with the same root-to-node
+  tokens, :func:`prefix_classes`): ``p_1 = p``; child ``x_k`` is accepted with probability ``p_k(x_k)``, else
+  ``p_{k+1} = norm(p_k`` without ``x_k)``; all rejected: ``Y ~ p_{K+1}``; an accepted leaf: ``Y ~`` its target row.
+
+  Why lossless: step ``k`` is standard speculative sampling of ``p_k`` from the proposal ``one_hot(x_k)``: it returns
+  ``x_k`` with probability ``min(p_k(x_k), 1) = p_k(x_k)`` or defers to ``norm(max(p_k − one_hot(x_k), 0)) =
+  p_{k+1}``, and ``p_k(x_k)·one_hot(x_k) + (1 − p_k(x_k))·p_{k+1} = p_k``; by induction the selected token has law
+  ``p``. The children are fixed before any coin of this node is thrown (a function of the context: the drafter
+  draws nothing), so the argument holds for whatever tokens they are, and repeats in the selected child's subtree.
+  A repeated child needs no special case: a rejected ``x`` has ``p_{k+1}(x) = 0``. At T = 0 (one-hot ``p``) the
+  walk follows the target's argmax through the merged tree: the longest prefix any path shares with the target's
+  greedy continuation is accepted.
+  """
+  return _walk(key, tokens_N, parents_N, draft_probs_NxV, target_probs_N1xV, _POINT_MASS)
 
 
 # --- SpecTr (k-sequential selection) ------------------------------------------------------------------------------
@@ -437,7 +475,8 @@ def spectr_tree_verify(key, tokens_N, parents_N, draft_probs_NxV, target_probs_N
 # --- registry ----------------------------------------------------------------------------------------------------
 
 #: name -> (fn, sampling): ``fn(key, tokens_N, parents_N, draft_probs_NxV, target_probs_N1xV) -> TreeVerifyResult``;
-#: ``sampling`` is how the rule's trees must be drawn (:data:`WITH_REPLACEMENT` or :data:`WITHOUT_REPLACEMENT`).
+#: ``sampling`` is how the rule's trees must be drawn (:data:`WITH_REPLACEMENT`, :data:`WITHOUT_REPLACEMENT`, or
+#: :data:`POINT_MASS`: not drawn at all).
 #: Filled by ``verify.register`` from the registered tree verifiers (their one declaration); not edited by hand.
 TREE_RULES: dict[str, tuple[Callable[..., TreeVerifyResult], str]] = {}
 
@@ -452,7 +491,8 @@ def _lookup(rule: str) -> tuple[Callable[..., TreeVerifyResult], str]:
 
 
 def tree_sampling(rule: str) -> str:
-  """``"with_replacement"`` or ``"without_replacement"``: how siblings must be drawn for ``rule`` to be lossless."""
+  """``"with_replacement"``, ``"without_replacement"`` or ``"point_mass"``: how siblings must be drawn for ``rule``
+  to be lossless."""
   return _lookup(rule)[1]
 
 

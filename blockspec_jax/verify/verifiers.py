@@ -59,7 +59,7 @@ from blockspec_jax.contracts import SAMPLING_BEAM, SAMPLING_CHAIN, Draft, accept
 from blockspec_jax.theory import exact as theory_exact
 from blockspec_jax.theory import trees as theory_trees
 from blockspec_jax.verify import rules, traversal, tree
-from blockspec_jax.verify.tree import TREE_RULES, WITH_REPLACEMENT, WITHOUT_REPLACEMENT, check_tree
+from blockspec_jax.verify.tree import POINT_MASS, TREE_RULES, WITH_REPLACEMENT, WITHOUT_REPLACEMENT, check_tree
 
 __all__ = ["Verifier", "TokenVerifier", "BlockVerifier", "GreedyVerifier", "ExactMatchVerifier", "LenientVerifier",
            "JointVerifier", "SprinterVerifier", "SPRINTER_DEFAULT_CAP", "TreeVerifier", "RRSVerifier",
@@ -71,7 +71,7 @@ CHAIN = "chain"
 TREE = "tree"
 
 #: The drafter a bare tree rule runs with, by the sibling sampling it needs: SpecTr's k i.i.d. chains, RSD-C trees.
-DEFAULT_TREE_DRAFTERS = {WITH_REPLACEMENT: "k_chains", WITHOUT_REPLACEMENT: "rsd_c"}
+DEFAULT_TREE_DRAFTERS = {WITH_REPLACEMENT: "k_chains", WITHOUT_REPLACEMENT: "rsd_c", POINT_MASS: "heads_tree"}
 
 #: name -> registered Verifier class, in registration order (filled by :func:`register`).
 VERIFIERS: dict[str, type["Verifier"]] = {}
@@ -422,6 +422,16 @@ class RRSWithoutReplacementVerifier(TreeVerifier):
   name = "rrs_wor"
   rule = staticmethod(tree.rrs_wor_tree_verify)
   theory_law = "rrs_wor"
+
+
+@register
+class PointMassVerifier(TreeVerifier):
+  """Recursive rejection sampling over fixed siblings, each its own point mass (BPD's p best paths verified
+  together)."""
+  name = "point_mass"
+  rule = staticmethod(tree.point_mass_tree_verify)
+  theory_law = "point_mass"
+  needs_draft_probs = False
 
 
 @register
