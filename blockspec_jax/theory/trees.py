@@ -69,12 +69,11 @@ from blockspec_jax.theory.estimators import clipped_ratio
 from blockspec_jax.theory.exact import _check_models, sequence_law  # one check of a tabular pair
 from blockspec_jax.theory.tabular import TabularLM
 from blockspec_jax.theory.tree_draws import (MAX_ENUMERATED_TREES, POINT_MASS, WITH_REPLACEMENT, WITHOUT_REPLACEMENT,
-                                             TreeDraws,
-                                             _check_sampling, _children, _path_nodes, branching_parents,
+                                             TreeDraws, _check_sampling, _children, _path_nodes, branching_parents,
                                              check_parents, enumerate_trees, sample_trees, tree_depths)
 
-__all__ = ["WITH_REPLACEMENT", "WITHOUT_REPLACEMENT", "POINT_MASS", "TREE_LAWS", "TreeLaw", "tree_law", "TREE_RULE_SAMPLING",
-           "MAX_ENUMERATED_TREES",
+__all__ = ["WITH_REPLACEMENT", "WITHOUT_REPLACEMENT", "POINT_MASS", "TREE_LAWS", "TreeLaw", "tree_law",
+           "TREE_RULE_SAMPLING", "MAX_ENUMERATED_TREES",
            "SPECTR_BISECTION_STEPS", "TreeDraws", "branching_parents", "check_parents", "tree_depths",
            "enumerate_trees", "sample_trees", "tree_conditional_law", "spectr_rho_f64", "tree_outcome_law",
            "tree_tau_law", "tree_expected_accepted", "tree_emitted_prefix_law", "tree_lossless_error"]
@@ -239,8 +238,6 @@ def _top_down_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV, *, spectr: bool, remov
     first_T = np.argmax(kid_TxN, axis=1)  # the class's children share their parent context's row
     q_V = q_TxNxV[np.arange(num_trees), first_T]
     p_k, q_k = p_V, q_V
-    if point_mass:  # the rows are never read: each child is its own point mass
-      q_V = np.zeros_like(p_V)
     if spectr:  # one bisection per distinct (p, q, k) (trees share their parents' contexts)
       rho_T, scale_T = np.ones(num_trees), np.ones(num_trees)
       for k in np.unique(count_T[count_T > 0]):
@@ -254,7 +251,7 @@ def _top_down_law(tokens_TxN, parents, q_TxNxV, p_TxN1xV, *, spectr: bool, remov
       if not kid_T.any():
         continue
       x_T = tokens_TxN[:, c]
-      if point_mass:
+      if point_mass:  # the given rows are never read: each child is its own point mass
         q_k = np.eye(p_V.shape[1])[x_T]
       if spectr:
         accept_T = clipped_ratio(1.0 / rho_T, _at(p_V, x_T), _at(q_V, x_T))
