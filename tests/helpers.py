@@ -159,6 +159,36 @@ def target_sequence_law(config, params, prompt, n):
   return {tuple(c): float(p) for c, p in zip(conts.tolist(), probs / probs.sum())}
 
 
+def check_drafter_law_at_t1(config, target, params, drafter, verifier, gamma, prompt=(1, 4), n=20_000, seed=11):
+  """T = 1: the first 3 tokens ``drafter`` (with ``params``) and ``verifier`` emit after ``prompt`` in ``n`` rows
+  (keys ``split(key(seed), n)``) follow the target's exact law (χ², p > 1e-3); no invalid rows; some drafts
+  rejected, some accepted (the rule really decides). Returns the metrics."""
+  prompt = list(prompt)
+  tokens, lens = spec.prepare_prompts([prompt] * n)
+  out = spec.generate_speculative(target, params, jax.random.split(jax.random.key(seed), n), tokens, lens,
+                                  target=config, drafter=drafter, gamma=gamma, max_new_tokens=3, verifier=verifier,
+                                  sampler=T1)
+  res = theory.chi2_gof(row_counts(out.tokens_BxN), target_sequence_law(config, target, prompt, 3))
+  assert res.p_value > 1e-3, res
+  m = out.metrics
+  assert 0 < int(m.num_accepted_tokens.sum()) < int(m.num_draft_tokens.sum())
+  assert int(m.invalid_prob_rows.sum()) == 0
+  return m
+
+
+def check_drafter_greedy(config, target, params, drafter, verifier, gamma, max_new, prompts=PROMPTS):
+  """T = 0: ``drafter`` (with ``params``) and ``verifier`` emit exactly the autoregressive tokens of ``prompts``
+  (keys ``split(key(0), len(prompts))``) and accept some drafts. Returns the metrics."""
+  keys = jax.random.split(jax.random.key(0), len(prompts))
+  ar = run_ar(config, target, prompts, keys, max_new)
+  tokens, lens = spec.prepare_prompts(prompts)
+  out = spec.generate_speculative(target, params, keys, tokens, lens, target=config, drafter=drafter, gamma=gamma,
+                                  max_new_tokens=max_new, verifier=verifier, sampler=GREEDY)
+  np.testing.assert_array_equal(out.tokens_BxN, ar.tokens_BxN)
+  assert int(out.metrics.num_accepted_tokens.sum()) > 0
+  return out.metrics
+
+
 # --- laws ----------------------------------------------------------------------------------------------------------
 
 def stable_seed(*parts) -> int:

@@ -4,7 +4,6 @@ every rescorer on ragged batches, the exact law at T = 1 under token and block v
 of the neural LM = brute force (and its cache left as an autoregressive pass leaves it), the training data's
 positions and labels, checkpoints, the smoke job with resume, and the errors for bad settings."""
 
-import collections
 import dataclasses
 import functools
 import itertools
@@ -17,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from blockspec_jax import contracts, sampling, theory
+from blockspec_jax import contracts, sampling
 from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.drafters import heads as heads_lib, lattice
 from blockspec_jax.models import decoder as dec
@@ -25,7 +24,8 @@ from blockspec_jax.train import __main__ as train_main  # registers tiny_decoder
 from blockspec_jax.train import heads as heads_train
 from blockspec_jax.train import heads_job as heads_job_lib
 
-from helpers import GREEDY, PROMPTS as RAGGED, T1, model_pair, run_ar, small_config, target_sequence_law
+from helpers import (GREEDY, PROMPTS as RAGGED, T1, check_drafter_greedy, check_drafter_law_at_t1, model_pair, run_ar,
+                     small_config)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(REPO, "gin/train/heads_smoke.gin")
@@ -173,17 +173,7 @@ def test_raw_and_neural_rescored_drafts_are_lossless_at_t1(rescore, verifier):
   params = {"heads": random_heads(config, 2, scale=2.0), "lm_head": heads_lib.lm_head_weight(config, target),
             "lm": lm_params}
   drafter = heads_lib.HeadsDrafter.build(config, lm_config, num_heads=2, rescore=rescore, top_k=3, lm_weight=1.0)
-  prompt, n = [1, 4], 20_000
-  tokens, lens = spec.prepare_prompts([prompt] * n)
-  out = spec.generate_speculative(target, params, jax.random.split(jax.random.key(11), n), tokens, lens,
-                                  target=config, drafter=drafter, gamma=2, max_new_tokens=3, verifier=verifier,
-                                  sampler=T1)
-  counts = collections.Counter(map(tuple, np.asarray(out.tokens_BxN).tolist()))
-  res = theory.chi2_gof(counts, target_sequence_law(config, target, prompt, 3))
-  assert res.p_value > 1e-3, res
-  m = out.metrics
-  assert 0 < int(m.num_accepted_tokens.sum()) < int(m.num_draft_tokens.sum())
-  assert int(m.invalid_prob_rows.sum()) == 0
+  check_drafter_law_at_t1(config, target, params, drafter, verifier, gamma=2)
 
 
 def test_pbest_neural_tree_search_is_brute_force_and_leaves_an_autoregressive_cache():
@@ -479,22 +469,7 @@ def test_the_p_best_tree_is_greedy_exact_and_lossless_at_t1(rescore):
   at T = 1 (V = 6) the first 3 emitted tokens follow the target's exact law (χ², 20k rows)."""
   config, target, _ = model_pair()
   drafter, params = _tree_drafter(config, target, 64, rescore, top_k=16, scale=0.1)
-  keys = jax.random.split(jax.random.key(0), 4)
-  ar = run_ar(config, target, RAGGED, keys, 12)
-  tokens, lens = spec.prepare_prompts(RAGGED)
-  out = spec.generate_speculative(target, params, keys, tokens, lens, target=config, drafter=drafter, gamma=3,
-                                  max_new_tokens=12, verifier="point_mass", sampler=GREEDY)
-  np.testing.assert_array_equal(out.tokens_BxN, ar.tokens_BxN)
-  assert int(out.metrics.num_accepted_tokens.sum()) > 0
+  check_drafter_greedy(config, target, params, drafter, "point_mass", gamma=3, max_new=12)
   config, target, _ = model_pair(vocab=6, seed=3, noise=1.0)
   drafter, params = _tree_drafter(config, target, 6, rescore)
-  prompt, n = [1, 4], 20_000
-  tokens, lens = spec.prepare_prompts([prompt] * n)
-  out = spec.generate_speculative(target, params, jax.random.split(jax.random.key(11), n), tokens, lens,
-                                  target=config, drafter=drafter, gamma=3, max_new_tokens=3, verifier="point_mass",
-                                  sampler=T1)
-  counts = collections.Counter(map(tuple, np.asarray(out.tokens_BxN).tolist()))
-  res = theory.chi2_gof(counts, target_sequence_law(config, target, prompt, 3))
-  assert res.p_value > 1e-3, res
-  m = out.metrics
-  assert 0 < int(m.num_accepted_tokens.sum()) < int(m.num_draft_tokens.sum())
+  check_drafter_law_at_t1(config, target, params, drafter, "point_mass", gamma=3)

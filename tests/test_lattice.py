@@ -13,11 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from blockspec_jax import theory
 from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.drafters import heads as heads_lib, lattice
 
-from helpers import GREEDY, PROMPTS as RAGGED, T1, model_pair, run_ar, target_sequence_law
+from helpers import GREEDY, PROMPTS as RAGGED, T1, check_drafter_law_at_t1, model_pair, run_ar
 
 
 # --- a pure-Python interpolated Kneser–Ney, the reference ------------------------------------------------------------
@@ -320,14 +319,4 @@ def test_ngram_local_rescoring_is_lossless_at_t1(verifier):
   prompt = [1, 4]
   params = {**_drafter_params(config, target, num_heads=2), "ngram": _random_ngram(6)}
   drafter = heads_lib.HeadsDrafter(config, num_heads=2, rescore="ngram", top_k=3, lm_weight=1.0)
-  n = 20_000
-  tokens, lens = spec.prepare_prompts([prompt] * n)
-  out = spec.generate_speculative(target, params, jax.random.split(jax.random.key(11), n), tokens, lens,
-                                  target=config, drafter=drafter, gamma=2, max_new_tokens=3, verifier=verifier,
-                                  sampler=T1)
-  counts = collections.Counter(map(tuple, np.asarray(out.tokens_BxN).tolist()))
-  res = theory.chi2_gof(counts, target_sequence_law(config, target, prompt, 3))
-  assert res.p_value > 1e-3, res
-  m = out.metrics
-  assert 0 < int(m.num_accepted_tokens.sum()) < int(m.num_draft_tokens.sum())
-  assert int(m.invalid_prob_rows.sum()) == 0
+  check_drafter_law_at_t1(config, target, params, drafter, verifier, gamma=2, prompt=prompt)
