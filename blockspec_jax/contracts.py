@@ -32,7 +32,8 @@ from blockspec_jax import sampling
 
 __all__ = ["Draft", "Commit", "Scored", "TargetScorer", "Drafter", "chain_draft", "chain_parents_BxN",
            "ancestors", "node_depths", "tree_positions", "tree_attention_mask", "accepted_path", "path_slots",
-           "SAMPLING_CHAIN", "SAMPLING_BEAM", "WITH_REPLACEMENT", "WITHOUT_REPLACEMENT", "POINT_MASS", "check_drafter", "StepDrafter",
+           "SAMPLING_CHAIN", "SAMPLING_BEAM", "WITH_REPLACEMENT", "WITHOUT_REPLACEMENT", "POINT_MASS", "check_drafter",
+           "StepDrafter",
            "prompt_commit", "reads_target",
            "replays_history", "target_layers"]
 

@@ -391,7 +391,8 @@ def test_registry_builds_every_drafter_and_names_errors():
     assert d.sibling_sampling in ("chain", "with_replacement", "without_replacement", "beam", "point_mass")
     assert d.is_chain == (d.sibling_sampling in ("chain", "beam"))
   assert drafters.make("ngram", config=config).vocab_size == 64  # model-free: the vocabulary from config
-  bad = {"unknown drafter 'lattice'.*known drafters: model, k_chains, rsd_c, rsd_s, ngram, sprinter, beam, heads, heads_tree, steered":
+  bad = {"unknown drafter 'lattice'.*known drafters: model, k_chains, rsd_c, rsd_s, ngram, sprinter, beam, heads, "
+         "heads_tree, steered":
          ("lattice", {}),
          r"beam width must be an integer": ("beam", {"width": 0}),
          r"no settings \['width'\]": ("k_chains", {"width": 2}),

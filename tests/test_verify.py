@@ -231,8 +231,8 @@ class BadInputTest(chex.TestCase):
       v.batch(keys, jnp.stack([self.tokens] * 3), jnp.stack([self.q] * 3), jnp.stack([self.p] * 3))
 
   def test_unknown_verifier(self):
-    with self.assertRaisesRegex(ValueError, "unknown verifier 'blok'.*block, exact_match, greedy, lenient, mtad, point_mass, rrs, "
-                                            "rrs_wor, spectr, sprinter, token, traversal"):
+    with self.assertRaisesRegex(ValueError, "unknown verifier 'blok'.*block, exact_match, greedy, lenient, mtad, "
+                                            "point_mass, rrs, rrs_wor, spectr, sprinter, token, traversal"):
       verify.get_verifier("blok")
 
   def test_distribution_report(self):

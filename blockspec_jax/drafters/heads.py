@@ -75,7 +75,8 @@ from blockspec_jax.drafters.registry import register
 from blockspec_jax.drafters.settings import Settings, check_count, check_directory, is_int, read_record
 from blockspec_jax.models import decoder as decoder_lib
 
-__all__ = ["RESCORERS", "TREE_RESCORERS", "HeadsDrafter", "HeadsTreeDrafter", "HeadsState", "init_heads", "heads_logits", "lm_head_weight",
+__all__ = ["RESCORERS", "TREE_RESCORERS", "HeadsDrafter", "HeadsTreeDrafter", "HeadsState", "init_heads",
+           "heads_logits", "lm_head_weight", "chain_tree_parents",
            "check_heads"]
 
 #: ``rescore`` values: the raw heads, local rescoring with either LM, the p-best search with either LM or with none
@@ -505,9 +506,10 @@ def load_heads(workdir, d_model: int | None = None, num_heads: int | None = None
 class HeadsTreeDrafter(HeadsDrafter):
   """BPD's global rescoring as the paper verifies it (module docstring): the ``pbest`` best paths of the lattice,
   with the n-gram LM (``rescore = "pbest_ngram"``) or by the heads' scores alone (``"pbest_none"``, the default: the
-  "p-best 0-gram" control, and what :meth:`untrained` heads run), proposed as one tree of ``pbest`` chains of γ point masses
-  (``N = pbest·γ``, depth-major: node ``d·p + w`` is path ``w``'s token ``d``, path 0 the best). Verify with
-  ``"point_mass"``. Fields as :class:`HeadsDrafter`; ``pbest`` is the number of paths (and the search's width)."""
+  "p-best 0-gram" control, and what :meth:`untrained` heads run), proposed as one tree of ``pbest`` chains of γ
+  point masses (``N = pbest·γ``, depth-major: node ``d·p + w`` is path ``w``'s token ``d``, path 0 the best).
+  Verify with ``"point_mass"``. Fields as :class:`HeadsDrafter`; ``pbest`` is the number of paths (and the search's
+  width)."""
 
   rescore: str = "pbest_none"
   sibling_sampling = POINT_MASS

@@ -48,7 +48,8 @@ from blockspec_jax import methods
 from blockspec_jax import runtime
 from blockspec_jax import sources
 
-__all__ = ["StartupSettings", "bench_startup_job", "matmul_gflops", "memory_gbps", "linear_params", "decode_weight_bytes", "main"]
+__all__ = ["StartupSettings", "bench_startup_job", "matmul_gflops", "memory_gbps", "linear_params",
+           "decode_weight_bytes", "main"]
 
 
 def _median_s(fn, repeats: int) -> float:

@@ -13,7 +13,8 @@ import numpy as np
 from blockspec_jax.theory.exact import _check_models  # one check of a tabular pair
 from blockspec_jax.theory.tabular import TabularLM
 
-__all__ = ["WITH_REPLACEMENT", "WITHOUT_REPLACEMENT", "POINT_MASS", "MAX_ENUMERATED_TREES", "check_parents", "branching_parents",
+__all__ = ["WITH_REPLACEMENT", "WITHOUT_REPLACEMENT", "POINT_MASS", "MAX_ENUMERATED_TREES", "check_parents",
+           "branching_parents",
            "tree_depths", "TreeDraws", "enumerate_trees", "sample_trees"]
 
 WITH_REPLACEMENT = "with_replacement"
