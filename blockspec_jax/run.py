@@ -4,9 +4,10 @@
 
 Default: Qwen2.5-Coder 0.5B drafter → 1.5B target (one tokenizer), the shipped prompt file (code, chat, math), γ = 4,
 T ∈ {0, 1}, methods autoregressive, token, block. ``run_job.methods`` takes every registered verifier
-(``verify.VERIFIERS``: block, token, greedy, exact_match, rrs, rrs_wor, spectr, traversal, point_mass, …), each optionally with
-its drafter, ``"<verifier>@<drafter>"`` (``drafters.DRAFTERS``: model, k_chains, rsd_c, rsd_s, ngram; default: the
-model chain for chain rules, k i.i.d. chains or RSD-C trees for tree rules), and ``run_job.drafter_settings`` binds
+(``verify.VERIFIERS``: block, token, greedy, exact_match, rrs, rrs_wor, spectr, traversal, point_mass, …), each
+optionally with its drafter, ``"<verifier>@<drafter>"`` (``drafters.DRAFTERS``: model, k_chains, rsd_c, rsd_s, ngram,
+heads_tree, …; default: the model chain for chain rules, k i.i.d. chains, RSD-C trees or the heads' p-best tree for
+tree rules), and ``run_job.drafter_settings`` binds
 drafter shapes, e.g. ``{"k_chains": {"k": 4}, "rsd_c": {"branching": (2, 2, 1, 1)}}``. For each temperature, every
 method decodes every prompt at batch 1 (one compiled program per method and
 temperature: prompts are padded to a common width and carry their own lengths, so nothing recompiles per prompt;
