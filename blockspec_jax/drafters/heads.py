@@ -527,11 +527,7 @@ class HeadsTreeDrafter(HeadsDrafter):
   @classmethod
   def budget_shape(cls, budget, branches=2):
     """``branches`` paths (``pbest``) of depth ``budget / branches`` (one head per depth)."""
-    if isinstance(branches, bool) or not isinstance(branches, int) or branches < 1:
-      raise ValueError(f"branches must be an integer >= 1, got {branches!r}")
-    if budget % branches:
-      raise ValueError(f"heads_tree shapes with {branches} paths need a budget divisible by {branches}, got {budget}")
-    depth = budget // branches
+    depth = cls._budget_depth(budget, branches)
     return {"num_heads": depth, "pbest": int(branches)}, depth
 
   def num_nodes(self, gamma: int) -> int:

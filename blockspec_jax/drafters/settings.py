@@ -114,6 +114,17 @@ class Settings:
     raise ValueError(f"drafter {cls.name!r} declares no shapes for a node budget (budget_shape)")
 
   @classmethod
+  def _budget_depth(cls, budget: int, branches) -> int:
+    """The depth ``budget / branches`` of a tree with ``branches`` branches at the root (for the tree drafters'
+    :meth:`budget_shape`)."""
+    if not is_int(branches, 1):
+      raise ValueError(f"branches must be an integer >= 1, got {branches!r}")
+    if budget % branches:
+      raise ValueError(f"{cls.name} shapes with {branches} branches need a budget divisible by {branches}, got "
+                       f"{budget}")
+    return budget // branches
+
+  @classmethod
   def untrained(cls, target_config, target_params, drafter_config, drafter_params, gamma: int):
     """``(drafter, params)`` on the given models (DecoderConfigs and their parameter trees) for maximum depth
     ``gamma``, at :meth:`default_settings`, with any trained parts at their initial values (what the registry-wide

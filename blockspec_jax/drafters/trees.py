@@ -104,16 +104,6 @@ class _TreeModelDrafter(ModelDrafter):
   def num_nodes(self, gamma: int) -> int:
     return int(sum(self.widths(gamma)))
 
-  @classmethod
-  def _budget_depth(cls, budget: int, branches) -> int:
-    """The depth ``budget / branches`` of a tree with ``branches`` branches at the root (:meth:`budget_shape`)."""
-    if not is_int(branches, 1):
-      raise ValueError(f"branches must be an integer >= 1, got {branches!r}")
-    if budget % branches:
-      raise ValueError(f"{cls.name} shapes with {branches} branches need a budget divisible by {branches}, got "
-                       f"{budget}")
-    return budget // branches
-
   def _start(self, root_rows_Bx1xV):
     return None
 
