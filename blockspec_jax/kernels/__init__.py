@@ -26,6 +26,22 @@ compute dtype: a bfloat16 compute dtype over float32 weights never rounds the we
 summation order differs from the kernel's, so their numbers may differ from a narrower pass's by float32 rounding;
 a verify pass of γ + 1 <= ``KERNEL_MAX_TOKENS`` tokens never takes it.
 
+Quantized weights: ``w`` may be a ``blockspec_jax.models.quant.QuantizedTensor`` (GGUF codes and per-group scales,
+2-D (N, K), or stacked [L, ...] with ``layer=``), recognised by duck typing (``is_quantized``: ``kernels`` sits below
+``models`` in the import layers) and used through its ``dequantize`` / ``matmul`` methods on the XLA path. The kernel
+streams the codes and scales as stored (0.56-1.25 bytes per weight instead of 4), rebuilds in registers exactly the
+float32 weights ``quant.dequantize`` gives (``scale * float(code - zero_point) [+ offset]``: the product is exact, so
+one rounding at most, as there) and feeds them to the same micro-kernels, in the same summation order, as float32
+weights: ``linear(x, qt, impl="kernel")`` is bit-identical to ``linear(x, dequantize(qt), impl="kernel")``, for every
+type in ``QUANT_KERNEL_TYPES`` (all of quant's: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), on every path
+(scalar, AVX2, AVX-512), for any M. Every path computes in float32 and returns ``dtype``. "auto" uses the kernel
+under the float32 weights' conditions (CPU, at most ``KERNEL_MAX_TOKENS`` tokens per row, no multi-device mesh, the
+library available) and a type in ``QUANT_KERNEL_TYPES``; otherwise ``quant.quantized_matmul`` (XLA, float32
+accumulation), or for a wider pass (prefill) XLA's float32 GEMM on the dequantized weights, as for float32 weights.
+"xla" is ``quant.quantized_matmul``; "kernel" raises KernelUnavailable for a type not in ``QUANT_KERNEL_TYPES``.
+Gradients: w.r.t. ``x`` through XLA dots on the dequantized weights (trained adapters over a frozen quantized base);
+the scales and offsets get theirs through ``dequantize``, the integer codes none.
+
 ``impl``:
   "auto"   the kernel when the computation runs on CPU (checked first, so on GPU / TPU the kernel is never built
            or called), the pass has at most ``KERNEL_MAX_TOKENS`` tokens per row (``KERNEL_MAX_TOKENS_BF16`` =
@@ -45,17 +61,19 @@ Building: the first use in a process compiles ``linear_cpu.cc`` with the system 
 ``g++``, about 10 s) into ``<cache>/kernels`` (``blockspec_jax.paths.default_cache_dir()``: ``$BLOCKSPEC_JAX_CACHE``
 or ``~/.cache/blockspec_jax``) as ``linear_cpu-<key>.so``. The key hashes the source, the compiler's resolved path
 and ``--version`` output, the flags, the jax version and the machine (``platform.machine()`` plus whether
-/proc/cpuinfo lists AVX2 / FMA, the features the kernel dispatches on at run time). Next to the library a sidecar
-``.json``, written after it by atomic rename, records its size and SHA-256; a later process loads the cached library
-only when both match (a truncated library would kill the process with SIGBUS inside ``ctypes.CDLL``), and a library
-that does not match or does not load is deleted and rebuilt once, with a warning. A failed build writes a ``.failed``
-marker holding the error, so later processes fall back at once instead of retrying a 10 s failing build; the marker
-is keyed like the library, so a changed compiler or source retries, and ``BLOCKSPEC_JAX_KERNEL_REBUILD=1`` forces a
-rebuild (ignoring both the marker and a cached library). Checks and builds hold an exclusive ``flock`` on
+/proc/cpuinfo lists AVX2 / FMA / F16C / AVX-512F, the features the kernel dispatches on at run time; without AVX-512F
+the quantized types take the AVX2 loop, without AVX2 / FMA / F16C every type the portable one). Next to the library a
+sidecar ``.json``, written after it by atomic rename, records its size and SHA-256; a later process loads the cached
+library only when both match (a truncated library would kill the process with SIGBUS inside ``ctypes.CDLL``), and a
+library that does not match or does not load is deleted and rebuilt once, with a warning. A failed build writes a
+``.failed`` marker holding the error, so later processes fall back at once instead of retrying a 10 s failing build;
+the marker is keyed like the library, so a changed compiler or source retries, and ``BLOCKSPEC_JAX_KERNEL_REBUILD=1``
+forces a rebuild (ignoring both the marker and a cached library). Checks and builds hold an exclusive ``flock`` on
 ``linear_cpu-<key>.lock``, so concurrent processes build once. No compiler, a failed build or a library that will not
 load gives one warning per process and the XLA path. ``BLOCKSPEC_JAX_KERNEL=0`` disables the kernel. The kernel
 shares XLA's intra-op thread pool (no threads of its own); ``BLOCKSPEC_JAX_KERNEL_THREADS`` caps how many of them one
-call uses.
+call uses. ``BLOCKSPEC_JAX_KERNEL_GENERIC=1`` forces the portable loop and ``BLOCKSPEC_JAX_KERNEL_NO_AVX512=1`` the
+AVX2 one (read once per process; every path gives the same bits).
 """
 
 from __future__ import annotations
@@ -81,7 +99,8 @@ import numpy as np
 
 from blockspec_jax.paths import default_cache_dir
 
-__all__ = ["IMPLS", "KERNEL_MAX_TOKENS", "KERNEL_MAX_TOKENS_BF16", "KernelUnavailable", "kernel_available", "linear"]
+__all__ = ["IMPLS", "KERNEL_MAX_TOKENS", "KERNEL_MAX_TOKENS_BF16", "QUANT_KERNEL_TYPES", "KernelUnavailable",
+           "kernel_available", "is_quantized", "linear"]
 
 IMPLS = ("auto", "xla", "kernel")
 # "auto" uses the kernel for passes of at most this many tokens per row (x.shape[-2]: decode steps, verify passes up
@@ -96,6 +115,13 @@ _TARGETS = {np.dtype(np.float32): "blockspec_jax_linear_f32", np.dtype(jnp.bfloa
 # One layer of a stacked [L, N, K] weight, read in place (``linear(..., layer=i)``: layers run in a loop).
 _STACKED_TARGETS = {np.dtype(np.float32): "blockspec_jax_linear_stacked_f32",
                     np.dtype(jnp.bfloat16): "blockspec_jax_linear_stacked_bf16"}
+# Quantized weights (a blockspec_jax.models.quant.QuantizedTensor, stacked or not): one target for every GGUF type,
+# the type passed as the index of its name here (the order of kQuantTypes in linear_cpu.cc).
+_QUANT_TARGET = "blockspec_jax_linear_quant"
+_QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# The GGUF types the kernel streams as they are stored; any other quantized type takes the XLA path with "auto" and
+# raises KernelUnavailable with "kernel". (Today every type blockspec_jax.models.quant holds.)
+QUANT_KERNEL_TYPES = _QUANT_TYPES
 
 
 class KernelUnavailable(RuntimeError):
@@ -112,7 +138,7 @@ def _cache_dir() -> pathlib.Path:
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
 # CPU features linear_cpu.cc dispatches on at run time (``target`` attributes, no -march): part of the cache key so
 # a cache directory shared by different machines keeps one build per kind of machine.
-_CPU_FEATURES = ("avx2", "fma")
+_CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f")
 
 
 def _machine() -> str:
@@ -288,7 +314,7 @@ def _register(lib: ctypes.CDLL) -> ctypes.CDLL:
   """Register the library's FFI handlers with XLA for the CPU platform (AttributeError if a symbol is missing)."""
   handlers = {_TARGETS[np.dtype(np.float32)]: lib.BsjLinearF32, _TARGETS[np.dtype(jnp.bfloat16)]: lib.BsjLinearBF16,
               _STACKED_TARGETS[np.dtype(np.float32)]: lib.BsjLinearStackedF32,
-              _STACKED_TARGETS[np.dtype(jnp.bfloat16)]: lib.BsjLinearStackedBF16}
+              _STACKED_TARGETS[np.dtype(jnp.bfloat16)]: lib.BsjLinearStackedBF16, _QUANT_TARGET: lib.BsjLinearQuant}
   for name, handler in handlers.items():
     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
   return lib
@@ -386,6 +412,105 @@ def _kernel_linear_stacked_bwd(res, g_MxN):
 _kernel_linear_stacked.defvjp(_kernel_linear_stacked_fwd, _kernel_linear_stacked_bwd)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Quantized weights. ``kernels`` sits below ``models`` in the import layers, so a QuantizedTensor is recognised by its
+# fields and used through its own methods (``dequantize``, ``matmul``), never by importing blockspec_jax.models.quant.
+
+def is_quantized(w) -> bool:
+  """Whether ``w`` is a ``blockspec_jax.models.quant.QuantizedTensor`` (duck typing: codes, scales, type, shape)."""
+  return all(hasattr(w, name) for name in ("codes_OxC", "scale_OxG", "offset_OxG", "qtype", "shape", "layout",
+                                           "dequantize", "matmul"))
+
+
+def _quant_layer(qt, layer):
+  """Layer ``layer`` of a stacked QuantizedTensor (its arrays' leading axis), or ``qt`` itself when not stacked."""
+  if np.ndim(qt.codes_OxC) == len(qt.shape):
+    return qt
+  return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), qt)
+
+
+def _ffi_quant(x_MxK, qt, layer):
+  offset = qt.scale_OxG if qt.offset_OxG is None else qt.offset_OxG  # not read for the types without an offset
+  out = jax.ShapeDtypeStruct((x_MxK.shape[0], qt.shape[0]), jnp.float32)
+  call = jax.ffi.ffi_call(_QUANT_TARGET, out, vmap_method="sequential")
+  return call(x_MxK.astype(jnp.float32), qt.codes_OxC, qt.scale_OxG, offset, jnp.asarray(layer, jnp.int32),
+              qtype=np.int32(_QUANT_TYPES.index(qt.qtype)))
+
+
+@jax.custom_vjp
+def _kernel_linear_quant(x_MxK, qt, layer):
+  """float32 [M, N] = x @ dequantize(qt[layer]).T from the CPU kernel, reading the codes and scales in place (layer:
+  an int32 scalar, used when the arrays of ``qt`` carry a leading layer axis). Bit-identical to the float32 kernel
+  on ``dequantize(qt[layer])``: the kernel builds exactly those float32 weights in registers and sums them in the
+  float32 kernel's order."""
+  return _ffi_quant(x_MxK, qt, layer)
+
+
+def _kernel_linear_quant_fwd(x_MxK, qt, layer):
+  return _kernel_linear_quant(x_MxK, qt, layer), (x_MxK, qt, layer)
+
+
+def _kernel_linear_quant_bwd(res, g_MxN):
+  """XLA dots on the dequantized weights (float32): dx, and the scales' and offsets' cotangents through
+  ``dequantize`` (the integer codes get none) in case a caller differentiates them (frozen weights do not)."""
+  x_MxK, qt, layer = res
+  g_MxN = g_MxN.astype(jnp.float32)
+  w_NxK, pullback = jax.vjp(lambda q: _quant_layer(q, layer).dequantize(), qt)
+  dx_MxK = (g_MxN @ w_NxK).astype(x_MxK.dtype)
+  (dqt,) = pullback(g_MxN.T @ x_MxK.astype(jnp.float32))
+  return dx_MxK, dqt, np.zeros(np.shape(layer), jax.dtypes.float0)
+
+
+_kernel_linear_quant.defvjp(_kernel_linear_quant_fwd, _kernel_linear_quant_bwd)
+
+
+def _check_quantized(x_MxK, qt, layer) -> None:
+  """ValueError unless ``qt`` is a 2-D (N, K) QuantizedTensor that contracts with ``x`` [..., K], its arrays of the
+  layout's dtypes and with one leading (layer) axis exactly when ``layer`` is given."""
+  stacked = np.ndim(qt.codes_OxC) - len(qt.shape)
+  if len(qt.shape) != 2 or x_MxK.shape[-1] != qt.shape[1] or stacked != (0 if layer is None else 1):
+    want = "w [N, K]" if layer is None else "a stack [L, N, K] (arrays with one leading layer axis)"
+    raise ValueError(f"linear: x {x_MxK.shape} and a {qt.qtype} QuantizedTensor of shape {qt.shape} (codes "
+                     f"{tuple(np.shape(qt.codes_OxC))}) do not contract (expected x [..., K], {want})")
+  layout = qt.layout
+  arrays = [("codes_OxC", qt.codes_OxC, layout.code_dtype), ("scale_OxG", qt.scale_OxG, layout.scale_dtype)]
+  if layout.has_offset:
+    arrays.append(("offset_OxG", qt.offset_OxG, layout.scale_dtype))
+  for name, array, dtype in arrays:
+    if array is None or np.dtype(array.dtype) != np.dtype(dtype):
+      raise ValueError(f"linear: a {qt.qtype} QuantizedTensor needs {name} of dtype {np.dtype(dtype).name}, got "
+                       f"{None if array is None else np.dtype(array.dtype).name}")
+
+
+def _linear_quantized(x_MxK, qt, impl: str, dtype, layer):
+  """``linear`` for a QuantizedTensor (see ``linear``); every path computes in float32 and returns ``dtype``."""
+  _check_quantized(x_MxK, qt, layer)
+  lead = x_MxK.shape[:-1]
+  rows = int(np.prod(lead, dtype=np.int64))
+  tokens = x_MxK.shape[-2] if x_MxK.ndim >= 2 else 1
+  use_kernel = False
+  if impl == "auto":
+    use_kernel = (qt.qtype in QUANT_KERNEL_TYPES and 0 < rows and tokens <= KERNEL_MAX_TOKENS
+                  and not _under_multidevice_mesh() and _platform(x_MxK) == "cpu" and kernel_available(warn=True))
+  elif impl == "kernel":
+    if qt.qtype not in QUANT_KERNEL_TYPES:
+      raise KernelUnavailable(f"linear impl='kernel': the CPU kernel does not stream {qt.qtype} weights (it does "
+                              f"{', '.join(QUANT_KERNEL_TYPES)}); use impl='auto' or 'xla'")
+    where = _platform(x_MxK)
+    if where != "cpu":
+      raise KernelUnavailable(f"linear impl='kernel' runs on CPU only; this computation runs on {where!r}")
+    _load()
+    use_kernel = rows > 0
+  if not use_kernel:
+    qt_NxK = _quant_layer(qt, layer)
+    if impl == "auto" and tokens > KERNEL_MAX_TOKENS:  # a wide pass (prefill): XLA's float32 GEMM, as for f32 weights
+      return _xla(x_MxK, qt_NxK.dequantize(), jnp.float32).astype(dtype)
+    return qt_NxK.matmul(x_MxK).astype(dtype)
+  x_2d = x_MxK.reshape(rows, x_MxK.shape[-1])
+  y_MxN = _kernel_linear_quant(x_2d, qt, 0 if layer is None else layer)
+  return y_MxN.reshape(*lead, qt.shape[0]).astype(dtype)
+
+
 def _under_multidevice_mesh() -> bool:
   get = getattr(jax.sharding, "get_abstract_mesh", None)
   if get is None:
@@ -412,18 +537,24 @@ def linear(x_MxK: jax.Array, w_NxK: jax.Array, *, impl: str = "auto", dtype=jnp.
 
   Args:
     x_MxK: activations [..., T, K] (T = ``x.shape[-2]``, the tokens per row of the pass; 1 for a 1-D ``x``).
-    w_NxK: weights [N, K] (out, in); with ``layer``, a stack [L, N, K] of which layer ``layer`` is used.
+    w_NxK: weights [N, K] (out, in); with ``layer``, a stack [L, N, K] of which layer ``layer`` is used. Or a
+      ``QuantizedTensor`` of logical shape (N, K) (with ``layer``: arrays with one leading layer axis), computed in
+      float32 whatever the path (module docstring).
     impl: "auto", "xla" or "kernel" (see the module docstring).
     dtype: compute / result dtype of the XLA path and result dtype of the kernel path.
     layer: None, or an int32 scalar (traced inside a loop over layers): the kernel path then reads that layer's
       [N, K] block of the stack in place (no copy of the weights per iteration); the XLA path slices it.
       Same numbers as ``linear(x, w[layer])``.
   Raises:
-    ValueError: shapes that do not contract, unknown ``impl``, ``impl="kernel"`` with other than f32 / bf16 weights.
-    KernelUnavailable: ``impl="kernel"`` and the platform is not CPU or the kernel cannot be built.
+    ValueError: shapes that do not contract, unknown ``impl``, ``impl="kernel"`` with other than f32 / bf16 /
+      quantized weights, a QuantizedTensor whose arrays do not have its layout's dtypes.
+    KernelUnavailable: ``impl="kernel"`` and the platform is not CPU, the kernel cannot be built, or a quantized type
+      is not in ``QUANT_KERNEL_TYPES``.
   """
   if impl not in IMPLS:
     raise ValueError(f"linear impl must be one of {IMPLS}, got {impl!r}")
+  if is_quantized(w_NxK):
+    return _linear_quantized(x_MxK, w_NxK, impl, dtype, layer)
   if layer is not None:
     if w_NxK.ndim != 3 or x_MxK.shape[-1] != w_NxK.shape[2]:
       raise ValueError(f"linear: x {x_MxK.shape} and a stacked w {w_NxK.shape} do not contract (expected x [..., K], "

@@ -61,7 +61,7 @@ from flax import struct
 
 __all__ = ["QuantLayout", "QuantizedTensor", "LAYOUTS", "SUPPORTED_TYPES", "FLOAT_TYPES", "layout_of",
            "quantize_from_gguf", "tensor_from_gguf", "dequantize_np", "dequantize", "quantized_matmul", "nbytes",
-           "bytes_per_weight", "layout_table", "row_slice"]
+           "bytes_per_weight", "layout_table", "row_slice", "check_tensor"]
 
 _T = gguf.GGMLQuantizationType
 _QK_K = 256
@@ -188,6 +188,16 @@ class QuantizedTensor:
   def size(self) -> int:
     """Weights in one tensor of the logical shape (stacked axes not counted)."""
     return math.prod(self.shape)
+
+  # Methods for callers below ``models`` in the import layers (``blockspec_jax.kernels`` takes a QuantizedTensor by
+  # duck typing and may not import this module).
+  def dequantize(self) -> jax.Array:
+    """:func:`dequantize` of this tensor: float32 ``(..., I)``, bit for bit ``gguf.quants.dequantize``."""
+    return dequantize(self)
+
+  def matmul(self, x_BxI: jax.Array) -> jax.Array:
+    """:func:`quantized_matmul` of ``x_BxI`` with this 2-D tensor: float32 ``(..., O)``."""
+    return quantized_matmul(x_BxI, self)
 
 
 def nbytes(qt: QuantizedTensor) -> int:
@@ -383,6 +393,15 @@ def tensor_from_gguf(tensor) -> QuantizedTensor | np.ndarray:
 
 
 # --- dequantization --------------------------------------------------------------------------------------------------
+
+def check_tensor(qt: QuantizedTensor, stacked_axes: int = 0) -> None:
+  """ValueError unless ``qt``'s arrays have the shapes and dtypes its type and logical shape call for, with exactly
+  ``stacked_axes`` leading (stacked) axes: for data read back from a file."""
+  _check(qt)
+  if np.ndim(qt.codes_OxC) != len(qt.shape) + stacked_axes:
+    raise ValueError(f"{qt.qtype} QuantizedTensor of shape {qt.shape}: codes_OxC has shape "
+                     f"{tuple(np.shape(qt.codes_OxC))}, expected {stacked_axes} stacked axes")
+
 
 def _check(qt: QuantizedTensor) -> QuantLayout:
   """The layout of ``qt``, its arrays' trailing shapes and dtypes checked against it (stacked axes allowed)."""
