@@ -76,6 +76,7 @@ import numpy as np
 from flax import struct
 
 from blockspec_jax import kernels
+from blockspec_jax.models import quant
 
 __all__ = ["DecoderConfig", "KVCache", "init_cache", "causal_mask", "apply_rotary", "Decoder", "head_logits",
            "init_params", "stack_layers", "unstack_layers"]
@@ -253,6 +254,46 @@ def _write_slots(cache_BxSxKxH: jax.Array, new_BxTxKxH: jax.Array, positions_BxT
   return cache_BxSxKxH.at[rows_Bx1, positions_BxT].set(new_BxTxKxH.astype(cache_BxSxKxH.dtype), mode="drop")
 
 
+def _weight_param(module: nn.Module, name: str, init, shape: tuple, stacked: int | None = None):
+  """A weight ``shape`` (with ``stacked`` = L: ``[L, *shape]``) of ``module``: ``module.param`` for a float array, or
+  the :class:`~blockspec_jax.models.quant.QuantizedTensor` the parameters hold there (GGUF blocks as stored,
+  ``hub.load_model(weights="quantized")``; frozen, never initialised here), whose logical shape must be ``shape`` (one
+  layer's, the stacked arrays carrying L in front)."""
+  if module.has_variable("params", name):
+    stored = module.get_variable("params", name)
+    if isinstance(stored, quant.QuantizedTensor):
+      layers = np.ndim(stored.codes_OxC) - len(stored.shape)
+      if tuple(stored.shape) != tuple(shape) or layers != (0 if stacked is None else 1):
+        raise ValueError(f"{module.name}/{name}: quantized weight of logical shape {stored.shape} with "
+                         f"{layers} stacked axes, expected {shape}" + ("" if stacked is None else
+                                                                       f" stacked over {stacked} layers"))
+      return stored
+  init = init if stacked is None else nn.initializers.zeros  # a stack is built by stack_layers, never initialised
+  return module.param(name, init, shape if stacked is None else (stacked, *shape), jnp.float32)
+
+
+class Embed(nn.Module):
+  """Token embeddings: ``embedding`` [V, D] (float32, or quantized rows, each dequantized as it is looked up);
+  ``x_BxTxD = embedding[tokens_BxT]`` in ``dtype``. The same parameter and numbers as ``flax.linen.Embed`` (whose
+  initialiser it keeps), plus quantized tables."""
+  num_embeddings: int
+  features: int
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    self.embedding = _weight_param(self, "embedding", nn.initializers.normal(stddev=0.02),
+                                   (self.num_embeddings, self.features))
+
+  def __call__(self, tokens_BxT):
+    if not jnp.issubdtype(tokens_BxT.dtype, jnp.integer):
+      raise ValueError(f"token ids must be integers, got {tokens_BxT.dtype}")
+    table = self.embedding
+    if isinstance(table, quant.QuantizedTensor):  # gather the rows' codes and scales, then dequantize those rows
+      rows = jax.tree.map(lambda a: jnp.take(a, tokens_BxT, axis=0), table)
+      return quant.dequantize(dataclasses.replace(rows, shape=table.shape[1:])).astype(self.dtype)
+    return jnp.take(jnp.asarray(table, self.dtype), tokens_BxT, axis=0)
+
+
 def _layer_param(module: nn.Module, name: str, init, shape: tuple, stacked: int | None, layer):
   """A parameter of one decoder layer: ``shape`` itself, or with ``stacked`` = L a stack ``[L, *shape]`` of which
   layer ``layer`` (an int32 scalar, traced inside the layer loop) is returned."""
@@ -282,7 +323,8 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-  """``x @ weight.T (+ bias)`` with ``weight`` [features, in] (out, in); float32 parameters, ``dtype`` output.
+  """``x @ weight.T (+ bias)`` with ``weight`` [features, in] (out, in); float32 parameters (or a quantized weight,
+  :func:`_weight_param`), ``dtype`` output.
   ``stacked``: every layer's weight, [L, features, in], of which ``layer`` is used; the CPU kernel reads that layer in
   place (``kernels.linear(..., layer=)``), so a loop over layers never copies weights."""
   features: int
@@ -294,11 +336,11 @@ class Linear(nn.Module):
   @nn.compact
   def __call__(self, x_BxTxI, layer=None):
     shape = (self.features, x_BxTxI.shape[-1])
+    weight = _weight_param(self, "weight", nn.initializers.lecun_normal(in_axis=-1, out_axis=-2), shape,
+                           self.stacked)
     if self.stacked is None:
-      weight = self.param("weight", nn.initializers.lecun_normal(in_axis=-1, out_axis=-2), shape, jnp.float32)
       y_BxTxF = kernels.linear(x_BxTxI, weight, impl=self.impl, dtype=self.dtype)
     else:  # the whole stack goes to the kernel, which offsets into it by ``layer``
-      weight = self.param("weight", nn.initializers.zeros, (self.stacked, *shape), jnp.float32)
       y_BxTxF = kernels.linear(x_BxTxI, weight, impl=self.impl, dtype=self.dtype, layer=layer)
     if self.use_bias:
       bias_F = _layer_param(self, "bias", nn.initializers.zeros, (self.features,), self.stacked, layer)
@@ -454,8 +496,7 @@ class Decoder(nn.Module):
         raise ValueError(f"mlp_delta_LxBxTxF must be [L = {cfg.num_layers}, B = {b}, T = {t} or 1, F = "
                          f"{cfg.ffn_dim}], got {shape}")
 
-    embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=jnp.float32,
-                     embedding_init=nn.initializers.normal(stddev=0.02), name="embed")
+    embed = Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, name="embed")
     x_BxTxD = embed(tokens_BxT)
     if cfg.embed_scale:
       x_BxTxD = x_BxTxD * jnp.asarray(cfg.d_model ** 0.5, dtype=x_BxTxD.dtype)
@@ -522,7 +563,7 @@ def stack_layers(params: dict, num_layers: int, consume: bool = False) -> dict:
     raise ValueError(f"stack_layers: expected layers_0..layers_{num_layers - 1} and no 'layers' entry; missing "
                      f"{missing[:3]}{' and more' if len(missing) > 3 else ''}")
   source = params if consume else {n: params[n] for n in names}
-  paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(source[names[0]])[0]]
+  paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(source[names[0]], is_leaf=_is_quantized)[0]]
   stacked = {}
   for path in paths:
     keys = [k.key for k in path]
@@ -535,8 +576,7 @@ def stack_layers(params: dict, num_layers: int, consume: bool = False) -> dict:
     node = stacked
     for k in keys[:-1]:
       node = node.setdefault(k, {})
-    host = all(isinstance(leaf, np.ndarray) for leaf in leaves)  # host arrays stay on the host until put
-    node[keys[-1]] = np.stack(leaves) if host else jnp.stack(leaves)
+    node[keys[-1]] = _stack(leaves, "/".join(keys))
     del leaves
   out = {k: v for k, v in params.items() if k not in names}
   if consume:
@@ -544,6 +584,30 @@ def stack_layers(params: dict, num_layers: int, consume: bool = False) -> dict:
       params.pop(n)
   out["layers"] = stacked
   return out
+
+
+def _is_quantized(x) -> bool:
+  return isinstance(x, quant.QuantizedTensor)
+
+
+def _stack(leaves: list, where: str):
+  """One ``[L, ...]`` leaf of the layers' ``leaves``: host arrays stay on the host until put. Quantized weights
+  stack their codes and scales (the logical shape stays one layer's) when every layer stores the same block type;
+  a GGUF that mixes types across layers (Q4_K_M files keep some layers' ``attn_v`` / ``ffn_down`` in Q6_K) cannot
+  be stacked: a ValueError names the types, and such a model runs in the unrolled layout."""
+  if any(_is_quantized(leaf) for leaf in leaves):
+    kinds = sorted({(leaf.qtype, leaf.shape) if _is_quantized(leaf) else ("float", np.shape(leaf))
+                    for leaf in leaves})
+    if len(kinds) != 1:
+      counts = {k: sum(1 for leaf in leaves if ((leaf.qtype, leaf.shape) if _is_quantized(leaf)
+                                                else ("float", np.shape(leaf))) == k) for k in kinds}
+      raise ValueError(f"stack_layers: {where} is stored as " + ", ".join(
+          f"{t} {tuple(shape)} in {n} layers" for (t, shape), n in counts.items()) + "; quantized weights of "
+          "different block types cannot share one stack: load this model in the unrolled layout "
+          "(scan_layers=False)")
+    return jax.tree.map(lambda *arrays: _stack(list(arrays), where), *leaves)
+  host = all(isinstance(leaf, np.ndarray) for leaf in leaves)
+  return np.stack(leaves) if host else jnp.stack(leaves)
 
 
 def unstack_layers(params: dict) -> dict:

@@ -59,6 +59,7 @@ import numpy as np
 
 from blockspec_jax.checks import UsageError
 from blockspec_jax.models.decoder import DecoderConfig
+from blockspec_jax.models import quant
 
 __all__ = ["GGUFContents", "GGUFError", "SUPPORTED_ARCHS", "read_gguf", "config_from_gguf", "convert",
            "converted_nbytes", "param_shapes", "insert_param", "check_layer_indices", "layers_past",
@@ -480,21 +481,30 @@ def _dequantize(tensor) -> np.ndarray:
   return np.asarray(values, dtype=np.float32).reshape(shape)
 
 
-def converted_nbytes(contents: GGUFContents, dtype: str = "float32") -> int:
-  """Bytes of the parameters ``convert(contents, dtype)`` returns (every tensor's elements × the dtype's size), from
-  the tensor infos alone: what a converted cache needs on disk, before converting."""
+def converted_nbytes(contents: GGUFContents, dtype: str = "float32", quantized: bool = False) -> int:
+  """Bytes of the parameters ``convert(contents, dtype, quantized=)`` returns (every tensor's elements × the dtype's
+  size, or × its quantized layout's bytes per weight), from the tensor infos alone: what a converted cache needs on
+  disk, before converting."""
   if dtype not in _DTYPES:
     raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {dtype!r}")
   itemsize = np.dtype(_DTYPES[dtype]).itemsize
-  return sum(math.prod(int(n) for n in t.shape) for t in contents.tensors.values()) * itemsize
+  total = 0.0
+  for t in contents.tensors.values():
+    kind = gguf.GGMLQuantizationType(t.tensor_type).name
+    per_weight = quant.bytes_per_weight(kind)[1] if quantized and kind in quant.SUPPORTED_TYPES else itemsize
+    total += math.prod(int(n) for n in t.shape) * per_weight
+  return int(math.ceil(total))
 
 
-def convert(path: os.PathLike | str | GGUFContents, dtype: str = "float32", progress: bool = False
-            ) -> tuple[DecoderConfig, dict]:
+def convert(path: os.PathLike | str | GGUFContents, dtype: str = "float32", progress: bool = False,
+            quantized: bool = False) -> tuple[DecoderConfig, dict]:
   """Dequantise a llama/qwen2/gemma3 GGUF into ``(config, {"params": tree})`` with host numpy leaves of ``dtype``.
 
   ``dtype``: "float32" or "bfloat16" (parameters and the config's compute dtype). One tensor is dequantised at a
-  time, so peak memory is about the output plus the largest tensor. Every tensor's name and shape is checked against
+  time, so peak memory is about the output plus the largest tensor. ``quantized``: every weight stored in a type
+  :mod:`~blockspec_jax.models.quant` holds (``quant.SUPPORTED_TYPES``) stays as its blocks, a host
+  :class:`~blockspec_jax.models.quant.QuantizedTensor` that dequantizes to the float32 values of the default path
+  bit for bit; float tensors (norms, biases) and any other type are converted as without it. Every tensor's name and shape is checked against
   the config before the first one is dequantised. Raises GGUFError (a ValueError) naming the file for a broken or
   inconsistent file, NotImplementedError for an architecture or tensor type the converter cannot handle.
   """
@@ -533,6 +543,14 @@ def convert(path: os.PathLike | str | GGUFContents, dtype: str = "float32", prog
     names = tqdm(names, desc="convert", unit="tensor")
   for name in names:
     tensor = contents.tensors[name]
+    if quantized and gguf.GGMLQuantizationType(tensor.tensor_type).name in quant.SUPPORTED_TYPES:
+      try:
+        value = quant.quantize_from_gguf(tensor)
+      except ValueError as e:
+        raise GGUFError(f"{contents.path}: tensor {name} ({tensor.tensor_type.name}) cannot be read as blocks "
+                        f"({e}); the file is damaged") from e
+      insert_param(tree, targets[name], value, expected[targets[name]], f"{contents.path}: tensor {name}")
+      continue
     try:
       value = _dequantize(tensor)
     except NotImplementedError as e:

@@ -42,11 +42,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blockspec_jax.models import gguf_convert, hf_convert, registry
+from blockspec_jax.models import gguf_convert, hf_convert, quant, registry
 from blockspec_jax.models.decoder import DecoderConfig, stack_layers
 from blockspec_jax.models.tokenizer import TokenizerWrapper, tokenizer_from_gguf
 
-__all__ = ["LoadedModel", "LocalSource", "load_model", "converted_cache_path"]
+__all__ = ["LoadedModel", "LocalSource", "WEIGHTS", "load_model", "converted_cache_path"]
+
+#: ``load_model(weights=)``: "dequantized" (every tensor converted to ``dtype``) or "quantized" (GGUF blocks kept).
+WEIGHTS = ("dequantized", "quantized")
 
 _FORMAT_VERSION = 3  # 2: linear weights stored (out, in) as "weight"; 3: Gemma tokenizer without invented ids
 _META_KEY = "__meta__"
@@ -124,10 +127,20 @@ def _load_hf_dir(spec: LocalSource, dtype: str, progress: bool) -> LoadedModel:
   return LoadedModel(config=config, params=params, tokenizer=tokenizer, spec=spec)
 
 
-def converted_cache_path(name: str, dtype: str = "float32", cache_dir: os.PathLike | str | None = None
-                         ) -> pathlib.Path:
+def converted_cache_path(name: str, dtype: str = "float32", cache_dir: os.PathLike | str | None = None,
+                         weights: str = "dequantized") -> pathlib.Path:
   cache = pathlib.Path(cache_dir).expanduser() if cache_dir is not None else registry.default_cache_dir()
-  return cache / "converted" / f"{name}.{dtype}.npz"
+  return cache / "converted" / (f"{name}.{dtype}.npz" if weights == "dequantized" else f"{name}.{dtype}.{weights}.npz")
+
+
+_QUANT_FIELDS = ("codes_OxC", "scale_OxG", "offset_OxG")
+
+
+def _named_leaves(tree: dict):
+  """``(key, leaf)`` of a parameter tree, key = the tree path joined by "."; a QuantizedTensor is one leaf."""
+  for key_path, leaf in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: isinstance(x, quant.QuantizedTensor))[0]:
+    yield ".".join(k.key for k in key_path), leaf
 
 
 def _config_to_json(config: DecoderConfig) -> dict:
@@ -158,14 +171,19 @@ def _mib(n: int) -> str:
 
 
 def _save(path: pathlib.Path, config: DecoderConfig, params: dict, tokenizer: TokenizerWrapper, dtype: str,
-          spec: registry.ModelSpec) -> None:
-  arrays = {}
-  for key_path, leaf in jax.tree_util.tree_flatten_with_path(params["params"])[0]:
-    key = ".".join(k.key for k in key_path)
+          spec: registry.ModelSpec, weights: str = "dequantized") -> None:
+  arrays, quantized = {}, {}
+  for key, leaf in _named_leaves(params["params"]):
+    if isinstance(leaf, quant.QuantizedTensor):  # its arrays as members "<key>.<field>", its type in the metadata
+      quantized[key] = dict(qtype=leaf.qtype, shape=list(leaf.shape))
+      for field in _QUANT_FIELDS:
+        if getattr(leaf, field) is not None:
+          arrays[f"{key}.{field}"] = np.asarray(getattr(leaf, field))
+      continue
     leaf = np.asarray(leaf)
     arrays[key] = leaf.view(np.uint16) if dtype == "bfloat16" else leaf  # .npy cannot spell bfloat16
   meta = dict(format=_FORMAT_VERSION, name=spec.name, dtype=dtype, gguf_sha256=spec.sha256,
-              config=_config_to_json(config), tokenizer=tokenizer.to_json())
+              config=_config_to_json(config), tokenizer=tokenizer.to_json(), weights=weights, quantized=quantized)
   arrays[_META_KEY] = np.array(json.dumps(meta))
   tmp = path.with_name(path.name + f".partial-{os.getpid()}")  # not *.npz: never taken for a cache file
   try:
@@ -245,7 +263,8 @@ def _read_into(f, member, out: np.ndarray, name: str) -> None:
     raise ValueError(f"{name}: CRC-32 mismatch (the file is damaged)")
 
 
-def _load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str, stacked: bool = False):
+def _load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str, stacked: bool = False,
+          weights: str = "dequantized"):
   """``(config, params numpy tree, tokenizer)`` from a cache file; raises ValueError if it is stale or broken.
 
   Every parameter is read once, from the file into its final 64-byte-aligned host array (which the device then
@@ -255,15 +274,22 @@ def _load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str, stacked: boo
   unusual file falls back."""
   with np.load(path, allow_pickle=False) as npz:
     meta = json.loads(str(npz[_META_KEY]))
-    if meta.get("format") != _FORMAT_VERSION or meta.get("gguf_sha256") != spec.sha256 or meta.get("dtype") != dtype:
-      raise ValueError("made by another format version, GGUF file or dtype")
+    if meta.get("format") != _FORMAT_VERSION or meta.get("gguf_sha256") != spec.sha256 or meta.get("dtype") != dtype \
+        or meta.get("weights", "dequantized") != weights:
+      raise ValueError("made by another format version, GGUF file, dtype or weights")
     config = _config_from_json(meta["config"])
     expected = gguf_convert.param_shapes(config)
+    quantized = meta.get("quantized") or {}
     keys = set(npz.files) - {_META_KEY}
-    if keys != {".".join(p) for p in expected}:
+    if keys != _member_names(expected, quantized):
       raise ValueError("parameter names do not match the config")
     tokenizer = TokenizerWrapper.from_json(meta["tokenizer"])
     members = _stored_members(path)
+    if quantized:
+      tree = _read_quantized(path, npz, members, expected, quantized, dtype)
+      model = LoadedModel(config=config, params={"params": tree}, tokenizer=tokenizer, spec=spec)
+      model = scanned(model, consume=True) if stacked else model
+      return model.config, model.params, tokenizer
     if members is None:  # np.load, then stack on the host
       tree = {}
       for param_path, shape in expected.items():
@@ -296,6 +322,51 @@ def _load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str, stacked: boo
   return config, {"params": tree}, tokenizer
 
 
+def _quant_fields(qtype: str) -> tuple[str, ...]:
+  return _QUANT_FIELDS if quant.layout_of(qtype).has_offset else _QUANT_FIELDS[:2]
+
+
+def _member_names(expected: dict, quantized: dict) -> set[str]:
+  """The members a cache file of parameters ``expected`` holds, the ``quantized`` ones as their arrays."""
+  names = set()
+  for param_path in expected:
+    key = ".".join(param_path)
+    if key in quantized:
+      names.update(f"{key}.{field}" for field in _quant_fields(quantized[key]["qtype"]))
+    else:
+      names.add(key)
+  return names
+
+
+def _read_quantized(path: pathlib.Path, npz, members: dict | None, expected: dict, quantized: dict, dtype: str
+                    ) -> dict:
+  """The unrolled parameter tree of a cache file with quantized weights: every member read once (CRC-checked, into
+  an aligned array; ``np.load`` for an unusual file), each quantized weight rebuilt from its arrays and checked
+  (``quant`` validates codes and scales against its type and logical shape)."""
+  tree: dict = {}
+  with open(path, "rb") as f:
+    def read(name):
+      if members is None:
+        return npz[name]
+      value = _aligned_empty(members[name][2], members[name][3])
+      _read_into(f, members[name], value, name)
+      return value
+
+    for param_path, shape in expected.items():
+      key = ".".join(param_path)
+      if key in quantized:
+        record = quantized[key]
+        _check_shape(param_path, record["shape"], shape)
+        arrays = {field: read(f"{key}.{field}") for field in _quant_fields(record["qtype"])}
+        value = quant.QuantizedTensor(qtype=str(record["qtype"]), shape=tuple(shape), **arrays)
+        quant.check_tensor(value)
+      else:
+        value = _as_dtype(read(key), dtype)
+        _check_shape(param_path, value.shape, shape)
+      _parent(tree, param_path)[param_path[-1]] = value
+  return tree
+
+
 def _check_shape(param_path, shape, expected) -> None:
   if tuple(shape) != tuple(expected):
     raise ValueError(f"{'/'.join(param_path)} has shape {tuple(shape)}, expected {tuple(expected)}")
@@ -314,11 +385,12 @@ def _parent(tree: dict, param_path) -> dict:
   return node
 
 
-def _estimated_bytes(contents: gguf_convert.GGUFContents, dtype: str) -> int:
-  """Disk space the converted cache file of ``contents`` needs: its parameters in ``dtype``, the zip and .npy
-  headers of each, and a margin for the metadata."""
-  return (gguf_convert.converted_nbytes(contents, dtype) + _MEMBER_OVERHEAD_BYTES * (len(contents.tensors) + 1)
-          + _DISK_MARGIN_BYTES)
+def _estimated_bytes(contents: gguf_convert.GGUFContents, dtype: str, weights: str = "dequantized") -> int:
+  """Disk space the converted cache file of ``contents`` needs: its parameters in ``dtype`` (quantized ones at their
+  layout's bytes per weight), the zip and .npy headers of each (three for a quantized one), and a margin for the
+  metadata."""
+  return (gguf_convert.converted_nbytes(contents, dtype, quantized=weights == "quantized")
+          + 3 * _MEMBER_OVERHEAD_BYTES * (len(contents.tensors) + 1) + _DISK_MARGIN_BYTES)
 
 
 def _gguf_tokenizer(contents) -> TokenizerWrapper:
@@ -331,10 +403,11 @@ def _gguf_tokenizer(contents) -> TokenizerWrapper:
     raise gguf_convert.GGUFError(f"{contents.path}: unusable tokenizer metadata ({type(e).__name__}: {e})") from e
 
 
-def _try_load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str, stacked: bool = False):
+def _try_load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str, stacked: bool = False,
+              weights: str = "dequantized"):
   """``_load(path, ...)``, or None (with a message) when the file is unusable; the caller rebuilds it."""
   try:
-    return _load(path, spec, dtype, stacked)
+    return _load(path, spec, dtype, stacked, weights)
   except (ValueError, KeyError, TypeError, OSError, EOFError, zipfile.BadZipFile, json.JSONDecodeError) as e:
     print(f"[blockspec_jax] converted cache {path} is unusable ({type(e).__name__}: {e}); deleting it and "
           "converting again", file=sys.stderr)
@@ -342,7 +415,7 @@ def _try_load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str, stacked:
 
 
 def load_model(name: str | os.PathLike, dtype: str = "float32", cache_dir: os.PathLike | str | None = None,
-               progress: bool = True, scan_layers: bool = False) -> LoadedModel:
+               progress: bool = True, scan_layers: bool = False, weights: str = "dequantized") -> LoadedModel:
   """Load registry model ``name`` (fetched once, converted once), or the checkpoint at path ``name``, with
   parameters in ``dtype``.
 
@@ -359,6 +432,12 @@ def load_model(name: str | os.PathLike, dtype: str = "float32", cache_dir: os.Pa
       program compiles one layer body instead of L copies. The default is the unrolled layout (``layers_{i}``) that
       conversion, LoRA and the training code address layer by layer. Stacking happens on the host arrays before
       they move to the device, one group of leaves at a time.
+    weights: "dequantized" (every tensor converted to ``dtype``), or "quantized": a GGUF's block-quantized weights
+      kept as stored (:class:`~blockspec_jax.models.quant.QuantizedTensor`: codes and per-group scales, about 4-6x
+      fewer bytes than float32; they dequantize to the float32 weights of "dequantized" bit for bit), cached as
+      ``converted/<name>.<dtype>.quantized.npz``; norms and biases follow ``dtype``. A GGUF that stores one weight
+      in different block types across layers (Q4_K_M files) cannot be stacked (``scan_layers`` raises ValueError
+      naming the weight); Hugging Face directories hold float weights only.
   Returns:
     LoadedModel; ``.spec`` is the registry ModelSpec, or a LocalSource whose ``name`` is the absolute path.
   Raises:
@@ -375,21 +454,26 @@ def load_model(name: str | os.PathLike, dtype: str = "float32", cache_dir: os.Pa
   spec = _source(name)
   if dtype not in _DTYPE_NAMES:
     raise ValueError(f"dtype must be one of {tuple(_DTYPE_NAMES)}, got {dtype!r}")
+  if weights not in WEIGHTS:
+    raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
   if isinstance(spec, LocalSource) and spec.kind == "hf":
+    if weights == "quantized":
+      raise ValueError(f"weights='quantized' needs a GGUF file; {spec.path} is a Hugging Face directory of float "
+                       "weights")
     model = _load_hf_dir(spec, dtype, progress)
     return scanned(model, consume=True) if scan_layers else model
   if isinstance(spec, registry.ModelSpec) and spec.arch not in gguf_convert.SUPPORTED_ARCHS:
     gguf_convert.config_from_gguf({}, spec.arch)  # raises NotImplementedError naming what Decoder lacks
   name = spec.name
-  path = converted_cache_path(spec.cache_name if isinstance(spec, LocalSource) else name, dtype, cache_dir)
+  path = converted_cache_path(spec.cache_name if isinstance(spec, LocalSource) else name, dtype, cache_dir, weights)
   seen = registry.file_id(path)
-  loaded = None if seen is None else _try_load(path, spec, dtype, scan_layers)
+  loaded = None if seen is None else _try_load(path, spec, dtype, scan_layers, weights)
   if loaded is None:
     registry.check_writable_dir(path.parent, f"the converted parameters of {name} ({dtype})")  # before any work
     with registry.cache_lock(path.with_name(path.name + ".lock"), f"converting {name} ({dtype}) into {path}") as locked:
       now = registry.file_id(path)
       if now is not None and now != seen:
-        loaded = _try_load(path, spec, dtype, scan_layers)  # converted by another process while this one waited
+        loaded = _try_load(path, spec, dtype, scan_layers, weights)  # converted by another process meanwhile
       if loaded is None:
         registry.remove_stale(path.parent, path.name + ".partial-", locked)  # left by killed runs
         if now is not None:
@@ -404,11 +488,12 @@ def load_model(name: str | os.PathLike, dtype: str = "float32", cache_dir: os.Pa
         # The tensor infos give the size before converting (a stand-in without them, as tests install, is checked
         # by _save alone, with the exact size).
         if isinstance(contents, gguf_convert.GGUFContents):
-          _check_free_space(path.parent, _estimated_bytes(contents, dtype), f"the converted parameters of {name} "
-                           f"({dtype}, {path.name})")
-        config, params_np = gguf_convert.convert(contents, dtype=dtype, progress=progress)
+          _check_free_space(path.parent, _estimated_bytes(contents, dtype, weights), f"the converted parameters of "
+                           f"{name} ({dtype}, {path.name})")
+        config, params_np = gguf_convert.convert(contents, dtype=dtype, progress=progress,
+                                                 quantized=weights == "quantized")
         del contents
-        _save(path, config, params_np, tokenizer, dtype, spec)
+        _save(path, config, params_np, tokenizer, dtype, spec, weights)
         loaded = config, params_np, tokenizer
   config, params, tokenizer = loaded
   del loaded
