@@ -47,6 +47,7 @@ from blockspec_jax import cli
 from blockspec_jax import methods
 from blockspec_jax import runtime
 from blockspec_jax import sources
+from blockspec_jax.models import hub, quant
 
 __all__ = ["StartupSettings", "bench_startup_job", "matmul_gflops", "memory_gbps", "linear_params",
            "decode_weight_bytes", "main"]
@@ -83,25 +84,39 @@ def memory_gbps(mib: int, repeats: int = 5) -> float:
   return gbps
 
 
+def _nbytes(tree) -> int:
+  """Bytes of every array in ``tree`` (a quantized weight: its codes, scales and offsets)."""
+  return sum(int(np.size(leaf)) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree_util.tree_leaves(tree))
+
+
 def decode_weight_bytes(params, tie_embeddings: bool) -> int:
-  """Bytes of weights one batch-1 decode step reads: every parameter, less the embedding table when the LM head is
-  a separate weight (then the embedding is a one-row gather; tied, the table is the LM head and is read whole)."""
-  total = sum(int(np.size(leaf)) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree_util.tree_leaves(params))
+  """Bytes of weights one batch-1 decode step reads: every parameter (quantized ones as stored), less the embedding
+  table when the LM head is a separate weight (then the embedding is a one-row gather; tied, the table is the LM head
+  and is read whole)."""
+  total = _nbytes(params)
   if not tie_embeddings:
-    table = params["embed"]["embedding"]
-    total -= int(np.size(table)) * np.dtype(table.dtype).itemsize
+    total -= _nbytes(params["embed"]["embedding"])
   return total
+
+
+def _logical_shape(leaf) -> tuple:
+  """A parameter's shape: a quantized weight's stacked axes and logical shape, or an array's shape."""
+  if isinstance(leaf, quant.QuantizedTensor):
+    return tuple(np.shape(leaf.codes_OxC)[:np.ndim(leaf.codes_OxC) - len(leaf.shape)]) + tuple(leaf.shape)
+  return tuple(np.shape(leaf))
 
 
 def linear_params(params) -> int:
   """Weights of the decoder layers' linear maps (every 2-D ``weight`` under ``layers_*``, or 3-D under the stacked
   ``layers``): the multiply-adds per token of a forward, without attention scores, norms, embedding and LM head."""
   total = 0
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+  for path, leaf in jax.tree_util.tree_flatten_with_path(
+      params, is_leaf=lambda x: isinstance(x, quant.QuantizedTensor))[0]:
     names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
-    if names and names[-1] == "weight" and ((names[0].startswith("layers_") and np.ndim(leaf) == 2)
-                                            or (names[0] == "layers" and np.ndim(leaf) == 3)):
-      total += int(np.size(leaf))
+    shape = _logical_shape(leaf)
+    if names and names[-1] == "weight" and ((names[0].startswith("layers_") and len(shape) == 2)
+                                            or (names[0] == "layers" and len(shape) == 3)):
+      total += int(np.prod(shape))
   return total
 
 
@@ -138,6 +153,9 @@ class StartupSettings:
   gamma: int = 4
   dtypes: tuple = ("float32", "bfloat16")
   layouts: tuple = ("scanned", "unrolled")
+  weights: tuple = ("dequantized",)
+  """Each row's weights (``hub.WEIGHTS``): "dequantized" and / or "quantized" (the GGUF's blocks as stored). A model
+  whose quantized weights cannot be stacked (block types mixed across layers) has no quantized "scanned" row."""
   """"scanned" (layers stacked and compiled once, what the decoding jobs load) and / or "unrolled" (one copy of every
   layer in each program), each a row per dtype, side by side."""
   prompt_width: int = 256
@@ -158,6 +176,8 @@ class StartupSettings:
     methods.check_settings(models=(self.target,) + ((self.drafter,) if self.drafter else ()))
     for dtype in self.dtypes:
       methods.check_settings(dtype=dtype)
+    if not self.weights or any(w not in hub.WEIGHTS for w in self.weights):
+      raise checks.UsageError(f"bench_startup.weights must name some of {hub.WEIGHTS}, got {list(self.weights)}")
     bad = [layout for layout in self.layouts if layout not in ("scanned", "unrolled")]
     if bad or not self.layouts:
       raise checks.UsageError(f"bench_startup.layouts must name 'scanned' and / or 'unrolled', got "
@@ -171,7 +191,8 @@ def bench_startup_job(**overrides) -> dict:
   runtime.enable_compilation_cache("off")  # compile times must be compile times, not cache loads
   bandwidth = memory_gbps(s.bandwidth_mib, s.repeats)
   print(f"memory bandwidth (jitted sum over {s.bandwidth_mib} MiB): {bandwidth:.1f} GB/s", flush=True)
-  rows = [_startup_row(s, dtype, layout, bandwidth) for dtype in s.dtypes for layout in s.layouts]
+  rows = [row for dtype in s.dtypes for weights in s.weights for layout in s.layouts
+          if (row := _startup_row(s, dtype, layout, bandwidth, weights)) is not None]
   _print_rows(rows)
   report = dict(target=s.target, drafter=s.drafter, gamma=s.gamma, prompt_width=s.prompt_width, batch=s.batch,
                 max_new_tokens=s.max_new_tokens, matmul_size=s.matmul_size, repeats=s.repeats, memory_gbps=bandwidth,
@@ -182,9 +203,11 @@ def bench_startup_job(**overrides) -> dict:
   return report
 
 
-def _startup_row(s: StartupSettings, dtype: str, layout: str, bandwidth: float) -> dict:
-  """One row: the target's load, the autoregressive programs' compile and run times in ``dtype`` and ``layout``
-  against the matmul peak and the memory roofline; with ``s.drafter``, block verification's too. Prints its line."""
+def _startup_row(s: StartupSettings, dtype: str, layout: str, bandwidth: float, weights: str = "dequantized"
+                 ) -> dict | None:
+  """One row: the target's load, the autoregressive programs' compile and run times in ``dtype``, ``layout`` and
+  ``weights`` against the matmul peak and the memory roofline; with ``s.drafter``, block verification's too. Prints
+  its line; None (with the reason printed) for quantized weights that cannot be stacked."""
   from blockspec_jax import sampling
   from blockspec_jax.decoding import speculative as spec
   target, drafter, gamma = s.target, s.drafter, s.gamma
@@ -193,7 +216,13 @@ def _startup_row(s: StartupSettings, dtype: str, layout: str, bandwidth: float) 
   sampler = sampling.Sampler(temperature=1.0)
   peak = matmul_gflops(s.matmul_size, jnp.dtype(dtype), repeats)
   start = time.perf_counter()
-  model = sources.load_model(target, dtype, s.cache_dir, progress=False, scan_layers=scan)
+  try:
+    model = sources.load_model(target, dtype, s.cache_dir, progress=False, scan_layers=scan, weights=weights)
+  except ValueError as e:
+    if weights != "quantized" or not scan or "scan_layers=False" not in str(e):
+      raise
+    print(f"{target} {dtype} {layout} {weights}: skipped ({e})", flush=True)
+    return None
   load_s = time.perf_counter() - start
   tp, config = model.params["params"], model.config
   methods.check_cache_room(prompt_width, max_new_tokens, gamma if drafter else 0, config)
@@ -207,7 +236,7 @@ def _startup_row(s: StartupSettings, dtype: str, layout: str, bandwidth: float) 
       _Bound(spec.decode_autoregressive, dict(static, sampler=sampler, stop_ids=())),
       (tp, tokens, lens), lambda state: (tp, keys, state), repeats)
   work = 2 * linear_params(tp) * batch * prompt_width
-  row = dict(dtype=dtype, layout=layout, matmul_gflops=peak, load_s=load_s,
+  row = dict(dtype=dtype, layout=layout, weights=weights, matmul_gflops=peak, load_s=load_s,
              **{k: v for k, v in ar.items() if k != "decode_s"},
              prefill_tokens_per_s=batch * prompt_width / ar["prefill_s"],
              prefill_gflops=work / ar["prefill_s"] / 1e9,
@@ -218,7 +247,7 @@ def _startup_row(s: StartupSettings, dtype: str, layout: str, bandwidth: float) 
   row["decode_fraction_of_roofline"] = row["decode_tokens_per_s"] / row["decode_roofline_tokens_per_s"]
   row["first_token_s"] = (load_s + row["prefill_lower_s"] + row["prefill_compile_s"] + row["decode_lower_s"]
                           + row["decode_compile_s"] + row["prefill_s"])
-  line = (f"{target} {dtype} {layout}: load {load_s:.1f} s, prefill compile {row['prefill_lower_s']:.1f} + "
+  line = (f"{target} {dtype} {layout} {weights}: load {load_s:.1f} s, prefill compile {row['prefill_lower_s']:.1f} + "
           f"{row['prefill_compile_s']:.1f} s, decode compile {row['decode_lower_s']:.1f} + "
           f"{row['decode_compile_s']:.1f} s; prefill {row['prefill_tokens_per_s']:.0f} tok/s = "
           f"{row['prefill_gflops']:.1f} GFLOP/s ({100 * row['prefill_fraction_of_peak']:.0f}% of the {peak:.1f} "
@@ -227,7 +256,7 @@ def _startup_row(s: StartupSettings, dtype: str, layout: str, bandwidth: float) 
           f"that {row['decode_bytes_per_token'] / 1e9:.2f} GB of weights per token allow at {bandwidth:.1f} GB/s)")
   if drafter:
     start = time.perf_counter()
-    dmodel = sources.load_model(drafter, dtype, s.cache_dir, progress=False, scan_layers=scan)
+    dmodel = sources.load_model(drafter, dtype, s.cache_dir, progress=False, scan_layers=scan, weights=weights)
     sources.check_pair(model, dmodel)
     row["drafter_load_s"] = time.perf_counter() - start
     block = _time_block(model, dmodel, gamma, static, sampler, (tokens, lens, keys), repeats)
@@ -258,13 +287,13 @@ def _time_block(model, dmodel, gamma: int, static: dict, sampler, inputs: tuple,
 
 def _print_rows(rows: list[dict]) -> None:
   """The benchmark's table."""
-  header = (f"{'dtype':<9} {'layout':<8} {'peak GF/s':>9} {'load s':>7} {'AR compile s':>12} {'prefill tok/s':>13} "
+  header = (f"{'dtype':<9} {'layout':<8} {'weights':<11} {'peak GF/s':>9} {'load s':>7} {'AR compile s':>12} {'prefill tok/s':>13} "
             f"{'GF/s':>6} {'% peak':>6} {'decode tok/s':>12} {'% roofline':>10} {'first token s':>13} "
             f"{'block compile s':>15} {'block first s':>13}")
   print("\n" + header + "\n" + "-" * len(header))
   for r in rows:
     compile_s = r["prefill_lower_s"] + r["prefill_compile_s"] + r["decode_lower_s"] + r["decode_compile_s"]
-    print(f"{r['dtype']:<9} {r['layout']:<8} {r['matmul_gflops']:>9.1f} {r['load_s']:>7.1f} {compile_s:>12.1f} "
+    print(f"{r['dtype']:<9} {r['layout']:<8} {r['weights']:<11} {r['matmul_gflops']:>9.1f} {r['load_s']:>7.1f} {compile_s:>12.1f} "
           f"{r['prefill_tokens_per_s']:>13.0f} {r['prefill_gflops']:>6.1f} "
           f"{100 * r['prefill_fraction_of_peak']:>5.0f}% {r['decode_tokens_per_s']:>12.2f} "
           f"{100 * r['decode_fraction_of_roofline']:>9.0f}% {r['first_token_s']:>13.1f} "
