@@ -1,6 +1,8 @@
 """Run on 8 CPU devices (the test sets XLA_FLAGS before JAX starts): sharded decoding = one device, token for token.
 
-Prints one line per case and "ALL EQUAL" at the end; exits 1 on a mismatch.
+Prints one line per case and "ALL EQUAL" at the end; exits 1 on a mismatch. ``--extended`` adds the evaluation and
+label-collection cases (eval.paired's chain table and a trees arm, the training jobs' label collections; the slow
+tier), each of which reuses the sharded loops and row padding the default cases check.
 """
 
 import sys
@@ -15,7 +17,7 @@ from blockspec_jax.drafters import ModelDrafter, make
 from blockspec_jax.models import decoder as dec
 
 
-def main():
+def main(extended: bool = False):
   assert len(jax.devices()) == 8, jax.devices()
   # 4 heads / 2 KV heads, ffn 64, V 64: every split dimension is divisible by model = 2.
   config = dec.DecoderConfig.tiny(vocab_size=64, qkv_bias=True)
@@ -60,46 +62,47 @@ def main():
           and np.array_equal(rows.metrics.num_drafts, np.asarray(rows_ref.metrics.num_drafts)))
   print(f"autoregressive_rows, 5 rows on data=4 model=2: equal={same}")
   ok &= same
-  # eval.paired's table on a mesh: 5 contexts in 2 length buckets (3 and 2 contexts, each padded to the data axis of
-  # 4, the padding cut) give one device's table up to float rounding (the models' sums split over model = 2).
-  from blockspec_jax.eval import paired
-  table_args = dict(target=config, drafter=ModelDrafter(small), gamma=3, temperature=1.0, draws=2, buckets=2)
-  table_ref = paired.paired_acceptance(target, drafter, prompts[:5], **table_args)
-  table = paired.paired_acceptance(target, drafter, prompts[:5], mesh=parallel.make_mesh(4, 2), **table_args)
-  same = table.shape == table_ref.shape == (2, 5, 2, 3) and np.allclose(table, table_ref, rtol=1e-5, atol=1e-6)
-  print(f"paired_acceptance, 5 contexts in 2 buckets on data=4 model=2: equal={same} "
-        f"(max diff {float(np.max(np.abs(table - table_ref))):.2g})")
-  ok &= same
-  # eval.paired --trees: one arm (RSD-C under rrs_wor and traversal) on 5 contexts padded to the data axis of 4.
-  from blockspec_jax.eval import paired_trees
-  arm = paired_trees.Arm("rsd_c", "rsd_c", (("branching", (2, 1, 1)),), 3, ("rrs_wor", "traversal"))
-  arm_args = dict(target=config, drafter=make("rsd_c", config=small, branching=(2, 1, 1)), draws=2,
-                  temperature=1.0, seed=0, verify_draws=2)
-  table_ref = paired_trees.run_arm(target, drafter, prompts[:5], arm, **arm_args)
-  table = paired_trees.run_arm(target, drafter, prompts[:5], arm, mesh=parallel.make_mesh(4, 2), **arm_args)
-  same = table.shape == table_ref.shape == (2, 5, 2) and np.allclose(table, table_ref, rtol=1e-5, atol=1e-6)
-  print(f"paired_trees.run_arm, 5 contexts on data=4 model=2: equal={same} "
-        f"(max diff {float(np.max(np.abs(table - table_ref))):.2g})")
-  ok &= same
-  # The training jobs' label collection on a mesh (SPRINTER's labels, the BPD heads' hidden states): 5 prompts in
-  # batches of 3 (the last wraps around), each padded to the data axis of 4: the same continuations, labels and
-  # tokens as one device, features up to float rounding.
-  from blockspec_jax.train import heads as heads_train, sprinter as sprinter_train
-  collect_args = dict(max_new_tokens=4, temperature=1.0, key=jax.random.key(3), batch_size=3, progress=False)
-  labels_ref = sprinter_train.collect_labels(config, target, small, drafter, tokens[:5], lens[:5], **collect_args)
-  labels = sprinter_train.collect_labels(config, target, small, drafter, tokens[:5], lens[:5],
-                                         mesh=parallel.make_mesh(4, 2), **collect_args)
-  hidden_ref = heads_train.collect_hidden(config, target, tokens[:5], lens[:5], **collect_args)
-  hidden = heads_train.collect_hidden(config, target, tokens[:5], lens[:5], mesh=parallel.make_mesh(4, 2),
-                                      **collect_args)
-  same = all(np.array_equal(labels[k], labels_ref[k]) for k in ("labels_N", "token_N", "row_N", "position_N")) \
-      and all(np.allclose(labels[k], labels_ref[k], rtol=1e-5, atol=1e-6)
-              for k in ("features_NxD", "q_tok_N", "p_tok_N")) \
-      and all(np.array_equal(hidden[k], hidden_ref[k]) for k in hidden if k != "features_MxD") \
-      and np.allclose(hidden["features_MxD"], hidden_ref["features_MxD"], rtol=1e-5, atol=1e-5)
-  print(f"collect_labels and collect_hidden, 5 prompts in batches of 3 on data=4 model=2: equal={same} "
-        f"({len(labels['labels_N'])} labels, {len(hidden['seq_M'])} hidden states)")
-  ok &= same
+  if extended:
+    # eval.paired's table on a mesh: 5 contexts in 2 length buckets (3 and 2 contexts, each padded to the data axis of
+    # 4, the padding cut) give one device's table up to float rounding (the models' sums split over model = 2).
+    from blockspec_jax.eval import paired
+    table_args = dict(target=config, drafter=ModelDrafter(small), gamma=3, temperature=1.0, draws=2, buckets=2)
+    table_ref = paired.paired_acceptance(target, drafter, prompts[:5], **table_args)
+    table = paired.paired_acceptance(target, drafter, prompts[:5], mesh=parallel.make_mesh(4, 2), **table_args)
+    same = table.shape == table_ref.shape == (2, 5, 2, 3) and np.allclose(table, table_ref, rtol=1e-5, atol=1e-6)
+    print(f"paired_acceptance, 5 contexts in 2 buckets on data=4 model=2: equal={same} "
+          f"(max diff {float(np.max(np.abs(table - table_ref))):.2g})")
+    ok &= same
+    # eval.paired --trees: one arm (RSD-C under rrs_wor and traversal) on 5 contexts padded to the data axis of 4.
+    from blockspec_jax.eval import paired_trees
+    arm = paired_trees.Arm("rsd_c", "rsd_c", (("branching", (2, 1, 1)),), 3, ("rrs_wor", "traversal"))
+    arm_args = dict(target=config, drafter=make("rsd_c", config=small, branching=(2, 1, 1)), draws=2,
+                    temperature=1.0, seed=0, verify_draws=2)
+    table_ref = paired_trees.run_arm(target, drafter, prompts[:5], arm, **arm_args)
+    table = paired_trees.run_arm(target, drafter, prompts[:5], arm, mesh=parallel.make_mesh(4, 2), **arm_args)
+    same = table.shape == table_ref.shape == (2, 5, 2) and np.allclose(table, table_ref, rtol=1e-5, atol=1e-6)
+    print(f"paired_trees.run_arm, 5 contexts on data=4 model=2: equal={same} "
+          f"(max diff {float(np.max(np.abs(table - table_ref))):.2g})")
+    ok &= same
+    # The training jobs' label collection on a mesh (SPRINTER's labels, the BPD heads' hidden states): 5 prompts in
+    # batches of 3 (the last wraps around), each padded to the data axis of 4: the same continuations, labels and
+    # tokens as one device, features up to float rounding.
+    from blockspec_jax.train import heads as heads_train, sprinter as sprinter_train
+    collect_args = dict(max_new_tokens=4, temperature=1.0, key=jax.random.key(3), batch_size=3, progress=False)
+    labels_ref = sprinter_train.collect_labels(config, target, small, drafter, tokens[:5], lens[:5], **collect_args)
+    labels = sprinter_train.collect_labels(config, target, small, drafter, tokens[:5], lens[:5],
+                                           mesh=parallel.make_mesh(4, 2), **collect_args)
+    hidden_ref = heads_train.collect_hidden(config, target, tokens[:5], lens[:5], **collect_args)
+    hidden = heads_train.collect_hidden(config, target, tokens[:5], lens[:5], mesh=parallel.make_mesh(4, 2),
+                                        **collect_args)
+    same = all(np.array_equal(labels[k], labels_ref[k]) for k in ("labels_N", "token_N", "row_N", "position_N")) \
+        and all(np.allclose(labels[k], labels_ref[k], rtol=1e-5, atol=1e-6)
+                for k in ("features_NxD", "q_tok_N", "p_tok_N")) \
+        and all(np.array_equal(hidden[k], hidden_ref[k]) for k in hidden if k != "features_MxD") \
+        and np.allclose(hidden["features_MxD"], hidden_ref["features_MxD"], rtol=1e-5, atol=1e-5)
+    print(f"collect_labels and collect_hidden, 5 prompts in batches of 3 on data=4 model=2: equal={same} "
+          f"({len(labels['labels_N'])} labels, {len(hidden['seq_M'])} hidden states)")
+    ok &= same
   # A training job's steps on a data x model mesh (trainer.fit with Loop.mesh, as a job with <job>.mesh = (4, 2)
   # runs them): the frozen target split over model, the batch over data, the drafter's update equal to one device's
   # within float32 reduction order, and different from where it started.
@@ -113,7 +116,8 @@ def main():
   fitted = []
   for mesh in (None, parallel.make_mesh(4, 2)):
     with tempfile.TemporaryDirectory() as workdir:
-      fitted.append(trainer.fit(loss_fn=loss_fn, optimizer=opt, trainable=drafter, frozen={"target": target, "drafter": {}},
+      fitted.append(trainer.fit(loss_fn=loss_fn, optimizer=opt, trainable=drafter,
+                                frozen={"target": target, "drafter": {}},
                                 batch_fn=lambda s, t: batches[s], key=jax.random.key(0), workdir=workdir,
                                 loop=trainer.Loop(num_steps=3, mesh=mesh, checkpoint_every=2, progress=False,
                                                   plot=False)).state)
@@ -167,4 +171,4 @@ def main():
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(main(extended="--extended" in sys.argv[1:]))

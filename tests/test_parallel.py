@@ -16,18 +16,29 @@ from helpers import fake_devices_env
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def test_sharded_equals_unsharded_on_eight_devices():
+def _run_sharded_script(*args) -> str:
   env = fake_devices_env(8)
-  proc = subprocess.run([sys.executable, os.path.join(HERE, "sharded_equality_script.py")], env=env,
+  proc = subprocess.run([sys.executable, os.path.join(HERE, "sharded_equality_script.py"), *args], env=env,
                         capture_output=True, text=True, timeout=900)
   print(proc.stdout[-3000:], proc.stderr[-3000:])
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "ALL EQUAL" in proc.stdout
-  # four mesh cases, 5 rows padded to the data axis, eval.paired's chain table and a trees arm, the training jobs'
-  # label collection, a training fit on data x model, the stacked layout
-  assert proc.stdout.count("equal=True") == 10
   assert "q weight P(None, 'model', None)" in proc.stdout  # a stacked q weight: split over model, not over L
   assert "compiled once: True" in proc.stdout  # a second batch of the same shapes does not recompile
+  return proc.stdout
+
+
+def test_sharded_equals_unsharded_on_eight_devices():
+  # four mesh cases, 5 rows padded to the data axis, a training fit on data x model, the stacked layout
+  assert _run_sharded_script().count("equal=True") == 7
+
+
+@pytest.mark.slow  # the sharded loops, the row padding and a training fit run by default (the test above)
+def test_sharded_evaluation_and_label_collection_equal_one_device():
+  # and eval.paired's chain table and a trees arm, the training jobs' label collection
+  out = _run_sharded_script("--extended")
+  assert out.count("equal=True") == 10
+  assert "paired_trees.run_arm" in out and "collect_labels and collect_hidden" in out
 
 
 class _FakeMesh:
