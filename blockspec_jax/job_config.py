@@ -48,6 +48,10 @@ class Models:
   #: a CPU its decode steps are about 6% and its prefill about 18% slower than the unrolled layout's, which False
   #: selects for long measurements).
   scan_layers: bool = True
+  #: ``"dequantized"`` (every weight converted to ``dtype``) or ``"quantized"``: the GGUF's blocks as stored
+  #: (``hub.load_model(weights=)``: about 5x fewer bytes a step, the same logits on the CPU kernel); a model whose
+  #: block types differ across layers (the Qwen Q4_K_M files) needs ``scan_layers = False``.
+  weights: str = "dequantized"
   #: Where model files are cached (None: the default cache directory).
   cache_dir: str | None = None
   #: JAX's persistent compilation cache directory (None: ``$BLOCKSPEC_JAX_COMPILE_CACHE`` or
@@ -65,6 +69,9 @@ class Models:
       raise UsageError("drafter: give at least one drafter")
     methods_lib.check_settings(dtype=self.dtype, models=(self.target, *drafters))
     check_switch(self.scan_layers, "scan_layers")
+    from blockspec_jax.models.hub import WEIGHTS
+    if self.weights not in WEIGHTS:
+      raise UsageError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
     object.__setattr__(self, "mesh", check_mesh_shape(self.mesh))
 
   def device_mesh(self):
@@ -76,7 +83,7 @@ class Models:
     """Load the target and every drafter (``sources.load_models``): ``(target_model, drafter_models, seconds)``; on
     several devices their parameters are laid out on :meth:`device_mesh` once, here."""
     target, drafters, seconds = sources.load_models(self.target, self.drafters, self.dtype, self.cache_dir,
-                                                    self.scan_layers)
+                                                    self.scan_layers, self.weights)
     mesh = self.device_mesh()
     if mesh is not None:
       from blockspec_jax import parallel
@@ -233,6 +240,8 @@ class EvalSettings:
   """:attr:`Models.dtype`."""
   scan_layers: bool = True
   """:attr:`Models.scan_layers`."""
+  weights: str = "dequantized"
+  """:attr:`Models.weights`."""
   cache_dir: str | None = None
   """:attr:`Models.cache_dir`."""
   compilation_cache: str | None = None
@@ -264,7 +273,7 @@ class EvalSettings:
 
   def models(self) -> Models:
     return Models(target=self.target, drafters=self.drafter, dtype=self.dtype, scan_layers=self.scan_layers,
-                  cache_dir=self.cache_dir, compilation_cache=self.compilation_cache, mesh=self.mesh)
+                  weights=self.weights, cache_dir=self.cache_dir, compilation_cache=self.compilation_cache, mesh=self.mesh)
 
   def sampler_settings(self, temperatures) -> SamplerSettings:
     return SamplerSettings(temperatures=temperatures, top_k=self.top_k, top_p=self.top_p, seed=self.seed)

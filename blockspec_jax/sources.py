@@ -60,16 +60,16 @@ def load_model(name, dtype: str = "float32", cache_dir=None, progress: bool = Tr
 
 
 def load_models(target: str, drafters: Sequence[str], dtype: str = "float32", cache_dir=None,
-                scan_layers: bool = True):
+                scan_layers: bool = True, weights: str = "dequantized"):
   """The target and each drafter (``hub.LoadedModel``, via :func:`load_model`; by default in the decoding layout,
   layers compiled once), every drafter checked against the target (:func:`check_pair`); returns ``(target_model,
   [drafter_model, …], seconds)``. A name given twice (a model drafting for itself) is loaded once: one object, one
-  copy of its parameters in memory."""
+  copy of its parameters in memory. ``weights``: :func:`load_model`'s, for every model."""
   start = time.perf_counter()
-  loaded = {target: load_model(target, dtype, cache_dir, scan_layers=scan_layers)}
+  loaded = {target: load_model(target, dtype, cache_dir, scan_layers=scan_layers, weights=weights)}
   for d in drafters:
     if d not in loaded:
-      loaded[d] = load_model(d, dtype, cache_dir, scan_layers=scan_layers)
+      loaded[d] = load_model(d, dtype, cache_dir, scan_layers=scan_layers, weights=weights)
   target_model, drafter_models = loaded[target], [loaded[d] for d in drafters]
   for drafter_model in drafter_models:
     check_pair(target_model, drafter_model)

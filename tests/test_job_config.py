@@ -21,6 +21,8 @@ BAD_FIELDS = [
      "dtype must be 'float32' or 'bfloat16'"),
     (job_config.Models, dict(target="smollm2-135m", drafters="smollm2-135m", scan_layers="yes"),
      "scan_layers must be True or False"),
+    (job_config.Models, dict(target="smollm2-135m", drafters="smollm2-135m", weights="int4"),
+     r"weights must be one of \('dequantized', 'quantized'\), got 'int4'"),
     (job_config.Models, dict(target="smollm2-135m", drafters="smollm2-135m", mesh=(1,)),
      r"mesh must be \(data, model\), two positive integers, got \(1,\)"),
     (job_config.Models, dict(target="smollm2-135m", drafters="smollm2-135m", mesh=(1, 0)), "two positive integers"),

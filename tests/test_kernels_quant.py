@@ -166,10 +166,10 @@ def test_xla_path_agrees_and_auto_picks_by_tokens_per_row(type_name):
   y = jax.jit(lambda x, q: kernels.linear(x, q, dtype=jnp.bfloat16))(x_BxTxK, qt)
   assert y.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(y), np.asarray(jnp.asarray(kernel).astype(jnp.bfloat16)))
-  # "auto" picks by tokens per row: a batch of many 1-token rows is the kernel, a pass of KERNEL_MAX_TOKENS + 1
-  # tokens (prefill) is XLA's float32 GEMM on the dequantized weights.
+  # "auto" picks by tokens per row: a batch of many 1-token rows is the kernel, a pass of KERNEL_MAX_TOKENS_QUANT + 1
+  # tokens (a long prefill) is XLA's float32 GEMM on the dequantized weights.
   hlo = lambda x: auto.lower(x, qt).as_text()
-  t = kernels.KERNEL_MAX_TOKENS
+  t = kernels.KERNEL_MAX_TOKENS_QUANT
   assert "blockspec_jax_linear_quant" in hlo(np.zeros((4 * t, 1, 512), np.float32))
   assert "blockspec_jax_linear_quant" in hlo(np.zeros((2, t, 512), np.float32))
   long = _x(t + 1, 512, seed=32)[None]

@@ -35,8 +35,8 @@ one rounding at most, as there) and feeds them to the same micro-kernels, in the
 weights: ``linear(x, qt, impl="kernel")`` is bit-identical to ``linear(x, dequantize(qt), impl="kernel")``, for every
 type in ``QUANT_KERNEL_TYPES`` (all of quant's: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), on every path
 (scalar, AVX2, AVX-512), for any M. Every path computes in float32 and returns ``dtype``. "auto" uses the kernel
-under the float32 weights' conditions (CPU, at most ``KERNEL_MAX_TOKENS`` tokens per row, no multi-device mesh, the
-library available) and a type in ``QUANT_KERNEL_TYPES``; otherwise ``quant.quantized_matmul`` (XLA, float32
+under the float32 weights' conditions but up to ``KERNEL_MAX_TOKENS_QUANT`` tokens per row (CPU, no multi-device
+mesh, the library available) and a type in ``QUANT_KERNEL_TYPES``; otherwise ``quant.quantized_matmul`` (XLA, float32
 accumulation), or for a wider pass (prefill) XLA's float32 GEMM on the dequantized weights, as for float32 weights.
 "xla" is ``quant.quantized_matmul``; "kernel" raises KernelUnavailable for a type not in ``QUANT_KERNEL_TYPES``.
 Gradients: w.r.t. ``x`` through XLA dots on the dequantized weights (trained adapters over a frozen quantized base);
@@ -99,8 +99,8 @@ import numpy as np
 
 from blockspec_jax.paths import default_cache_dir
 
-__all__ = ["IMPLS", "KERNEL_MAX_TOKENS", "KERNEL_MAX_TOKENS_BF16", "QUANT_KERNEL_TYPES", "KernelUnavailable",
-           "kernel_available", "is_quantized", "linear"]
+__all__ = ["IMPLS", "KERNEL_MAX_TOKENS", "KERNEL_MAX_TOKENS_BF16", "KERNEL_MAX_TOKENS_QUANT", "QUANT_KERNEL_TYPES",
+           "KernelUnavailable", "kernel_available", "is_quantized", "linear"]
 
 IMPLS = ("auto", "xla", "kernel")
 # "auto" uses the kernel for passes of at most this many tokens per row (x.shape[-2]: decode steps, verify passes up
@@ -110,6 +110,11 @@ KERNEL_MAX_TOKENS = 64
 # bfloat16 weights use the kernel up to this many tokens per row (prefill too): XLA's CPU GEMM in bfloat16 runs at
 # 51-135 GFLOP/s for 64-512 tokens against the kernel's 142-163 on this 2-core AVX2 machine (float32 GEMM: 108-195).
 KERNEL_MAX_TOKENS_BF16 = 1024
+# Quantized weights use the kernel up to this many tokens per row (prompts of up to 256 tokens prefill through it):
+# a Q4_K layer of 8960 x 1536 on this 2-core CPU took 11.9 / 23.1 / 43.8 / 90.0 ms at 64 / 128 / 256 / 512 tokens
+# in the kernel against 30.3 / 37.7 / 48.2 / 71.8 ms dequantized by XLA then multiplied by its float32 GEMM, which
+# also holds the dequantized weights in memory.
+KERNEL_MAX_TOKENS_QUANT = 256
 _SOURCE = pathlib.Path(__file__).with_name("linear_cpu.cc")
 _TARGETS = {np.dtype(np.float32): "blockspec_jax_linear_f32", np.dtype(jnp.bfloat16): "blockspec_jax_linear_bf16"}
 # One layer of a stacked [L, N, K] weight, read in place (``linear(..., layer=i)``: layers run in a loop).
@@ -490,7 +495,7 @@ def _linear_quantized(x_MxK, qt, impl: str, dtype, layer):
   tokens = x_MxK.shape[-2] if x_MxK.ndim >= 2 else 1
   use_kernel = False
   if impl == "auto":
-    use_kernel = (qt.qtype in QUANT_KERNEL_TYPES and 0 < rows and tokens <= KERNEL_MAX_TOKENS
+    use_kernel = (qt.qtype in QUANT_KERNEL_TYPES and 0 < rows and tokens <= KERNEL_MAX_TOKENS_QUANT
                   and not _under_multidevice_mesh() and _platform(x_MxK) == "cpu" and kernel_available(warn=True))
   elif impl == "kernel":
     if qt.qtype not in QUANT_KERNEL_TYPES:
@@ -503,7 +508,7 @@ def _linear_quantized(x_MxK, qt, impl: str, dtype, layer):
     use_kernel = rows > 0
   if not use_kernel:
     qt_NxK = _quant_layer(qt, layer)
-    if impl == "auto" and tokens > KERNEL_MAX_TOKENS:  # a wide pass (prefill): XLA's float32 GEMM, as for f32 weights
+    if impl == "auto" and tokens > KERNEL_MAX_TOKENS_QUANT:  # a wide pass (prefill): XLA's float32 GEMM
       return _xla(x_MxK, qt_NxK.dequantize(), jnp.float32).astype(dtype)
     return qt_NxK.matmul(x_MxK).astype(dtype)
   x_2d = x_MxK.reshape(rows, x_MxK.shape[-1])
