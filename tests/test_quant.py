@@ -2,7 +2,8 @@
 every supported type dequantize to ``gguf.quants.dequantize``'s float32 bit for bit (numpy and jitted jax.numpy),
 bytes per weight, stacking / vmap, the matmul building block, and the errors.
 
-SmolLM2 (Q4_1, Q8_0, F32) is the default tier; Qwen 0.5B / 1.5B and Gemma 3 270M (Q4_K, Q5_0, Q6_K, Q8_0) are marked
+SmolLM2 (Q4_1, Q8_0, F32) is the slow tier (its weights are checked by default through the loaded model,
+tests/test_quantized_weights.py); Qwen 0.5B / 1.5B and Gemma 3 270M (Q4_K, Q5_0, Q6_K, Q8_0) are marked
 ``heavy``: python -m pytest -q -p no:xdist -m heavy tests/test_quant.py
 """
 
@@ -239,6 +240,8 @@ def _report(name, seen, seconds):
           f"({file_bytes / weights:.4f} B/w)  here {here_bytes:>11d} B ({here_bytes / weights:.4f} B/w)")
 
 
+@pytest.mark.slow  # the default run checks every SmolLM2 weight through hub.load_model(weights="quantized") against
+#                    the dequantized model (tests/test_quantized_weights.py) and the jitted path on random blocks here
 def test_every_smollm2_tensor_bit_for_bit():
   start = time.perf_counter()
   seen = _check_file(registry.fetch_gguf("smollm2-135m", progress=False))
