@@ -48,6 +48,8 @@ def test_bench_on_smollm2_reports_every_figure(tmp_path, capsys):
                                "--gin_param", "bench_startup.gamma = 2",
                                "--gin_param", "bench_startup.dtypes = ('float32',)",
                                "--gin_param", "bench_startup.layouts = ('scanned',)",
+                               "--gin_param", "bench_startup.weights = ('quantized',)",
+                               "--gin_param", "bench_startup.verify_tokens = (3, 5)",
                                "--gin_param", "bench_startup.prompt_width = 32",
                                "--gin_param", "bench_startup.max_new_tokens = 4",
                                "--gin_param", "bench_startup.matmul_size = 256",
@@ -57,8 +59,8 @@ def test_bench_on_smollm2_reports_every_figure(tmp_path, capsys):
   finally:
     gin.clear_config()
   report = json.loads(out.read_text())
-  # bfloat16 and the unrolled layout run the same code (see the README run: every dtype and layout)
-  assert [(r["dtype"], r["layout"]) for r in report["rows"]] == [("float32", "scanned")]
+  # bfloat16, the unrolled layout and dequantized weights run the same code (docs/results: every dtype and layout)
+  assert [(r["dtype"], r["layout"], r["weights"]) for r in report["rows"]] == [("float32", "scanned", "quantized")]
   for r in report["rows"]:
     for key in ("matmul_gflops", "load_s", "prefill_lower_s", "prefill_compile_s", "decode_lower_s",
                 "decode_compile_s", "prefill_s", "prefill_tokens_per_s", "prefill_gflops", "decode_tokens_per_s",
@@ -73,6 +75,9 @@ def test_bench_on_smollm2_reports_every_figure(tmp_path, capsys):
     assert r["block_compile_s"] == pytest.approx(sum(r[f"block_{k}"] for k in (
         "prefill_lower_s", "prefill_compile_s", "decode_lower_s", "decode_compile_s")))
     assert r["block_first_token_s"] > r["block_compile_s"] > 0 and r["drafter_load_s"] > 0
+    assert 40e6 < r["decode_bytes_per_token"] < 100e6  # SmolLM2's Q4_1 layers and Q8_0 head as stored (float32: 540 MB)
+    assert sorted(r["forward_ms"]) == ["1", "3", "5"] and sorted(r["verify_cost"]) == ["2", "4"]
+    assert r["verify_cost"]["2"] == pytest.approx(r["forward_ms"]["3"] / r["forward_ms"]["1"])
   assert "first token s" in capsys.readouterr().out
 
 
@@ -81,7 +86,9 @@ def test_bench_on_smollm2_reports_every_figure(tmp_path, capsys):
                                             ("bench_startup.target = 'nope'", "nope"),
                                             ("bench_startup.gamma = 0", "gamma must be"),
                                             ("bench_startup.bandwidth_mib = 0", "bandwidth_mib"),
-                                            ("bench_startup.layouts = ('stacked',)", "layouts must name")])
+                                            ("bench_startup.layouts = ('stacked',)", "layouts must name"),
+                                            ("bench_startup.weights = ('int4',)", "weights must name"),
+                                            ("bench_startup.verify_tokens = (0,)", "verify_tokens must be")])
 def test_bad_settings_fail_before_a_model_loads(param, message, capsys, monkeypatch):
   monkeypatch.setattr(sources, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
   gin.clear_config()

@@ -154,6 +154,10 @@ class StartupSettings:
   dtypes: tuple = ("float32", "bfloat16")
   layouts: tuple = ("scanned", "unrolled")
   weights: tuple = ("dequantized",)
+  verify_tokens: tuple = ()
+  """Pass widths T (e.g. 1..9) at which one target forward on the decode cache is timed (median of ``repeats``,
+  interleaved; ``bench_decode.time_forwards``): ``forward_ms`` per T and ``verify_cost`` v(γ) = ms(γ + 1) / ms(1),
+  what a verify pass at γ costs in decode steps. Empty: not measured."""
   """Each row's weights (``hub.WEIGHTS``): "dequantized" and / or "quantized" (the GGUF's blocks as stored). A model
   whose quantized weights cannot be stacked (block types mixed across layers) has no quantized "scanned" row."""
   """"scanned" (layers stacked and compiled once, what the decoding jobs load) and / or "unrolled" (one copy of every
@@ -176,6 +180,8 @@ class StartupSettings:
     methods.check_settings(models=(self.target,) + ((self.drafter,) if self.drafter else ()))
     for dtype in self.dtypes:
       methods.check_settings(dtype=dtype)
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in self.verify_tokens):
+      raise checks.UsageError(f"bench_startup.verify_tokens must be positive integers, got {self.verify_tokens!r}")
     if not self.weights or any(w not in hub.WEIGHTS for w in self.weights):
       raise checks.UsageError(f"bench_startup.weights must name some of {hub.WEIGHTS}, got {list(self.weights)}")
     bad = [layout for layout in self.layouts if layout not in ("scanned", "unrolled")]
@@ -254,6 +260,8 @@ def _startup_row(s: StartupSettings, dtype: str, layout: str, bandwidth: float, 
           f"GFLOP/s matmul peak); decode {row['decode_tokens_per_s']:.2f} tok/s "
           f"({100 * row['decode_fraction_of_roofline']:.0f}% of the {row['decode_roofline_tokens_per_s']:.2f} tok/s "
           f"that {row['decode_bytes_per_token'] / 1e9:.2f} GB of weights per token allow at {bandwidth:.1f} GB/s)")
+  if s.verify_tokens:
+    line += _verify_costs(row, config, tp, s)
   if drafter:
     start = time.perf_counter()
     dmodel = sources.load_model(drafter, dtype, s.cache_dir, progress=False, scan_layers=scan, weights=weights)
@@ -269,6 +277,19 @@ def _startup_row(s: StartupSettings, dtype: str, layout: str, bandwidth: float, 
     del dmodel
   print(line, flush=True)
   return row
+
+
+def _verify_costs(row: dict, config, params, s: StartupSettings) -> str:
+  """Time one target forward over each of ``s.verify_tokens`` tokens at the decode position (after the prompt) on a
+  cache of the decode loop's size; fill ``row`` (``forward_ms``, ``verify_cost``) and return the printed part."""
+  from blockspec_jax.eval import bench_decode
+  widths = sorted(set(s.verify_tokens) | {1})
+  cache_len = s.prompt_width + s.max_new_tokens + max(widths)
+  ms = bench_decode.time_forwards(config, params, cache_len, s.prompt_width, widths, s.repeats,
+                                  jax.random.key(1))
+  row["forward_ms"] = {int(t): float(ms[t]) for t in widths}
+  row["verify_cost"] = {int(t) - 1: float(ms[t] / ms[1]) for t in widths if t > 1}
+  return "; v(γ) " + ", ".join(f"{g}: {v:.2f}" for g, v in row["verify_cost"].items())
 
 
 def _time_block(model, dmodel, gamma: int, static: dict, sampler, inputs: tuple, repeats: int) -> dict:
