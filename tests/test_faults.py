@@ -102,7 +102,8 @@ def _install_tiny(setattr_, setitem_, converts: list | None = None):
   setitem_(registry.MODELS, "tiny", TINY)
   setattr_(gguf_convert, "read_gguf", lambda path: types.SimpleNamespace(path=path, metadata={}))
 
-  def convert(contents, dtype="float32", progress=False):
+  def convert(contents, dtype="float32", progress=False, quantized=False):
+    assert not quantized  # the tiny fake has no quantized blocks
     assert pathlib.Path(contents.path).read_bytes() == b"".join(PAYLOADS)
     if converts is not None:
       converts.append(dtype)
