@@ -501,10 +501,7 @@ def _linear_quantized(x_MxK, qt, impl: str, dtype, layer):
     if qt.qtype not in QUANT_KERNEL_TYPES:
       raise KernelUnavailable(f"linear impl='kernel': the CPU kernel does not stream {qt.qtype} weights (it does "
                               f"{', '.join(QUANT_KERNEL_TYPES)}); use impl='auto' or 'xla'")
-    where = _platform(x_MxK)
-    if where != "cpu":
-      raise KernelUnavailable(f"linear impl='kernel' runs on CPU only; this computation runs on {where!r}")
-    _load()
+    _kernel_here(x_MxK)
     use_kernel = rows > 0
   if not use_kernel:
     qt_NxK = _quant_layer(qt, layer)
@@ -514,6 +511,14 @@ def _linear_quantized(x_MxK, qt, impl: str, dtype, layer):
   x_2d = x_MxK.reshape(rows, x_MxK.shape[-1])
   y_MxN = _kernel_linear_quant(x_2d, qt, 0 if layer is None else layer)
   return y_MxN.reshape(*lead, qt.shape[0]).astype(dtype)
+
+
+def _kernel_here(x_MxK) -> None:
+  """``impl="kernel"``: KernelUnavailable unless the product runs on CPU and the library builds and loads."""
+  where = _platform(x_MxK)
+  if where != "cpu":
+    raise KernelUnavailable(f"linear impl='kernel' runs on CPU only; this computation runs on {where!r}")
+  _load()
 
 
 def _under_multidevice_mesh() -> bool:
@@ -585,10 +590,7 @@ def linear(x_MxK: jax.Array, w_NxK: jax.Array, *, impl: str = "auto", dtype=jnp.
   elif impl == "kernel":
     if np.dtype(w_NxK.dtype) not in _TARGETS:
       raise ValueError(f"linear impl='kernel' needs float32 or bfloat16 weights, got {w_NxK.dtype}")
-    where = _platform(x_MxK)
-    if where != "cpu":
-      raise KernelUnavailable(f"linear impl='kernel' runs on CPU only; this computation runs on {where!r}")
-    _load()
+    _kernel_here(x_MxK)
     use_kernel = rows > 0
   if not use_kernel:
     if layer is not None:
