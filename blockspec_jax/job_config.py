@@ -273,7 +273,8 @@ class EvalSettings:
 
   def models(self) -> Models:
     return Models(target=self.target, drafters=self.drafter, dtype=self.dtype, scan_layers=self.scan_layers,
-                  weights=self.weights, cache_dir=self.cache_dir, compilation_cache=self.compilation_cache, mesh=self.mesh)
+                  weights=self.weights, cache_dir=self.cache_dir, compilation_cache=self.compilation_cache,
+                  mesh=self.mesh)
 
   def sampler_settings(self, temperatures) -> SamplerSettings:
     return SamplerSettings(temperatures=temperatures, top_k=self.top_k, top_p=self.top_p, seed=self.seed)

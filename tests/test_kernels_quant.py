@@ -21,8 +21,7 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu" or not kernels.ke
                                 reason="not a CPU backend, or the CPU kernel could not be built here")
 
 #: Byte offsets of the float16 fields (d, m, dmin) inside one block of each type.
-F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
-              "Q5_K": (0, 2), "Q6_K": (208,)}
+F16_FIELDS = quant.F16_FIELDS
 
 
 def _random_qt(type_name: str, shape: tuple[int, ...], seed: int) -> quant.QuantizedTensor:

@@ -24,8 +24,7 @@ _T = gguf.GGMLQuantizationType
 EXPECTED_BYTES_PER_WEIGHT = {"Q4_0": 0.5625, "Q4_1": 0.625, "Q5_0": 1.0625, "Q5_1": 1.125, "Q8_0": 1.0625,
                              "Q4_K": 0.75, "Q5_K": 1.25, "Q6_K": 1.25}
 #: Byte offsets of the float16 fields (d, m, dmin) inside one block of each type.
-F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
-              "Q5_K": (0, 2), "Q6_K": (208,)}
+F16_FIELDS = quant.F16_FIELDS
 
 _jit_dequantize = jax.jit(quant.dequantize)
 

@@ -93,13 +93,8 @@ def _fake(qtype, rows=4, cols=256, seed=0):
   layout = quant.layout_of(qtype)
   rng = np.random.default_rng(seed)
   raw = rng.integers(0, 256, (rows, cols // layout.block, layout.type_size), dtype=np.uint8)
-  half = np.frombuffer(np.float16(2 ** -8).tobytes(), np.uint8)
-  if qtype == "Q6_K":
-    raw[..., -2:] = half  # d, the last field of a Q6_K block
-  else:
-    raw[..., :2] = half  # d first (Q4_K: dmin next)
-    if qtype == "Q4_K":
-      raw[..., 2:4] = half
+  for at in quant.F16_FIELDS[qtype]:
+    raw[..., at:at + 2] = np.frombuffer(np.float16(2 ** -8).tobytes(), np.uint8)
   return quant.quantize_from_gguf(raw.reshape(-1), qtype, (rows, cols))
 
 

@@ -30,8 +30,6 @@ from blockspec_jax import kernels
 from blockspec_jax.models import quant
 
 #: Byte offsets of the float16 fields (d, m, dmin) inside one block of each type: made finite and of realistic size.
-_F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
-               "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +65,7 @@ def random_quantized(qtype: str, out: int, inp: int, seed: int) -> quant.Quantiz
   layout = quant.LAYOUTS[qtype]
   num_blocks = out * inp // layout.block
   blocks = rng.integers(0, 256, (num_blocks, layout.type_size), dtype=np.uint8)
-  for at in _F16_FIELDS[qtype]:
+  for at in quant.F16_FIELDS[qtype]:
     d = rng.uniform(-2e-3, 2e-3, num_blocks).astype(np.float16)
     blocks[:, at:at + 2] = d.view(np.uint8).reshape(num_blocks, 2)
   return quant.quantize_from_gguf(blocks, qtype, (out, inp))

@@ -308,14 +308,14 @@ def _time_block(model, dmodel, gamma: int, static: dict, sampler, inputs: tuple,
 
 def _print_rows(rows: list[dict]) -> None:
   """The benchmark's table."""
-  header = (f"{'dtype':<9} {'layout':<8} {'weights':<11} {'peak GF/s':>9} {'load s':>7} {'AR compile s':>12} {'prefill tok/s':>13} "
-            f"{'GF/s':>6} {'% peak':>6} {'decode tok/s':>12} {'% roofline':>10} {'first token s':>13} "
-            f"{'block compile s':>15} {'block first s':>13}")
+  header = (f"{'dtype':<9} {'layout':<8} {'weights':<11} {'peak GF/s':>9} {'load s':>7} {'AR compile s':>12} "
+            f"{'prefill tok/s':>13} {'GF/s':>6} {'% peak':>6} {'decode tok/s':>12} {'% roofline':>10} "
+            f"{'first token s':>13} {'block compile s':>15} {'block first s':>13}")
   print("\n" + header + "\n" + "-" * len(header))
   for r in rows:
     compile_s = r["prefill_lower_s"] + r["prefill_compile_s"] + r["decode_lower_s"] + r["decode_compile_s"]
-    print(f"{r['dtype']:<9} {r['layout']:<8} {r['weights']:<11} {r['matmul_gflops']:>9.1f} {r['load_s']:>7.1f} {compile_s:>12.1f} "
-          f"{r['prefill_tokens_per_s']:>13.0f} {r['prefill_gflops']:>6.1f} "
+    print(f"{r['dtype']:<9} {r['layout']:<8} {r['weights']:<11} {r['matmul_gflops']:>9.1f} {r['load_s']:>7.1f} "
+          f"{compile_s:>12.1f} {r['prefill_tokens_per_s']:>13.0f} {r['prefill_gflops']:>6.1f} "
           f"{100 * r['prefill_fraction_of_peak']:>5.0f}% {r['decode_tokens_per_s']:>12.2f} "
           f"{100 * r['decode_fraction_of_roofline']:>9.0f}% {r['first_token_s']:>13.1f} "
           f"{r.get('block_compile_s', float('nan')):>15.1f} {r.get('block_first_token_s', float('nan')):>13.1f}")

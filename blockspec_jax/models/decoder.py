@@ -66,6 +66,7 @@ theta^(-2i/H) for pair i, so interleaved weights = half weights with each head's
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -268,8 +269,15 @@ def _weight_param(module: nn.Module, name: str, init, shape: tuple, stacked: int
                          f"{layers} stacked axes, expected {shape}" + ("" if stacked is None else
                                                                        f" stacked over {stacked} layers"))
       return stored
-  init = init if stacked is None else nn.initializers.zeros  # a stack is built by stack_layers, never initialised
-  return module.param(name, init, shape if stacked is None else (stacked, *shape), jnp.float32)
+  return _param_or_stack(module, name, init, shape, stacked)
+
+
+def _param_or_stack(module: nn.Module, name: str, init, shape: tuple, stacked: int | None):
+  """``module.param`` of ``shape``, or with ``stacked`` = L the stack ``[L, *shape]`` (built by ``stack_layers``,
+  never initialised)."""
+  if stacked is None:
+    return module.param(name, init, shape, jnp.float32)
+  return module.param(name, nn.initializers.zeros, (stacked, *shape), jnp.float32)
 
 
 class Embed(nn.Module):
@@ -297,10 +305,8 @@ class Embed(nn.Module):
 def _layer_param(module: nn.Module, name: str, init, shape: tuple, stacked: int | None, layer):
   """A parameter of one decoder layer: ``shape`` itself, or with ``stacked`` = L a stack ``[L, *shape]`` of which
   layer ``layer`` (an int32 scalar, traced inside the layer loop) is returned."""
-  if stacked is None:
-    return module.param(name, init, shape, jnp.float32)
-  stack = module.param(name, nn.initializers.zeros, (stacked, *shape), jnp.float32)  # built by stack_layers
-  return jax.lax.dynamic_index_in_dim(stack, layer, 0, keepdims=False)
+  value = _param_or_stack(module, name, init, shape, stacked)
+  return value if stacked is None else jax.lax.dynamic_index_in_dim(value, layer, 0, keepdims=False)
 
 
 class RMSNorm(nn.Module):
@@ -596,13 +602,11 @@ def _stack(leaves: list, where: str):
   a GGUF that mixes types across layers (Q4_K_M files keep some layers' ``attn_v`` / ``ffn_down`` in Q6_K) cannot
   be stacked: a ValueError names the types, and such a model runs in the unrolled layout."""
   if any(_is_quantized(leaf) for leaf in leaves):
-    kinds = sorted({(leaf.qtype, leaf.shape) if _is_quantized(leaf) else ("float", np.shape(leaf))
-                    for leaf in leaves})
-    if len(kinds) != 1:
-      counts = {k: sum(1 for leaf in leaves if ((leaf.qtype, leaf.shape) if _is_quantized(leaf)
-                                                else ("float", np.shape(leaf))) == k) for k in kinds}
+    counts = collections.Counter((leaf.qtype, tuple(leaf.shape)) if _is_quantized(leaf)
+                                 else ("float", tuple(np.shape(leaf))) for leaf in leaves)
+    if len(counts) != 1:
       raise ValueError(f"stack_layers: {where} is stored as " + ", ".join(
-          f"{t} {tuple(shape)} in {n} layers" for (t, shape), n in counts.items()) + "; quantized weights of "
+          f"{t} {shape} in {n} layers" for (t, shape), n in sorted(counts.items())) + "; quantized weights of "
           "different block types cannot share one stack: load this model in the unrolled layout "
           "(scan_layers=False)")
     return jax.tree.map(lambda *arrays: _stack(list(arrays), where), *leaves)

@@ -490,10 +490,14 @@ def converted_nbytes(contents: GGUFContents, dtype: str = "float32", quantized: 
   itemsize = np.dtype(_DTYPES[dtype]).itemsize
   total = 0.0
   for t in contents.tensors.values():
-    kind = gguf.GGMLQuantizationType(t.tensor_type).name
-    per_weight = quant.bytes_per_weight(kind)[1] if quantized and kind in quant.SUPPORTED_TYPES else itemsize
+    per_weight = quant.bytes_per_weight(t.tensor_type)[1] if _kept_quantized(t, quantized) else itemsize
     total += math.prod(int(n) for n in t.shape) * per_weight
   return int(math.ceil(total))
+
+
+def _kept_quantized(tensor, quantized: bool) -> bool:
+  """Whether ``convert(..., quantized=quantized)`` keeps ``tensor`` as its blocks (a type ``quant`` holds)."""
+  return quantized and gguf.GGMLQuantizationType(tensor.tensor_type).name in quant.SUPPORTED_TYPES
 
 
 def convert(path: os.PathLike | str | GGUFContents, dtype: str = "float32", progress: bool = False,
@@ -504,9 +508,10 @@ def convert(path: os.PathLike | str | GGUFContents, dtype: str = "float32", prog
   time, so peak memory is about the output plus the largest tensor. ``quantized``: every weight stored in a type
   :mod:`~blockspec_jax.models.quant` holds (``quant.SUPPORTED_TYPES``) stays as its blocks, a host
   :class:`~blockspec_jax.models.quant.QuantizedTensor` that dequantizes to the float32 values of the default path
-  bit for bit; float tensors (norms, biases) and any other type are converted as without it. Every tensor's name and shape is checked against
-  the config before the first one is dequantised. Raises GGUFError (a ValueError) naming the file for a broken or
-  inconsistent file, NotImplementedError for an architecture or tensor type the converter cannot handle.
+  bit for bit; float tensors (norms, biases) and any other type are converted as without it. Every tensor's name
+  and shape is checked against the config before the first one is dequantised. Raises GGUFError (a ValueError) naming
+  the file for a broken or inconsistent file, NotImplementedError for an architecture or tensor type the converter
+  cannot handle.
   """
   if dtype not in _DTYPES:
     raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {dtype!r}")
@@ -543,7 +548,7 @@ def convert(path: os.PathLike | str | GGUFContents, dtype: str = "float32", prog
     names = tqdm(names, desc="convert", unit="tensor")
   for name in names:
     tensor = contents.tensors[name]
-    if quantized and gguf.GGMLQuantizationType(tensor.tensor_type).name in quant.SUPPORTED_TYPES:
+    if _kept_quantized(tensor, quantized):
       try:
         value = quant.quantize_from_gguf(tensor)
       except ValueError as e:

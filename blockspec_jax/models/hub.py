@@ -130,10 +130,8 @@ def _load_hf_dir(spec: LocalSource, dtype: str, progress: bool) -> LoadedModel:
 def converted_cache_path(name: str, dtype: str = "float32", cache_dir: os.PathLike | str | None = None,
                          weights: str = "dequantized") -> pathlib.Path:
   cache = pathlib.Path(cache_dir).expanduser() if cache_dir is not None else registry.default_cache_dir()
-  return cache / "converted" / (f"{name}.{dtype}.npz" if weights == "dequantized" else f"{name}.{dtype}.{weights}.npz")
-
-
-_QUANT_FIELDS = ("codes_OxC", "scale_OxG", "offset_OxG")
+  stem = f"{name}.{dtype}" if weights == "dequantized" else f"{name}.{dtype}.{weights}"
+  return cache / "converted" / f"{stem}.npz"
 
 
 def _named_leaves(tree: dict):
@@ -176,9 +174,8 @@ def _save(path: pathlib.Path, config: DecoderConfig, params: dict, tokenizer: To
   for key, leaf in _named_leaves(params["params"]):
     if isinstance(leaf, quant.QuantizedTensor):  # its arrays as members "<key>.<field>", its type in the metadata
       quantized[key] = dict(qtype=leaf.qtype, shape=list(leaf.shape))
-      for field in _QUANT_FIELDS:
-        if getattr(leaf, field) is not None:
-          arrays[f"{key}.{field}"] = np.asarray(getattr(leaf, field))
+      for field in leaf.layout.fields:
+        arrays[f"{key}.{field}"] = np.asarray(getattr(leaf, field))
       continue
     leaf = np.asarray(leaf)
     arrays[key] = leaf.view(np.uint16) if dtype == "bfloat16" else leaf  # .npy cannot spell bfloat16
@@ -285,17 +282,8 @@ def _load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str, stacked: boo
       raise ValueError("parameter names do not match the config")
     tokenizer = TokenizerWrapper.from_json(meta["tokenizer"])
     members = _stored_members(path)
-    if quantized:
-      tree = _read_quantized(path, npz, members, expected, quantized, dtype)
-      model = LoadedModel(config=config, params={"params": tree}, tokenizer=tokenizer, spec=spec)
-      model = scanned(model, consume=True) if stacked else model
-      return model.config, model.params, tokenizer
-    if members is None:  # np.load, then stack on the host
-      tree = {}
-      for param_path, shape in expected.items():
-        value = npz[".".join(param_path)]  # one read per member
-        _check_shape(param_path, value.shape, shape)
-        _parent(tree, param_path)[param_path[-1]] = _as_dtype(value, dtype)
+    if members is None or quantized:  # read unrolled (np.load for an unusual file), then stack on the host
+      tree = _read_unrolled(path, npz, members, expected, quantized, dtype)
       model = LoadedModel(config=config, params={"params": tree}, tokenizer=tokenizer, spec=spec)
       model = scanned(model, consume=True) if stacked else model
       return model.config, model.params, tokenizer
@@ -322,26 +310,22 @@ def _load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str, stacked: boo
   return config, {"params": tree}, tokenizer
 
 
-def _quant_fields(qtype: str) -> tuple[str, ...]:
-  return _QUANT_FIELDS if quant.layout_of(qtype).has_offset else _QUANT_FIELDS[:2]
-
-
 def _member_names(expected: dict, quantized: dict) -> set[str]:
   """The members a cache file of parameters ``expected`` holds, the ``quantized`` ones as their arrays."""
   names = set()
   for param_path in expected:
     key = ".".join(param_path)
     if key in quantized:
-      names.update(f"{key}.{field}" for field in _quant_fields(quantized[key]["qtype"]))
+      names.update(f"{key}.{field}" for field in quant.layout_of(quantized[key]["qtype"]).fields)
     else:
       names.add(key)
   return names
 
 
-def _read_quantized(path: pathlib.Path, npz, members: dict | None, expected: dict, quantized: dict, dtype: str
-                    ) -> dict:
-  """The unrolled parameter tree of a cache file with quantized weights: every member read once (CRC-checked, into
-  an aligned array; ``np.load`` for an unusual file), each quantized weight rebuilt from its arrays and checked
+def _read_unrolled(path: pathlib.Path, npz, members: dict | None, expected: dict, quantized: dict, dtype: str
+                   ) -> dict:
+  """The unrolled parameter tree of a cache file: every member read once (CRC-checked, into an aligned array; with
+  ``members`` None, an unusual file, by ``np.load``), each ``quantized`` weight rebuilt from its arrays and checked
   (``quant`` validates codes and scales against its type and logical shape)."""
   tree: dict = {}
   with open(path, "rb") as f:
@@ -357,7 +341,7 @@ def _read_quantized(path: pathlib.Path, npz, members: dict | None, expected: dic
       if key in quantized:
         record = quantized[key]
         _check_shape(param_path, record["shape"], shape)
-        arrays = {field: read(f"{key}.{field}") for field in _quant_fields(record["qtype"])}
+        arrays = {field: read(f"{key}.{field}") for field in quant.layout_of(record["qtype"]).fields}
         value = quant.QuantizedTensor(qtype=str(record["qtype"]), shape=tuple(shape), **arrays)
         quant.check_tensor(value)
       else:
@@ -389,8 +373,9 @@ def _estimated_bytes(contents: gguf_convert.GGUFContents, dtype: str, weights: s
   """Disk space the converted cache file of ``contents`` needs: its parameters in ``dtype`` (quantized ones at their
   layout's bytes per weight), the zip and .npy headers of each (three for a quantized one), and a margin for the
   metadata."""
-  return (gguf_convert.converted_nbytes(contents, dtype, quantized=weights == "quantized")
-          + 3 * _MEMBER_OVERHEAD_BYTES * (len(contents.tensors) + 1) + _DISK_MARGIN_BYTES)
+  quantized = weights == "quantized"
+  return (gguf_convert.converted_nbytes(contents, dtype, quantized=quantized)
+          + (3 if quantized else 1) * _MEMBER_OVERHEAD_BYTES * (len(contents.tensors) + 1) + _DISK_MARGIN_BYTES)
 
 
 def _gguf_tokenizer(contents) -> TokenizerWrapper:

@@ -61,7 +61,7 @@ from flax import struct
 
 __all__ = ["QuantLayout", "QuantizedTensor", "LAYOUTS", "SUPPORTED_TYPES", "FLOAT_TYPES", "layout_of",
            "quantize_from_gguf", "tensor_from_gguf", "dequantize_np", "dequantize", "quantized_matmul", "nbytes",
-           "bytes_per_weight", "layout_table", "row_slice", "check_tensor"]
+           "bytes_per_weight", "layout_table", "row_slice", "check_tensor", "F16_FIELDS"]
 
 _T = gguf.GGMLQuantizationType
 _QK_K = 256
@@ -87,6 +87,11 @@ class QuantLayout:
   zero_point: int
   scale_dtype: Any
   has_offset: bool
+
+  @property
+  def fields(self) -> tuple[str, ...]:
+    """The :class:`QuantizedTensor` array fields this layout fills (``offset_OxG`` only with ``has_offset``)."""
+    return ("codes_OxC", "scale_OxG") + (("offset_OxG",) if self.has_offset else ())
 
   @property
   def file_bytes_per_weight(self) -> float:
@@ -117,6 +122,10 @@ LAYOUTS: dict[str, QuantLayout] = {
     "Q6_K": _layout("Q6_K", 16, 6, np.int8, 0, np.float32, False),
 }
 SUPPORTED_TYPES = tuple(LAYOUTS)
+#: Byte offsets of the float16 fields in one GGUF block of each type (``d``, and ``m`` / ``dmin`` where the type has
+#: one), for building or inspecting raw blocks.
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+              "Q5_K": (0, 2), "Q6_K": (208,)}
 FLOAT_TYPES = ("F32", "F16", "BF16")  # not quantized: they stay float arrays
 
 
