@@ -40,15 +40,13 @@ def load_model(name, dtype: str = "float32", cache_dir=None, progress: bool = Tr
   checkpoint, ``<dir>@<step>`` for another kept step, ``<dir>@init`` for the drafter before training
   (:func:`blockspec_jax.train.recipe.load_trained`). ``scan_layers``: the decoding layout, layers stacked and
   compiled once (``hub.scanned``); decoding jobs ask for it, training jobs keep the per-layer layout. ``weights``:
-  ``hub.load_model``'s ("quantized": the GGUF's blocks as stored; for a base model, not yet a trained run)."""
+  ``hub.load_model``'s ("quantized": the GGUF's blocks as stored; for a trained run, its base model's, with the
+  trained parts beside them: ``recipe.load_trained``)."""
   from blockspec_jax.models import hub
   trained = trained_run_spec(name)
   if trained is not None:
-    if weights != "dequantized":
-      raise UsageError(f"{name}: a trained drafter loads with dequantized weights only (weights={weights!r} is for "
-                       "a GGUF base model)")
     from blockspec_jax.train import recipe
-    model = recipe.load_trained(trained[0], trained[1], dtype, cache_dir, progress=progress)
+    model = recipe.load_trained(trained[0], trained[1], dtype, cache_dir, progress=progress, weights=weights)
     return hub.scanned(model) if scan_layers else model
   try:
     return hub.load_model(name, dtype, cache_dir, progress=progress, scan_layers=scan_layers, weights=weights)

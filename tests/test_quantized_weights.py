@@ -142,3 +142,107 @@ def test_weights_argument_errors(tmp_path):
   (tmp_path / "config.json").write_text("{}")
   with pytest.raises(ValueError, match="needs a GGUF file"):
     hub.load_model(str(tmp_path), weights="quantized")
+
+
+def _trained_run(workdir, recipe, seed):
+  """A training run's directory holding ``recipe`` and one checkpoint of its trainable tree, every trainable leaf
+  moved off its initial value (LoRA's zero ``B`` included) so that the trained part matters."""
+  from blockspec_jax.train import checkpoints as checkpoints_lib
+  from blockspec_jax.train import recipe as recipe_lib
+  base = hub.load_model(recipe.base, progress=False)
+  parts = recipe.split(*recipe.derive(base.config, base.params["params"]))
+  leaves, treedef = jax.tree.flatten(parts.trainable)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  moved = [leaf + 0.02 * jax.random.normal(k, leaf.shape, leaf.dtype) for leaf, k in zip(leaves, keys)]
+  workdir.mkdir()
+  recipe_lib.save_recipe(workdir, recipe)
+  manager = checkpoints_lib.make_manager(workdir / "checkpoints", max_to_keep=1, every=1)
+  checkpoints_lib.save(manager, 5, {"trainable": jax.tree.unflatten(treedef, moved)}, force=True)
+  manager.close()
+  return str(workdir)
+
+
+def _strip_adapters(tree):
+  return {k: _strip_adapters(v) for k, v in tree.items() if k not in ("lora_a", "lora_b")} if isinstance(tree, dict) \
+      else tree
+
+
+def test_trained_drafters_load_over_the_quantized_base(smol, tmp_path):
+  """A LoRA drafter keeps its base's GGUF blocks with the adapters beside them (``x W^T + (x A^T)(sB)^T``: the
+  merged weight's function, other float32 roundings), stacked as unrolled, and decodes the dequantized drafter's
+  greedy tokens; a drafter of trained layers over the frozen quantized embedding (= tied head) computes what the
+  dequantized one does, bit for bit."""
+  from blockspec_jax import sources
+  from blockspec_jax.decoding import speculative as spec
+  from blockspec_jax.train import recipe as recipe_lib
+  lora = _trained_run(tmp_path / "lora", recipe_lib.DrafterRecipe("smollm2-135m", layers=(0, 1, 29), lora_rank=4,
+                                                                  lora_targets=("q", "v", "down")), seed=1)
+  subset = _trained_run(tmp_path / "subset", recipe_lib.DrafterRecipe("smollm2-135m", layers=(0, 1, 29),
+                                                                      train_modules=("final_norm",)), seed=2)
+  # Trained layers and a quantized embedding: the same logits as the dequantized drafter, bit for bit.
+  dense, quantized = (sources.load_model(subset, progress=False, weights=w) for w in hub.WEIGHTS)
+  q_leaves = _leaves(quantized)
+  assert isinstance(q_leaves["embed.embedding"], quant.QuantizedTensor) and quantized.config == dense.config
+  assert not any(k.endswith("lora_a") for k in q_leaves) and quantized.spec.name == dense.spec.name
+  np.testing.assert_array_equal(_logits(quantized, PROMPTS[:2]), _logits(dense, PROMPTS[:2]))
+  # LoRA beside quantized weights.
+  dense, quantized = (sources.load_model(lora, progress=False, weights=w) for w in hub.WEIGHTS)
+  q_leaves = _leaves(quantized)
+  adapted = [k for k in q_leaves if k.endswith("lora_a")]
+  assert len(adapted) == 3 * 3 and isinstance(q_leaves[adapted[0].replace("lora_a", "weight")], quant.QuantizedTensor)
+  want, got = _logits(dense, PROMPTS), _logits(quantized, PROMPTS)
+  unadapted = hub.LoadedModel(config=quantized.config, params={"params": _strip_adapters(quantized.params["params"])},
+                              tokenizer=quantized.tokenizer, spec=quantized.spec)
+  assert np.abs(got - _logits(unadapted, PROMPTS)).max() > 1e-2  # the adapters change the function
+  np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
+  stacked = sources.load_model(lora, progress=False, weights="quantized", scan_layers=True)
+  assert stacked.params["params"]["layers"]["attn"]["q"]["lora_a"].shape == (3, 4, 576)
+  np.testing.assert_array_equal(_logits(stacked, PROMPTS), got)
+  tokens, lens = spec.prepare_prompts(PROMPTS)
+  keys = jax.random.split(jax.random.key(0), len(PROMPTS))
+  dense_ids, quant_ids = (np.asarray(spec.generate_autoregressive(
+      m.params["params"], keys, tokens, lens, target=m.config, max_new_tokens=6, sampler=sampling.Sampler(0.0)
+  ).tokens_BxN) for m in (dense, quantized))
+  np.testing.assert_array_equal(quant_ids, dense_ids)
+
+
+def test_bpd_heads_read_the_quantized_targets_head_bit_for_bit(smol):
+  """BPD heads apply the target's own LM head (here SmolLM2's tied Q8_0 embedding) to their outputs: over the
+  quantized target the same logits, bit for bit, as over the dequantized one."""
+  from blockspec_jax.drafters import heads as heads_lib
+  dense, quantized = smol
+  heads = heads_lib.init_heads(dense.config.d_model, 3, jax.random.key(3))
+  heads["w2_HxDxD"] = 0.05 * jax.random.normal(jax.random.key(5), heads["w2_HxDxD"].shape)  # trained-like heads
+  hidden_BxD = jax.random.normal(jax.random.key(4), (2, dense.config.d_model))
+  got, want = (np.asarray(heads_lib.heads_logits(
+      {"heads": heads, "lm_head": heads_lib.lm_head_weight(m.config, m.params["params"])}, m.config, hidden_BxD, 3))
+      for m in (quantized, dense))
+  assert isinstance(heads_lib.lm_head_weight(quantized.config, quantized.params["params"]), quant.QuantizedTensor)
+  assert got.shape == (2, 3, dense.config.vocab_size)
+  np.testing.assert_array_equal(got, want)
+
+
+def test_training_jobs_load_the_quantized_target_and_check_the_setting():
+  """``<job>.target_weights = "quantized"``: the target loads with its GGUF blocks (its samples go through
+  ``generate_autoregressive``, whose tokens equal the dequantized model's above) and a drafter of the same name that
+  trains loads dequantized beside it; the setting is checked before any model loads and recorded with cached
+  samples only when quantized (earlier files stay valid)."""
+  from blockspec_jax import checks
+  from blockspec_jax.train import job_setup, pools
+  from blockspec_jax.train.distill_job import DistillSettings
+  from blockspec_jax.train.recipe import DrafterRecipe
+  from blockspec_jax.train.sprinter_job import SprinterSettings
+  settings = SprinterSettings(target="smollm2-135m", drafter="smollm2-135m", target_weights="quantized")
+  target, drafter = job_setup._load(settings, True, lambda *_: "loaded")
+  assert isinstance(target.params["params"]["embed"]["embedding"], quant.QuantizedTensor)
+  assert not isinstance(drafter.params["params"]["embed"]["embedding"], quant.QuantizedTensor)
+  assert settings.meta()["target_weights"] == "quantized"
+  assert pools.samples_meta("smollm2-135m", 0, settings.weights_meta())["target_weights"] == "quantized"
+  plain = SprinterSettings(target="smollm2-135m", drafter="smollm2-135m")
+  assert "target_weights" not in plain.meta() and "target_weights" not in pools.samples_meta(
+      "smollm2-135m", 0, plain.weights_meta())
+  with pytest.raises(checks.UsageError, match=r"distill_job.target_weights must be one of \('dequantized', "
+                                              r"'quantized'\), got 'int4'"):
+    DistillSettings(target="smollm2-135m", drafter=DrafterRecipe("smollm2-135m"), target_weights="int4")
+  with pytest.raises(checks.UsageError, match="distill_job.target_weights = 'quantized' is for a real target"):
+    DistillSettings(target_config=target.config, drafter_config=target.config, target_weights="quantized")

@@ -330,7 +330,8 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Module):
   """``x @ weight.T (+ bias)`` with ``weight`` [features, in] (out, in); float32 parameters (or a quantized weight,
-  :func:`_weight_param`), ``dtype`` output.
+  :func:`_weight_param`, optionally with a low-rank adapter beside it: ``lora_a`` [r, in] and ``lora_b`` [features, r]
+  add ``(x @ lora_a.T) @ lora_b.T``), ``dtype`` output.
   ``stacked``: every layer's weight, [L, features, in], of which ``layer`` is used; the CPU kernel reads that layer in
   place (``kernels.linear(..., layer=)``), so a loop over layers never copies weights."""
   features: int
@@ -348,6 +349,12 @@ class Linear(nn.Module):
       y_BxTxF = kernels.linear(x_BxTxI, weight, impl=self.impl, dtype=self.dtype)
     else:  # the whole stack goes to the kernel, which offsets into it by ``layer``
       y_BxTxF = kernels.linear(x_BxTxI, weight, impl=self.impl, dtype=self.dtype, layer=layer)
+    if self.has_variable("params", "lora_a"):  # an adapter beside a quantized weight (train.params.apply_lora)
+      a_rxI, b_Fxr = (self.get_variable("params", n) for n in ("lora_a", "lora_b"))
+      if self.stacked is not None:
+        a_rxI, b_Fxr = (jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False) for w in (a_rxI, b_Fxr))
+      low_BxTxr = jnp.einsum("...i,ri->...r", x_BxTxI.astype(jnp.float32), a_rxI.astype(jnp.float32))
+      y_BxTxF = y_BxTxF + jnp.einsum("...r,fr->...f", low_BxTxr, b_Fxr.astype(jnp.float32)).astype(self.dtype)
     if self.use_bias:
       bias_F = _layer_param(self, "bias", nn.initializers.zeros, (self.features,), self.stacked, layer)
       y_BxTxF = y_BxTxF + bias_F.astype(self.dtype).reshape((1,) * (y_BxTxF.ndim - 1) + bias_F.shape)

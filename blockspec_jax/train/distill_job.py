@@ -158,8 +158,9 @@ def _real_models(workdir: pathlib.Path, s: DistillSettings) -> tuple[job_setup.S
   recipe = s.drafter
   rows = job_setup.real_prompt_rows(workdir, s)
   t0 = time.perf_counter()
-  target = hub.load_model(s.target, s.dtype)
-  base = target if recipe.base == s.target else hub.load_model(recipe.base, s.dtype)
+  target = hub.load_model(s.target, s.dtype, weights=s.target_weights)
+  same = recipe.base == s.target and s.target_weights == "dequantized"
+  base = target if same else hub.load_model(recipe.base, s.dtype)
   sources.check_pair(target, base)
   drafter_config, drafter_params = recipe.derive(base.config, base.params["params"])
   del base
@@ -169,7 +170,8 @@ def _real_models(workdir: pathlib.Path, s: DistillSettings) -> tuple[job_setup.S
         flush=True)
   prompts_NxP, prompt_len_N, split, pool_info = job_setup.encode_rows(target, rows, s)
   recipe_lib.save_recipe(workdir, recipe)
-  info = {"target": s.target, "drafter_recipe": recipe.to_json(), "dtype": s.dtype, **pool_info}
+  info = {"target": s.target, "drafter_recipe": recipe.to_json(), "dtype": s.dtype, **s.weights_meta(),
+          **pool_info}
   setup = job_setup.Setup(target_config=target.config, target_params=target.params["params"],
                           drafter_config=drafter_config, drafter_params=None, prompts_NxP=prompts_NxP,
                           prompt_len_N=prompt_len_N, split=split, stop_ids=target.stop_ids,
@@ -200,8 +202,8 @@ def _data(workdir: pathlib.Path, s: DistillSettings, setup: job_setup.Setup, mes
         batch_size=s.batch_size, max_new_tokens=s.max_new_tokens, sample_temperature=s.sample_temperature,
         source=s.source, on_policy_fraction=s.on_policy_fraction, heldout_fraction=s.heldout_fraction, seed=s.seed,
         stop_ids=setup.stop_ids, split=setup.split, progress=s.progress and s.real,
-        samples_path=pools.samples_path(workdir), samples_meta=pools.samples_meta(s.target if s.real else None,
-                                                                                  s.target_seed),
+        samples_path=pools.samples_path(workdir),
+        samples_meta=pools.samples_meta(s.target if s.real else None, s.target_seed, s.weights_meta()),
         sample_batch_size=s.sample_batch_size, reuse_samples=s.reuse_samples, mesh=mesh)
 
 

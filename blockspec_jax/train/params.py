@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from blockspec_jax.checks import check_int
+from blockspec_jax.models import quant
 
 __all__ = ["partition", "merge", "leaf_paths", "all_trainable", "layers_trainable", "names_trainable", "Lora",
            "LORA_TARGETS", "init_lora", "apply_lora", "count_params"]
@@ -134,7 +135,7 @@ def _lora_modules(params: Mapping, targets: frozenset, prefix: Path = ()) -> lis
       continue
     path = prefix + (str(name),)
     weight = value.get("weight")
-    if str(name) in targets and weight is not None and not isinstance(weight, Mapping) and weight.ndim == 2:
+    if str(name) in targets and weight is not None and not isinstance(weight, Mapping) and len(weight.shape) == 2:
       found.append(path)
     else:
       found.extend(_lora_modules(value, targets, path))
@@ -180,7 +181,13 @@ def init_lora(params: Mapping, rank: int, key: jax.Array, targets: Iterable[str]
 
 def apply_lora(params: Mapping, lora: Lora) -> dict:
   """``params`` with every adapted weight replaced by ``W_OxI + scale · B_Oxr @ A_rxI`` (a new tree; the
-  rest is shared). Pure and differentiable in ``lora``."""
+  rest is shared). Pure and differentiable in ``lora``.
+
+  A quantized base weight (``hub.load_model(weights="quantized")``: GGUF blocks, which a float update cannot be
+  added to without giving up their bytes) keeps its blocks, and the adapter goes beside it in the same module:
+  ``lora_a`` = ``A_rxI`` and ``lora_b`` = ``scale · B_Oxr``, which the decoder's ``Linear`` applies as
+  ``x @ W.T + (x @ A.T) @ (scale · B).T``. The same function as the merged weight; the float32 roundings differ
+  (the drafter only proposes, so the verified output's law does not depend on them)."""
   _check_tree(params, "params")
 
   def walk(tree: Mapping, adapters: Mapping, path: Path) -> dict:
@@ -191,8 +198,11 @@ def apply_lora(params: Mapping, lora: Lora) -> dict:
       if "a" in sub and "b" in sub and not isinstance(sub["a"], Mapping):
         module = dict(tree[name])
         weight_OxI = module["weight"]
-        delta_OxI = lora.scale * (sub["b"] @ sub["a"])
-        module["weight"] = (weight_OxI + delta_OxI.astype(weight_OxI.dtype))
+        if isinstance(weight_OxI, quant.QuantizedTensor):
+          module["lora_a"], module["lora_b"] = sub["a"], lora.scale * sub["b"]
+        else:
+          delta_OxI = lora.scale * (sub["b"] @ sub["a"])
+          module["weight"] = (weight_OxI + delta_OxI.astype(weight_OxI.dtype))
         out[name] = module
       else:
         out[name] = walk(tree[name], sub, path + (str(name),))

@@ -172,6 +172,8 @@ def samples_path(workdir) -> pathlib.Path:
   return workdir / "samples.npz"
 
 
-def samples_meta(target_name, target_seed: int) -> dict:
-  """What names the target of a run's samples: its model name, or the seed of a random tiny target."""
-  return {"target_name": str(target_name) if target_name is not None else f"random tiny target, seed {target_seed}"}
+def samples_meta(target_name, target_seed: int, weights: dict | None = None) -> dict:
+  """What names the target of a run's samples: its model name, or the seed of a random tiny target; ``weights``: the
+  job's ``weights_meta()`` (its target's weights when they are not the dequantized ones)."""
+  return {"target_name": str(target_name) if target_name is not None else f"random tiny target, seed {target_seed}",
+          **(weights or {})}

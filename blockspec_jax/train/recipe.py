@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from blockspec_jax.checks import check_int
 from blockspec_jax.models import decoder as decoder_lib
+from blockspec_jax.models import quant
 from blockspec_jax.train import params as params_lib
 
 __all__ = ["DrafterRecipe", "RECIPE_FILE", "is_trained_dir", "select_layers", "DrafterParts", "save_recipe",
@@ -270,25 +271,31 @@ def _flatten(tree, prefix=()):
 
 
 def load_trained(workdir: str | os.PathLike, step: int | str | None = None, dtype: str = "float32",
-                 cache_dir: str | os.PathLike | None = None, progress: bool = True):
+                 cache_dir: str | os.PathLike | None = None, progress: bool = True, weights: str = "dequantized"):
   """The drafter of a training run as a ``hub.LoadedModel`` (adapters merged into the weights).
 
   ``step``: None for the newest checkpoint, an int for that checkpoint, ``"init"`` for what the run started from:
   the recipe applied to the base model without training, or, for a run started from another run's checkpoint
   (``init_from.json``), that checkpoint. The tokenizer is the base model's. ``spec.name`` is
-  ``<absolute workdir>@<step>``.
+  ``<absolute workdir>@<step>``. ``weights``: ``hub.load_model``'s, for the base model. With "quantized" the frozen
+  weights keep the GGUF's blocks (they dequantize bit for bit to the float32 weights the run trained against), LoRA
+  adapters sit beside their quantized weights (``params.apply_lora``), and trained layers are float32.
   """
   from blockspec_jax.models import hub
   workdir = pathlib.Path(workdir).expanduser().resolve()
   recipe = read_recipe(workdir)
-  base = hub.load_model(recipe.base, dtype, cache_dir, progress=progress)
+  base = hub.load_model(recipe.base, dtype, cache_dir, progress=progress, weights=weights)
   config, params = recipe.derive(base.config, base.params["params"])
   parts = recipe.split(config, params)
+  # A trained weight is float32 in the checkpoint even where the quantized base stores blocks: restore into shapes.
+  template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
+                          if isinstance(x, quant.QuantizedTensor) else x, parts.trainable,
+                          is_leaf=lambda x: isinstance(x, quant.QuantizedTensor))
   if step == _INIT:
     label, started = _INIT, read_init_from(workdir)
-    trainable = parts.trainable if started is None else restore_trainable(started[0], parts.trainable, started[1])[0]
+    trainable = parts.trainable if started is None else restore_trainable(started[0], template, started[1])[0]
   else:
-    trainable, label = restore_trainable(workdir, parts.trainable, step)
+    trainable, label = restore_trainable(workdir, template, step)
   merged = parts.assemble(trainable, parts.frozen)
   source = hub.LocalSource(name=f"{workdir}@{label}", kind="trained", path=workdir)
   return hub.LoadedModel(config=config, params={"params": merged}, tokenizer=base.tokenizer, spec=source)

@@ -113,7 +113,7 @@ class SprinterSettings(job_setup.PairSettings):
             "drafter": pools.model_name(self.drafter, self.drafter_config, self.drafter_seed),
             "temperature": float(self.temperature), "label_set": self.label_set,
             "max_new_tokens": self.max_new_tokens, "seed": self.seed,
-            "dtype": self.dtype, "target_config": None if real else repr(self.target_config),
+            "dtype": self.dtype, **self.weights_meta(), "target_config": None if real else repr(self.target_config),
             "drafter_config": None if real else repr(self.drafter_config), **self.prompt_meta()}
 
   def record(self) -> dict:

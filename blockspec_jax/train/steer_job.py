@@ -240,7 +240,8 @@ def _prepare(workdir: pathlib.Path, s: SteerSettings) -> _Run:
                                      heldout_fraction=s.heldout_fraction, seed=s.seed, stop_ids=setup.stop_ids,
                                      split=setup.split, progress=s.progress,
                                      samples_path=pools.samples_path(workdir),
-                                     samples_meta=pools.samples_meta(s.target if s.real else None, s.target_seed),
+                                     samples_meta=pools.samples_meta(s.target if s.real else None, s.target_seed,
+                                                                     s.weights_meta()),
                                      reuse_samples=s.reuse_samples, mesh=s.train_mesh())
   return _Run(setup, joint, target_layers, steered_layers, loss_fn, data)
 
