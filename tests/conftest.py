@@ -12,8 +12,18 @@ import re
 # never from here; the 8-device sharding subprocesses inherit the tests' level (helpers.fake_devices_env; the sharded
 # loop script 107 -> 72 s), and the SmolLM2 main job's recorded ids run at the default level. A level of your own in
 # XLA_FLAGS wins (e.g. XLA_FLAGS=--xla_backend_optimization_level=2 python -m pytest ... for the product's level).
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+#
+# For the same reason the tests compile fusions with XLA's older elemental emitters
+# (--xla_cpu_use_fusion_emitters=false): the newer MLIR fusion emitters take longer to compile the many small fusions
+# of a test program (one rule x drafter loop: 7.8 -> 5.6 s; test_speculative.py, a SmolLM2 main job and SD²'s
+# replayed history together 119 -> 84 s on one worker). The same exactness argument holds: each comparison is between
+# programs of one process compiled under one setting. Subprocesses that must compile as the jobs do drop both
+# (helpers.fake_devices_env(product_level=True) reads them from BLOCKSPEC_JAX_TEST_XLA_FLAGS).
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+os.environ["BLOCKSPEC_JAX_TEST_XLA_FLAGS"] = " ".join(TEST_XLA_FLAGS)
+for _flag in TEST_XLA_FLAGS:
+  if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
 # On an NVIDIA GPU, float32 comparisons hold only with full-precision dots and deterministic reductions: XLA runs
 # float32 matmuls in TF32 by default there (10-bit mantissas) and may sum in any order (atomics). So where a GPU

@@ -41,10 +41,12 @@ init_params = dec.init_params  # the tests' random models
 
 def fake_devices_env(count: int, product_level: bool = False) -> dict[str, str]:
   """The environment for a subprocess on ``count`` fake CPU devices: this process's, with the device count added to
-  its ``XLA_FLAGS`` (so the subprocess compiles at the tests' optimisation level too: ``tests/conftest.py``).
-  ``product_level``: without the tests' optimisation level, so it compiles at XLA's default, as the jobs do (results
-  compared with the recorded token ids of ``tests/test_main_job_ids.py``)."""
-  drop = ("force_host_platform_device_count",) + (("xla_backend_optimization_level",) if product_level else ())
+  its ``XLA_FLAGS`` (so the subprocess compiles with the tests' settings too: ``tests/conftest.py``).
+  ``product_level``: without the tests' own settings (``tests/conftest.py``: ``BLOCKSPEC_JAX_TEST_XLA_FLAGS``), so it
+  compiles as the jobs do (results compared with the recorded token ids of ``tests/test_main_job_ids.py``)."""
+  test_only = tuple(f.lstrip("-").split("=")[0] for f in os.environ.get("BLOCKSPEC_JAX_TEST_XLA_FLAGS", "").split()
+                    ) if product_level else ()
+  drop = ("force_host_platform_device_count",) + test_only
   flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if not any(d in f for d in drop))
   return dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={count}".strip(),
               JAX_PLATFORMS="cpu")
