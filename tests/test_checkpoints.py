@@ -389,20 +389,31 @@ def test_smollm2_hf_dir_matches_gguf(smol_hf, smol_ref):
   _check_same_model(smol_hf, smol_ref, prompts_ids, "smollm2-135m HF dir vs GGUF", atol=LOGIT_ATOL)
 
 
-def test_an_hf_dir_loads_in_the_stacked_layout_too(smol_hf, smol_hf_dir):
+def test_an_hf_dir_loads_in_the_stacked_layout_too(tiny_llama_dir):
   """``scan_layers=True`` on a Hugging Face directory: the same parameters, stacked over the layers."""
   import numpy as np
   from blockspec_jax.models import decoder as dec
-  stacked = hub.load_model(smol_hf_dir, progress=False, scan_layers=True)
-  assert stacked.config == dataclasses.replace(smol_hf.config, scan_layers=True)
-  jax.tree.map(np.testing.assert_array_equal, dec.unstack_layers(stacked.params["params"]), smol_hf.params["params"])
+  unrolled = hub.load_model(tiny_llama_dir, progress=False)
+  stacked = hub.load_model(tiny_llama_dir, progress=False, scan_layers=True)
+  assert stacked.config == dataclasses.replace(unrolled.config, scan_layers=True)
+  jax.tree.map(np.testing.assert_array_equal, dec.unstack_layers(stacked.params["params"]), unrolled.params["params"])
 
 
-def test_smollm2_hf_tokenizer_matches_gguf(smol_hf, smol_ref):
-  _check_same_tokenizer(smol_hf.tokenizer, smol_ref.tokenizer, TEXTS + PROMPTS)
-  assert smol_hf.tokenizer.pad_id == smol_ref.tokenizer.pad_id
-  assert smol_hf.tokenizer.apply_chat_template(CHAT) == smol_ref.tokenizer.apply_chat_template(CHAT)
+@pytest.mark.slow  # converts SmolLM2 to an HF directory; its tokenizer alone is checked by default (below)
+def test_smollm2_hf_dir_stop_ids(smol_hf, smol_ref):
   assert smol_hf.stop_ids == smol_ref.stop_ids == (2,)
+
+
+def test_smollm2_hf_tokenizer_matches_gguf(smol_gguf, smol_ref, tmp_path):
+  """The tokenizer files transformers writes for SmolLM2's GGUF read back as our GGUF tokenizer: the same ids, pad
+  id and chat template (the whole HF directory, weights included, is the slow tier's)."""
+  from blockspec_jax.models import hf_convert
+  tok = transformers.AutoTokenizer.from_pretrained(smol_gguf.parent, gguf_file=smol_gguf.name)
+  tok.save_pretrained(tmp_path)
+  ours = hf_convert.tokenizer_from_hf(tmp_path)
+  _check_same_tokenizer(ours, smol_ref.tokenizer, TEXTS + PROMPTS)
+  assert ours.pad_id == smol_ref.tokenizer.pad_id
+  assert ours.apply_chat_template(CHAT) == smol_ref.tokenizer.apply_chat_template(CHAT)
 
 
 def test_smollm2_gguf_path_matches_registry(smol_gguf, smol_ref, tmp_path, monkeypatch):

@@ -67,9 +67,10 @@ def _logits(model, prompts):
 
 def test_logits_and_greedy_tokens_are_the_dequantized_models(smol):
   """The CPU kernel dequantizes each weight to the dequantized model's float32 value in registers and sums in the
-  float32 kernel's order: the same logits, bit for bit, so the same greedy tokens."""
+  float32 kernel's order: the same logits, bit for bit, so the same greedy tokens. (In the stacked layout, which
+  compiles one layer body; stacked = unrolled is the next test.)"""
   from blockspec_jax.decoding import speculative as spec
-  dense, quantized = smol
+  dense, quantized = (hub.scanned(m) for m in smol)
   np.testing.assert_array_equal(_logits(quantized, PROMPTS), _logits(dense, PROMPTS))
   tokens, lens = spec.prepare_prompts(PROMPTS)
   keys = jax.random.split(jax.random.key(0), len(PROMPTS))

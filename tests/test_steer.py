@@ -270,20 +270,23 @@ def decoded_history_state(tp, params, drafter, prompt, history, stride, gamma):
   fewer) — the draft positions past a round's commit hold junk until the next round overwrites them."""
   target = pair()[0]
   context = list(prompt) + list(history)
-  state = spec.speculative_prefill(tp, params, *spec.prepare_prompts([prompt]), target=target, drafter=drafter,
-                                   gamma=gamma, max_new_tokens=len(history) + gamma)
+  state = jax.jit(functools.partial(spec.speculative_prefill, target=target, drafter=drafter, gamma=gamma,
+                                    max_new_tokens=len(history) + gamma))(tp, params, *spec.prepare_prompts([prompt]))
   taps = full_forward(target, tp, [context], drafter.target_layers)[1]
   tokens_1xS = state.tokens_BxS.at[0, :len(context)].set(jnp.asarray(context, jnp.int32))
   ds, length = state.drafter_state, len(prompt)
+  # Jitted (one program each, lengths passed as arrays): the same functions, far fewer dispatches than op by op.
+  begin = jax.jit(lambda ds, length_1: drafter.begin(params, ds, tokens_1xS, length_1, T1)[0])
+  step = jax.jit(lambda ds, x_1, pos_1: drafter.step(params, ds, x_1, pos_1, T1)[0])
+  commit = jax.jit(lambda ds, length_1: drafter.commit(params, ds, contracts.prompt_commit(
+      jnp.zeros((1, len(context), 1)), taps, jnp.asarray([context], jnp.int32), length_1, gamma)))
   while length < len(context):
-    ds, _, _ = drafter.begin(params, ds, tokens_1xS, jnp.asarray([length]), T1)
+    ds = begin(ds, jnp.asarray([length]))
     for j in range(stride - 1):  # drafted tokens, fed; those past the commit are junk (token 0)
       x = context[length + j] if length + j < len(context) else 0
-      ds, _, _ = drafter.step(params, ds, jnp.asarray([x]), jnp.asarray([length + j]), T1)
+      ds = step(ds, jnp.asarray([x]), jnp.asarray([length + j]))
     length = min(length + stride, len(context))
-    ds = drafter.commit(params, ds, contracts.prompt_commit(jnp.zeros((1, len(context), 1)), taps,
-                                                            jnp.asarray([context], jnp.int32),
-                                                            jnp.asarray([length]), gamma))
+    ds = commit(ds, jnp.asarray([length]))
   return state.replace(tokens_BxS=tokens_1xS, length_B=jnp.asarray([length]), drafter_state=ds)
 
 
@@ -304,13 +307,15 @@ def test_replayed_history_is_the_state_decoding_leaves(stride):
   history_B = jnp.asarray([len(h) for h in histories], jnp.int32)
   key_B = jax.random.split(jax.random.key(7), len(contexts))
 
-  def first_draft(params, state, key_B, drafter=drafter):
+  @jax.jit  # one program per state shape instead of thousands of single operations
+  def first_draft(params, state, key_B):
     return spec.draft_and_score(tp, params, state, key_B, target=target, drafter=drafter, gamma=gamma, sampler=T1)
 
-  replayed = spec.speculative_prefill(tp, params, tokens, lens, target=target, drafter=drafter, gamma=gamma,
-                                      max_new_tokens=1, history_B=history_B, replay_stride=stride)
-  plain = spec.speculative_prefill(tp, params, tokens, lens, target=target, drafter=drafter, gamma=gamma,
-                                   max_new_tokens=1)
+  replayed = jax.jit(functools.partial(spec.speculative_prefill, target=target, drafter=drafter, gamma=gamma,
+                                       max_new_tokens=1, replay_stride=stride))(
+      tp, params, tokens, lens, history_B=history_B)
+  plain = jax.jit(functools.partial(spec.speculative_prefill, target=target, drafter=drafter, gamma=gamma,
+                                    max_new_tokens=1))(tp, params, tokens, lens)
   got, flat = first_draft(params, replayed, key_B), first_draft(params, plain, key_B)
   for b, (p, h) in enumerate(zip(prompts, histories)):
     decoded = decoded_history_state(tp, params, drafter, p, h, stride, gamma)
@@ -321,10 +326,10 @@ def test_replayed_history_is_the_state_decoding_leaves(stride):
     gap = float(np.abs(np.asarray(flat.draft.q_BxNxV[b, 0]) - np.asarray(want.draft.q_BxNxV[0, 0])).max())
     assert (gap < 1e-6) == (len(h) == 0), (b, gap)  # the plain prefill differs exactly where there is a history
   plain_drafter = ModelDrafter(drafter_cfg)
-  a = spec.speculative_prefill(tp, dp, tokens, lens, target=target, drafter=plain_drafter, gamma=gamma,
-                               max_new_tokens=1, history_B=history_B, replay_stride=stride)
-  b_ = spec.speculative_prefill(tp, dp, tokens, lens, target=target, drafter=plain_drafter, gamma=gamma,
-                                max_new_tokens=1)
+  plain_prefill = functools.partial(spec.speculative_prefill, target=target, drafter=plain_drafter, gamma=gamma,
+                                    max_new_tokens=1)
+  a = jax.jit(functools.partial(plain_prefill, replay_stride=stride))(tp, dp, tokens, lens, history_B=history_B)
+  b_ = jax.jit(plain_prefill)(tp, dp, tokens, lens)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b_)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   with pytest.raises(ValueError, match="replay_stride"):
