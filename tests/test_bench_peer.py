@@ -113,3 +113,53 @@ def test_from_json_reprints_a_saved_run(tmp_path, capsys):
   path.write_text("{}")
   with pytest.raises(SystemExit, match="not a bench_peer JSON"):
     bench_peer.main(["--from-json", str(path)])
+
+
+def test_gguf_rows_compare_ours_on_quantized_weights_with_llama_cpp(capsys):
+  quant = dict(prompt_ids=[[1, 2]], peak_rss_gb=3.8, results=[
+      _row("autoregressive", 0.0, None, 5.0, 10.0), _row("block", 0.0, 4, 6.0, 12.5, be=3.0),
+      _row("autoregressive", 0.0, None, 4.0, 9.0, repeat=1)])
+  llama = dict(prompt_ids=[[1, 2]], peak_rss_gb=2.1, results=[_row("autoregressive", 0.0, None, 20.0, 25.0)])
+  peer_report.print_gguf_rows({}, quant, llama)
+  printed = capsys.readouterr().out
+  assert "ours quantized   autoregressive   0  - |   5.00   10.00" in printed and "0.40" in printed  # 10 / 25
+  assert "ours quantized   block            0  4 |   6.00   12.50" in printed and "0.50" in printed
+  assert "ours quantized autoregressive at T=0: 0.40 of llama.cpp's decode rate (target ≥ 0.8) MISS" in printed
+  assert "(again)" not in printed and "WARNING" not in printed
+  peer_report.print_gguf_rows({}, {}, {})
+  assert capsys.readouterr().out == ""
+  with pytest.raises(SystemExit):
+    bench_peer.parse_args(["--engines", "ours,llama"])
+
+
+def test_llama_cpp_engine_decodes_one_token_at_a_time_and_names_its_extra(monkeypatch):
+  """The llama.cpp worker's loop on a stand-in model: the prompt evaluated once, then each sampled token fed back,
+  until a stop id or the budget, sampling from the full distribution at the given temperature; without the bindings
+  installed, the error names the package and its build flags."""
+  import sys
+  from blockspec_jax.eval import peer_llamacpp
+
+  class Stub:
+    def __init__(self):
+      self.evals, self.samples = [], []
+
+    def reset(self):
+      self.evals.append("reset")
+
+    def eval(self, ids):
+      self.evals.append(list(ids))
+
+    def sample(self, **kw):
+      self.samples.append(kw)
+      return 10 + len(self.samples)
+
+  llm = Stub()
+  out = peer_llamacpp.decode(llm, [1, 2, 3], 1.0, max_new_tokens=4, stop_ids=[99])
+  assert out["ids"] == [11, 12, 13, 14] and llm.evals == ["reset", [1, 2, 3], [11], [12], [13]]
+  assert llm.samples[0] == dict(top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, temp=1.0, repeat_penalty=1.0)
+  llm = Stub()
+  assert peer_llamacpp.decode(llm, [5], 0.0, max_new_tokens=8, stop_ids=[12])["ids"] == [11, 12]  # the stop id kept
+  assert out["prefill_s"] >= 0 and out["decode_s"] >= 0
+  monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed
+  with pytest.raises(SystemExit, match=r"llama-cpp-python==0\.3\.36.*GGML_NATIVE=OFF"):
+    peer_llamacpp.import_llama_cpp()

@@ -1,12 +1,13 @@
-"""Peer benchmark: our JAX speculative decoding vs transformers' assisted generation, same pair, prompts, γ, T.
+"""Peer benchmark: our JAX speculative decoding vs transformers' assisted generation (and llama.cpp's plain decoding
+of the same GGUF file), same pair, prompts, γ, T.
 
     python -m blockspec_jax.eval.bench_peer [--quick] [--num-prompts 3] [--max-new-tokens 32]
-        [--gammas 1,2,3,4,6,8] [--temperatures 0,1] [--hf-gammas 4] [--bf16-gammas 4] [--engines ours,bf16,hf]
-        [--json results/bench_peer.json]
+        [--gammas 1,2,3,4,6,8] [--temperatures 0,1] [--hf-gammas 4] [--bf16-gammas 4]
+        [--engines ours,bf16,hf[,quant,llamacpp]] [--json results/bench_peer.json]
     python -m blockspec_jax.eval.bench_peer --from-json results/bench_peer.json   # the report of a saved run
 
 Default pair: Qwen2.5-Coder 0.5B drafter → 1.5B target (one tokenizer), batch 1, CPU. One invocation runs every engine,
-each in its own subprocess (``--worker ours|hf``, which writes a JSON file), one after the other, so that only one
+each in its own subprocess (``--worker ours|hf|llamacpp``, which writes a JSON file), one after the other, so that only one
 engine's copy of the models is resident at a time and each engine's peak resident memory (``ru_maxrss`` of the worker)
 is its own. The parent collects the JSON files, prints one table and the target checks, and writes ``--json``.
 
@@ -37,6 +38,13 @@ Workers:
   there as well as in the call. Mean acceptance length = tokens generated / target forward calls (a forward hook on
   the target). One untimed warm-up generate per configuration.
 
+* ``quant`` (engine): the ``ours`` worker on the GGUF files' quantized weights (``--weights quantized``: the blocks as
+  stored, streamed by the CPU kernel; the unrolled layout), autoregressive and block verification.
+* ``llamacpp``: llama.cpp's plain decoding of the target's GGUF file (:mod:`blockspec_jax.eval.peer_llamacpp`; needs
+  ``llama-cpp-python``, the ``peer`` extra). With ``quant`` and ``llamacpp`` the report adds a table of plain decoding
+  on the one file (ours float32, ours quantized, llama.cpp) and the check that ours on quantized weights reaches
+  ``peer_report.LLAMA_RATIO_TARGET`` of llama.cpp's decode rate.
+
 Threads: XLA's CPU client uses one thread per core; ``--threads`` (default: the core count) sets torch to the same.
 """
 
@@ -52,9 +60,12 @@ import tempfile
 import time
 import types
 
-from blockspec_jax.eval import peer_analysis, peer_report, peer_workers
+from blockspec_jax.eval import peer_analysis, peer_llamacpp, peer_report, peer_workers
 
 DEFAULT_GAMMAS = (1, 2, 3, 4, 6, 8)
+ENGINES = ("ours", "bf16", "hf", "quant", "llamacpp")
+WORKERS = {"ours": peer_workers.worker_ours, "hf": peer_workers.worker_hf,
+           "llamacpp": peer_llamacpp.worker_llamacpp}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -75,6 +86,11 @@ def estimate_seconds(args) -> dict:
         decode(1.3) + compile_s)) + 3 * compile_s
   if "hf" in args.engines:
     est["hf"] = 90 + len(args.temperatures) * (decode(1) + len(args.hf_gammas) * decode(1.0))
+  if "quant" in args.engines:  # ≈ 8 tok/s quantized, 2 programs per T (autoregressive twice) and one block per γ
+    est["quant"] = 30 + len(args.temperatures) * ((2 * decode(4) + 2 * compile_s) + len(args.gammas) * (
+        decode(5) + compile_s))
+  if "llamacpp" in args.engines:  # ≈ 30 tok/s
+    est["llamacpp"] = 10 + len(args.temperatures) * decode(15)
   est["total"] = sum(est.values())
   return est
 
@@ -120,7 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--hf-gammas", type=_ints, default=[4], help="γ values also run in transformers")
   p.add_argument("--bf16-gammas", type=_ints, default=[4], help="γ values of the bfloat16 row (block, first T)")
   p.add_argument("--temperatures", type=_floats, default=[0.0, 1.0])
-  p.add_argument("--engines", default="ours,bf16,hf", help="subset of ours,bf16,hf")
+  p.add_argument("--engines", default="ours,bf16,hf",
+                 help="subset of ours,bf16,hf,quant,llamacpp (quant: ours on the GGUF's quantized weights, "
+                      "autoregressive and block; llamacpp: llama.cpp's plain decoding of the target's GGUF, needs "
+                      "llama-cpp-python)")
   p.add_argument("--threads", type=int, default=os.cpu_count())
   p.add_argument("--reps", type=int, default=9, help="rounds of the single-forward timings (median)")
   p.add_argument("--seed", type=int, default=0)
@@ -128,9 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="1 prompt, 16 new tokens, γ ∈ {2, 4}, transformers and bf16 at γ = 4, 3 reps")
   p.add_argument("--json", default="results/bench_peer.json")
   p.add_argument("--from-json", help="print the report of a saved run's measurements (its JSON) without running")
-  p.add_argument("--worker", choices=("ours", "hf"), help=argparse.SUPPRESS)
+  p.add_argument("--worker", choices=("ours", "hf", "llamacpp"), help=argparse.SUPPRESS)
   p.add_argument("--worker-out", help=argparse.SUPPRESS)
   p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+  p.add_argument("--weights", default="dequantized", help=argparse.SUPPRESS)
   p.add_argument("--methods", default="autoregressive,token,block", help=argparse.SUPPRESS)
   return p
 
@@ -142,6 +162,9 @@ def parse_args(argv=None):
     args.num_prompts, args.max_new_tokens, args.gammas, args.hf_gammas, args.bf16_gammas, args.reps = (
         1, 16, [2, 4], [4], [4], 3)
   args.engines = [e for e in args.engines.split(",") if e]
+  unknown = sorted(set(args.engines) - set(ENGINES))
+  if unknown:
+    p.error(f"unknown engines {unknown}; known: {', '.join(ENGINES)}")
   args.methods = [m for m in args.methods.split(",") if m]
   if min(args.gammas + args.hf_gammas + args.bf16_gammas) < 1:
     p.error("every γ must be ≥ 1")
@@ -151,7 +174,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
   args = parse_args(argv)
   if args.worker:
-    report = peer_workers.worker_ours(args) if args.worker == "ours" else peer_workers.worker_hf(args)
+    report = WORKERS[args.worker](args)
     pathlib.Path(args.worker_out).write_text(json.dumps(report))
     return 0
   if args.from_json:
@@ -162,6 +185,7 @@ def main(argv=None) -> int:
       raise SystemExit(f"--from-json {args.from_json}: not a bench_peer JSON with 'workers' and 'config' ({e!r})")
     peer_report.print_report(peer_analysis.analyse(workers["ours"], workers["bf16"], workers["hf"]), workers["ours"],
                              workers["bf16"], workers["hf"], types.SimpleNamespace(**config))
+    peer_report.print_gguf_rows(workers.get("ours", {}), workers.get("quant", {}), workers.get("llamacpp", {}))
     return 0
   est = estimate_seconds(args)
   print(f"bench_peer: {args.drafter} → {args.target}; {args.num_prompts} prompts × {args.max_new_tokens} new tokens; "
@@ -170,7 +194,7 @@ def main(argv=None) -> int:
   print("estimated runtime (≈2 tok/s target, ≈20 s compile per JAX program): "
         + ", ".join(f"{k} {v / 60:.0f} min" for k, v in est.items()), flush=True)
   start = time.perf_counter()
-  ours = bf16 = hf = {}
+  ours = bf16 = hf = quant = llama = {}
   with tempfile.TemporaryDirectory(prefix="bench_peer-") as tmp:
     tmp = pathlib.Path(tmp)
     if "ours" in args.engines:
@@ -181,21 +205,28 @@ def main(argv=None) -> int:
                                    "--temperatures", str(args.temperatures[0])], tmp)
     if "hf" in args.engines:
       hf = _spawn("hf", args, [], tmp)
+    if "quant" in args.engines:
+      quant = _spawn("ours", args, ["--dtype", "float32", "--weights", "quantized", "--methods",
+                                    "autoregressive,block"], tmp)
+    if "llamacpp" in args.engines:
+      llama = _spawn("llamacpp", args, [], tmp)
   config = {k: v for k, v in vars(args).items() if k not in ("worker", "worker_out")}
-  workers = dict(ours=ours, bf16=bf16, hf=hf)
+  workers = dict(ours=ours, bf16=bf16, hf=hf, quant=quant, llamacpp=llama)
   path = pathlib.Path(args.json) if args.json else None
   if path:  # the raw measurements first: an hour of work survives a failure in the analysis below
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(config=config, estimate_s=est, workers=workers), indent=2))
   analysis = peer_analysis.analyse(ours, bf16, hf)
-  peer_report.print_report(analysis, ours, bf16, hf, args)
+  if ours or bf16 or hf:
+    peer_report.print_report(analysis, ours, bf16, hf, args)
+  peer_report.print_gguf_rows(ours, quant, llama)
   total = time.perf_counter() - start
   print(f"total runtime {total:.0f} s (estimated {est['total']:.0f} s)")
   if path:
     path.write_text(json.dumps(dict(config=config, estimate_s=est, total_s=total, workers=workers, **analysis),
                                indent=2))
     print(f"wrote {path}")
-  return 0 if (ours or bf16 or hf) else 1
+  return 0 if any(workers.values()) else 1
 
 
 if __name__ == "__main__":

@@ -94,3 +94,40 @@ def print_report(analysis: dict, ours: dict, bf16: dict, hf: dict, args) -> None
     print(f"same prompt token ids in both engines (lengths {[len(p) for p in ours['prompt_ids']]}), same stop ids "
           f"{ours['stop_ids']} / {hf['stop_ids']}")
 
+
+
+#: bench_peer's target for plain decoding of one GGUF file: ours on its quantized weights at this fraction of llama.cpp.
+LLAMA_RATIO_TARGET = 0.8
+
+
+def print_gguf_rows(ours: dict, quant: dict, llama: dict) -> None:
+  """Plain decoding of the target's GGUF file, per temperature: ours on float32 (dequantized) weights, ours on its
+  quantized blocks (and block verification with them), and llama.cpp, decode-phase and end-to-end tokens/s, each
+  against llama.cpp's decode phase; the check that ours on quantized weights reaches LLAMA_RATIO_TARGET of it."""
+  if not (quant or llama):
+    return
+  by_t: dict = {}
+  for name, rep in (("ours float32", ours), ("ours quantized", quant), ("llama.cpp", llama)):
+    for r in (rep or {}).get("results", []):
+      if r["method"] in ("autoregressive", "block") and r.get("repeat", 0) == 0:
+        by_t.setdefault(float(r["temperature"]), []).append((name, r))
+  print("\nplain decoding of the target's GGUF file (ours float32 = its weights dequantized; decode tok/s: the steady "
+        "rate after the prefill)")
+  print(f"{'engine':<16} {'method':<14} {'T':>3} {'γ':>2} | {'tok/s':>6} {'dec t/s':>7} {'prefill s':>9} | "
+        f"{'dec / llama.cpp':>15}")
+  for t, rows in sorted(by_t.items()):
+    ref = next((r["decode_tokens_per_s"] for n, r in rows if n == "llama.cpp"), None)
+    for name, r in rows:
+      ratio = "" if ref is None else f"{r['decode_tokens_per_s'] / ref:.2f}"
+      print(f"{name:<16} {r['method']:<14} {t:>3g} {r.get('gamma') or '-':>2} | {r['tokens_per_s']:6.2f} "
+            f"{r['decode_tokens_per_s']:7.2f} {r['prefill_s']:9.2f} | {ratio:>15}")
+    ar = next((r for n, r in rows if n == "ours quantized" and r["method"] == "autoregressive"), None)
+    if ar is not None and ref is not None:
+      share = ar["decode_tokens_per_s"] / ref
+      print(f"ours quantized autoregressive at T={t:g}: {share:.2f} of llama.cpp's decode rate (target ≥ "
+            f"{LLAMA_RATIO_TARGET}) {verdict(share >= LLAMA_RATIO_TARGET)}")
+  for name, rep in (("ours quantized", quant), ("llama.cpp", llama)):
+    if rep:
+      print(f"peak RSS, {name} worker: {rep['peak_rss_gb']:.2f} GB; worker wall {rep.get('worker_wall_s', 0):.0f} s")
+  if quant and llama and quant["prompt_ids"] != llama["prompt_ids"]:
+    print("WARNING: ours and llama.cpp did not get the same prompt token ids")

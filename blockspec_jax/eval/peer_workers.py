@@ -32,11 +32,13 @@ def worker_ours(args) -> dict:
 
   rows = _rows(args)
   start = time.perf_counter()
-  target = sources.load_model(args.target, args.dtype, scan_layers=True)
-  drafter = sources.load_model(args.drafter, args.dtype, scan_layers=True)
-  sources.check_pair(target, drafter)
+  weights = getattr(args, "weights", "dequantized")
+  # Quantized layers of mixed block types (the Qwen Q4_K_M files) do not stack: the unrolled layout for them.
+  target, (drafter,), _ = sources.load_models(args.target, [args.drafter], args.dtype,
+                                              scan_layers=weights == "dequantized", weights=weights)
   load_s = time.perf_counter() - start
-  print(f"[ours {args.dtype}] loaded {args.drafter} → {args.target} in {load_s:.1f} s (jax {jax.__version__}, "
+  label = args.dtype if weights == "dequantized" else f"{args.dtype}, {weights}"
+  print(f"[ours {label}] loaded {args.drafter} → {args.target} in {load_s:.1f} s (jax {jax.__version__}, "
         f"{jax.devices()[0].platform})", flush=True)
   prompt_ids = prompts_lib.encode_prompts(target, rows, chat=True)
   width = max(len(p) for p in prompt_ids)
@@ -62,7 +64,7 @@ def worker_ours(args) -> dict:
         summary["repeat"] = repeat
         summary["total_s_incl_compile"] = time.perf_counter() - t0
         results.append(summary)
-        print(f"[ours {args.dtype}] {method:<14} T={temperature:g} γ={gamma or '-'}"
+        print(f"[ours {label}] {method:<14} T={temperature:g} γ={gamma or '-'}"
               f"{' (again)' if repeat else ''}: {summary['tokens_per_s']:.2f} tok/s end to end, "
               f"{summary['decode_tokens_per_s']:.2f} decode phase (prefill {summary['prefill_s']:.1f} s)"
               + (f", BE {summary['block_efficiency']:.2f}" if "block_efficiency" in summary else "")
@@ -80,9 +82,9 @@ def worker_ours(args) -> dict:
   timed = bench_verify.interleaved_median_ms(calls, args.reps)
   target_ms = {t: ms for (model, t), ms in timed.items() if model == "target"}
   drafter_ms = {1: timed[("drafter", 1)]}
-  print(f"[ours {args.dtype}] forwards: target {', '.join(f'{t} tok {ms:.0f} ms' for t, ms in target_ms.items())}; "
+  print(f"[ours {label}] forwards: target {', '.join(f'{t} tok {ms:.0f} ms' for t, ms in target_ms.items())}; "
         f"drafter 1 tok {drafter_ms[1]:.0f} ms ({time.perf_counter() - t0:.0f} s)", flush=True)
-  return dict(engine="ours", dtype=args.dtype, load_s=load_s, prompt_ids=prompt_ids, stop_ids=list(stop_ids),
+  return dict(engine="ours", dtype=args.dtype, weights=weights, load_s=load_s, prompt_ids=prompt_ids, stop_ids=list(stop_ids),
               width=width, cache_len=cache_len, position=position,
               target_forward_ms={str(k): v for k, v in target_ms.items()}, drafter_forward_ms=drafter_ms[1],
               results=results, peak_rss_gb=runtime.peak_rss_gb())
