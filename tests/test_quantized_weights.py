@@ -247,3 +247,14 @@ def test_training_jobs_load_the_quantized_target_and_check_the_setting():
     DistillSettings(target="smollm2-135m", drafter=DrafterRecipe("smollm2-135m"), target_weights="int4")
   with pytest.raises(checks.UsageError, match="distill_job.target_weights = 'quantized' is for a real target"):
     DistillSettings(target_config=target.config, drafter_config=target.config, target_weights="quantized")
+
+
+@pytest.mark.slow  # two SmolLM2 loads and sampling programs; the same tokens from both kinds are tested by default above
+def test_bench_target_sampling_prints_both_kinds_and_the_same_tokens(capsys):
+  from blockspec_jax.eval import bench_target_sampling
+  bench_target_sampling.main(["--target", "smollm2-135m", "--rows", "2", "--batch", "2", "--max-new-tokens", "3"])
+  printed = capsys.readouterr().out
+  assert "dequantized: prompts of" in printed and "quantized: prompts of" in printed and "(width 352)" in printed
+  assert "same sampled tokens: True" in printed
+  with pytest.raises(SystemExit, match="must be a positive multiple of --batch"):
+    bench_target_sampling.main(["--rows", "3", "--batch", "2"])
