@@ -249,7 +249,7 @@ def test_training_jobs_load_the_quantized_target_and_check_the_setting():
     DistillSettings(target_config=target.config, drafter_config=target.config, target_weights="quantized")
 
 
-@pytest.mark.slow  # two SmolLM2 loads and sampling programs; the same tokens from both kinds are tested by default above
+@pytest.mark.slow  # two SmolLM2 loads and sampling programs; the same tokens from both kinds: tested by default above
 def test_bench_target_sampling_prints_both_kinds_and_the_same_tokens(capsys):
   from blockspec_jax.eval import bench_target_sampling
   bench_target_sampling.main(["--target", "smollm2-135m", "--rows", "2", "--batch", "2", "--max-new-tokens", "3"])

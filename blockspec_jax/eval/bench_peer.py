@@ -7,9 +7,9 @@ of the same GGUF file), same pair, prompts, γ, T.
     python -m blockspec_jax.eval.bench_peer --from-json results/bench_peer.json   # the report of a saved run
 
 Default pair: Qwen2.5-Coder 0.5B drafter → 1.5B target (one tokenizer), batch 1, CPU. One invocation runs every engine,
-each in its own subprocess (``--worker ours|hf|llamacpp``, which writes a JSON file), one after the other, so that only one
-engine's copy of the models is resident at a time and each engine's peak resident memory (``ru_maxrss`` of the worker)
-is its own. The parent collects the JSON files, prints one table and the target checks, and writes ``--json``.
+each in its own subprocess (``--worker ours|hf|llamacpp``, which writes a JSON file), one after the other, so that only
+one engine's copy of the models is resident at a time and each engine's peak resident memory (``ru_maxrss`` of the
+worker) is its own. The parent collects the JSON files, prints one table and the target checks, and writes ``--json``.
 
 Workers:
 

@@ -9,7 +9,8 @@ This runs exactly that on the first ``--rows`` prompts of a shipped prompt file 
 them, padded to the jobs' 352-token width), in batches of ``--batch`` rows, with the target loaded both ways
 (``hub.load_model(weights=)``, the training jobs' ``target_weights``), and prints per kind the seconds per sampled
 row after compilation (the first batch is compiled and run once untimed), the generated tokens per second, the
-seconds of that first batch (compilation included), and whether both kinds drew the same tokens (same keys; bit-identical logits give identical rows).
+seconds of that first batch (compilation included), and whether both kinds drew the same tokens (same keys;
+bit-identical logits give identical rows).
 The machine's load average is printed: a loaded machine makes the figures unreliable.
 """
 

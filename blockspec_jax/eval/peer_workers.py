@@ -84,8 +84,8 @@ def worker_ours(args) -> dict:
   drafter_ms = {1: timed[("drafter", 1)]}
   print(f"[ours {label}] forwards: target {', '.join(f'{t} tok {ms:.0f} ms' for t, ms in target_ms.items())}; "
         f"drafter 1 tok {drafter_ms[1]:.0f} ms ({time.perf_counter() - t0:.0f} s)", flush=True)
-  return dict(engine="ours", dtype=args.dtype, weights=weights, load_s=load_s, prompt_ids=prompt_ids, stop_ids=list(stop_ids),
-              width=width, cache_len=cache_len, position=position,
+  return dict(engine="ours", dtype=args.dtype, weights=weights, load_s=load_s, prompt_ids=prompt_ids,
+              stop_ids=list(stop_ids), width=width, cache_len=cache_len, position=position,
               target_forward_ms={str(k): v for k, v in target_ms.items()}, drafter_forward_ms=drafter_ms[1],
               results=results, peak_rss_gb=runtime.peak_rss_gb())
 

@@ -134,7 +134,8 @@ class HeadsSettings(job_setup.JobSettings):
     """What decides the hidden states (recorded with the cached files)."""
     return {"target": pools.model_name(self.target, self.target_config, self.target_seed),
             "temperature": float(self.temperature), "max_new_tokens": self.max_new_tokens, "seed": self.seed,
-            "dtype": self.dtype, **self.weights_meta(), "target_config": None if self.real else repr(self.target_config),
+            "dtype": self.dtype, **self.weights_meta(),
+            "target_config": None if self.real else repr(self.target_config),
             **self.prompt_meta()}
 
   def record(self) -> dict:
