@@ -17,7 +17,6 @@ Speculative decoding in llama.cpp is not run: the Python bindings (0.3.36) expos
 from __future__ import annotations
 
 import time
-import types
 
 #: The version the peer figures were measured with (``pip install llama-cpp-python==0.3.36``, a 12-minute build on the
 #: project's 2-core machine with ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON ..."``: docs/results/quantized.md).
@@ -53,16 +52,10 @@ def decode(llm, ids: list[int], temperature: float, max_new_tokens: int, stop_id
 
 def worker_llamacpp(args) -> dict:
   from blockspec_jax import runtime
-  from blockspec_jax.data import prompts as prompts_lib
-  from blockspec_jax.models import gguf_convert, registry
-  from blockspec_jax.models.tokenizer import tokenizer_from_gguf
+  from blockspec_jax.eval.peer_workers import gguf_prompt_ids
 
   llama_cpp = import_llama_cpp()
-  rows = prompts_lib.load_prompts(args.prompts, limit=args.num_prompts)
-  path = registry.fetch_gguf(args.target, progress=False)
-  tokenizer = tokenizer_from_gguf(gguf_convert.read_gguf(path).metadata)
-  prompt_ids = prompts_lib.encode_prompts(types.SimpleNamespace(tokenizer=tokenizer), rows, chat=True)
-  stop_ids = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+  path, prompt_ids, stop_ids = gguf_prompt_ids(args, args.target)
   start = time.perf_counter()
   llm = llama_cpp.Llama(model_path=str(path), n_ctx=max(map(len, prompt_ids)) + args.max_new_tokens + 8,
                         n_threads=args.threads, n_threads_batch=args.threads, seed=args.seed, verbose=False)

@@ -20,6 +20,18 @@ def _rows(args):
   return prompts_lib.load_prompts(args.prompts, limit=args.num_prompts)
 
 
+def gguf_prompt_ids(args, model: str):
+  """``(path, prompt_ids, stop_ids)`` for a peer engine that reads ``model``'s GGUF file itself: the prompts encoded by
+  the tokenizer in that file exactly as ours encodes them (chat-templated), so every engine decodes the same ids."""
+  from blockspec_jax.data import prompts as prompts_lib
+  from blockspec_jax.models import gguf_convert, registry
+  from blockspec_jax.models.tokenizer import tokenizer_from_gguf
+  path = registry.fetch_gguf(model, progress=False)
+  tokenizer = tokenizer_from_gguf(gguf_convert.read_gguf(path).metadata)
+  prompt_ids = prompts_lib.encode_prompts(types.SimpleNamespace(tokenizer=tokenizer), _rows(args), chat=True)
+  return path, prompt_ids, [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Worker: ours
 
@@ -98,18 +110,11 @@ def worker_hf(args) -> dict:
   import torch
   import transformers
   from blockspec_jax import runtime
-  from blockspec_jax.data import prompts as prompts_lib
-  from blockspec_jax.models import gguf_convert, registry
-  from blockspec_jax.models.tokenizer import tokenizer_from_gguf
+  from blockspec_jax.models import registry
 
   torch.set_num_threads(args.threads)
-  rows = _rows(args)
   target_path = registry.fetch_gguf(args.target, progress=False)
-  drafter_path = registry.fetch_gguf(args.drafter, progress=False)
-  tokenizer = tokenizer_from_gguf(gguf_convert.read_gguf(drafter_path).metadata)
-  prompt_ids = prompts_lib.encode_prompts(types.SimpleNamespace(tokenizer=tokenizer), rows,  # same ids as ours
-                                          chat=True)
-  stop_ids = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+  drafter_path, prompt_ids, stop_ids = gguf_prompt_ids(args, args.drafter)
   start = time.perf_counter()
   load = lambda p: transformers.AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name,
                                                                       dtype=torch.float32).eval()
