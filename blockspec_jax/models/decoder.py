@@ -66,7 +66,6 @@ theta^(-2i/H) for pair i, so interleaved weights = half weights with each head's
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from typing import Any
 
@@ -78,6 +77,7 @@ from flax import struct
 
 from blockspec_jax import kernels
 from blockspec_jax.models import quant
+from blockspec_jax.models.stacking import stack_layers, unstack_layers
 
 __all__ = ["DecoderConfig", "KVCache", "init_cache", "causal_mask", "apply_rotary", "Decoder", "head_logits",
            "init_params", "stack_layers", "unstack_layers"]
@@ -564,70 +564,3 @@ def init_params(config: DecoderConfig, seed: int):
   tokens_1x1 = jnp.zeros((1, 1), jnp.int32)
   return Decoder(config).init(jax.random.key(seed), tokens_1x1, tokens_1x1, init_cache(config, 1, 4),
                               causal_mask(tokens_1x1, 4))["params"]
-
-
-def stack_layers(params: dict, num_layers: int, consume: bool = False) -> dict:
-  """The unrolled layout (``layers_{i}/...``) → the stacked one (``layers/...``, each leaf ``[L, ...]``) that a
-  ``scan_layers`` decoder reads; other entries are kept. ``consume``: pop each layer's leaves from ``params`` (a
-  mutable dict) as they are stacked, so a large model is never held twice (at most one group of leaves extra)."""
-  names = [f"layers_{i}" for i in range(num_layers)]
-  missing = [n for n in names if n not in params]
-  if missing or "layers" in params:
-    raise ValueError(f"stack_layers: expected layers_0..layers_{num_layers - 1} and no 'layers' entry; missing "
-                     f"{missing[:3]}{' and more' if len(missing) > 3 else ''}")
-  source = params if consume else {n: params[n] for n in names}
-  paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(source[names[0]], is_leaf=_is_quantized)[0]]
-  stacked = {}
-  for path in paths:
-    keys = [k.key for k in path]
-    leaves = []
-    for n in names:
-      node = source[n]
-      for k in keys[:-1]:
-        node = node[k]
-      leaves.append(node.pop(keys[-1]) if consume else node[keys[-1]])
-    node = stacked
-    for k in keys[:-1]:
-      node = node.setdefault(k, {})
-    node[keys[-1]] = _stack(leaves, "/".join(keys))
-    del leaves
-  out = {k: v for k, v in params.items() if k not in names}
-  if consume:
-    for n in names:
-      params.pop(n)
-  out["layers"] = stacked
-  return out
-
-
-def _is_quantized(x) -> bool:
-  return isinstance(x, quant.QuantizedTensor)
-
-
-def _stack(leaves: list, where: str):
-  """One ``[L, ...]`` leaf of the layers' ``leaves``: host arrays stay on the host until put. Quantized weights
-  stack their codes and scales (the logical shape stays one layer's) when every layer stores the same block type;
-  a GGUF that mixes types across layers (Q4_K_M files keep some layers' ``attn_v`` / ``ffn_down`` in Q6_K) cannot
-  be stacked: a ValueError names the types, and such a model runs in the unrolled layout."""
-  if any(_is_quantized(leaf) for leaf in leaves):
-    counts = collections.Counter((leaf.qtype, tuple(leaf.shape)) if _is_quantized(leaf)
-                                 else ("float", tuple(np.shape(leaf))) for leaf in leaves)
-    if len(counts) != 1:
-      raise ValueError(f"stack_layers: {where} is stored as " + ", ".join(
-          f"{t} {shape} in {n} layers" for (t, shape), n in sorted(counts.items())) + "; quantized weights of "
-          "different block types cannot share one stack: load this model in the unrolled layout "
-          "(scan_layers=False)")
-    return jax.tree.map(lambda *arrays: _stack(list(arrays), where), *leaves)
-  host = all(isinstance(leaf, np.ndarray) for leaf in leaves)
-  return np.stack(leaves) if host else jnp.stack(leaves)
-
-
-def unstack_layers(params: dict) -> dict:
-  """The stacked layout (``layers/...`` [L, ...]) → the unrolled one (``layers_{i}/...``); other entries kept."""
-  if "layers" not in params:
-    raise ValueError("unstack_layers: no stacked 'layers' entry")
-  stacked = params["layers"]
-  num_layers = jax.tree_util.tree_leaves(stacked)[0].shape[0]
-  out = {k: v for k, v in params.items() if k != "layers"}
-  for i in range(num_layers):
-    out[f"layers_{i}"] = jax.tree.map(lambda a, i=i: a[i], stacked)
-  return out
