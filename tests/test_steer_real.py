@@ -78,3 +78,16 @@ def test_joint_run_decodes_losslessly_and_refuses_other_drafters(joint_run):
                            (f"{workdir}@init", "trained jointly with its drafter's step 3")):  # its shape, untuned
     with pytest.raises(checks.UsageError, match=message):
       run.run_job(drafter=drafter, methods=("greedy@steered",), **common)
+
+
+@pytest.mark.slow  # SmolLM2 joint steering run; the default run covers the steer job on tiny models (test_steer)
+def test_joint_run_steers_over_the_quantized_base_with_the_dequantized_ids(joint_run):
+  """The trained drafter (LoRA beside the quantized blocks) and the map's taps read from the quantized target: every
+  generated id of greedy and block decoding, at T = 0 and 1, is the dequantized run's (the kernel's logits are
+  bit-identical on the same weights)."""
+  workdir, _ = joint_run
+  common = dict(target=MODEL, drafter=str(workdir), methods=("autoregressive", "greedy@steered", "block@steered"),
+                num_prompts=1, gamma=3, temperatures=(0.0, 1.0), max_new_tokens=8, output_json=None, show_text=False,
+                drafter_settings={"steered": {"steer": str(workdir)}})
+  dense, quantized = (run.run_job(weights=w, **common) for w in hub.WEIGHTS)
+  assert quantized["generated_ids"] == dense["generated_ids"] and len(quantized["generated_ids"]) == 6
