@@ -19,6 +19,7 @@ from typing import Any, Sequence
 from blockspec_jax import methods as methods_lib
 from blockspec_jax import runtime
 from blockspec_jax import sources
+from blockspec_jax.data import prompts as prompts_lib
 from blockspec_jax.checks import UsageError
 
 __all__ = ["Models", "MethodGrid", "SamplerSettings", "DataSettings", "OutputSettings", "EvalSettings",
@@ -189,12 +190,18 @@ class DataSettings:
   prompts_per_task: int | None = None
   #: Chat-template each prompt when the tokenizer has a template.
   chat: bool = True
+  #: The system turn of each chat prompt: ``"default"`` (the template's own: Qwen2.5 and SmolLM2 insert a default
+  #: system message), ``"none"`` (no system turn), a system message, or a tuple of these cycled over the prompts
+  #: (``data.prompts.chat_text``).
+  system: Any = "default"
   #: New tokens decoded per prompt.
   max_new_tokens: int = 64
 
   def __post_init__(self):
     methods_lib.check_settings(max_new_tokens=self.max_new_tokens, num_prompts=self.num_prompts)
     methods_lib.check_settings(num_prompts=self.prompts_per_task)
+    formats = prompts_lib.check_system(self.system, self.chat)
+    object.__setattr__(self, "system", formats[0] if len(formats) == 1 else formats)
     if self.tasks is not None:
       object.__setattr__(self, "tasks", tuple(self.tasks))
 
@@ -256,6 +263,8 @@ class EvalSettings:
   """:attr:`SamplerSettings.top_p`."""
   chat: bool = True
   """:attr:`DataSettings.chat`."""
+  system: Any = "default"
+  """:attr:`DataSettings.system`."""
   max_new_tokens: int = 64
   """:attr:`DataSettings.max_new_tokens`."""
   share_prefills: bool = True
@@ -280,6 +289,7 @@ class EvalSettings:
     return SamplerSettings(temperatures=temperatures, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
 
   def data_settings(self, prompts: str, **fields) -> DataSettings:
-    """:class:`DataSettings` of ``prompts`` and ``fields`` (``num_prompts``, ``tasks``, …) with :attr:`chat` and
-    :attr:`max_new_tokens`."""
-    return DataSettings(prompts=prompts, chat=self.chat, max_new_tokens=self.max_new_tokens, **fields)
+    """:class:`DataSettings` of ``prompts`` and ``fields`` (``num_prompts``, ``tasks``, …) with :attr:`chat`,
+    :attr:`system` and :attr:`max_new_tokens`."""
+    return DataSettings(prompts=prompts, chat=self.chat, system=self.system, max_new_tokens=self.max_new_tokens,
+                        **fields)

@@ -84,8 +84,9 @@ def format_table(rows, drafters: list[str] | None = None) -> str:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunSettings(job_config.EvalSettings):
   """``run_job``'s settings (gin: ``run_job.gamma = 6``, …): the fields every evaluation job has
-  (``job_config.EvalSettings``: the models, the sampler's seed and filters, ``chat``, ``max_new_tokens``, the mesh,
-  ``share_prefills``) and these; made once, they check every field (``job_config``'s groups), before a model loads."""
+  (``job_config.EvalSettings``: the models, the sampler's seed and filters, ``chat``, ``system``, ``max_new_tokens``,
+  the mesh, ``share_prefills``) and these; made once, they check every field (``job_config``'s groups), before a model
+  loads."""
 
   prompts_path: str = str(prompts_lib.DEFAULT_PROMPTS)
   """``job_config.DataSettings.prompts``: the prompt file."""
@@ -142,7 +143,7 @@ def main_job(models: job_config.Models, grid: job_config.MethodGrid, sampler: jo
   print(f"loaded {', '.join(map(str, models.drafters))} → {models.target} ({models.dtype}) in {load_s:.1f} s; "
         f"{len(rows)} prompts; jax {jax.__version__} on {runtime.describe_devices(mesh)}; compilation cache "
         f"{compile_dir or 'off'}", flush=True)
-  prompt_ids = prompts_lib.encode_prompts(target_model, rows, data.chat)
+  prompt_ids = prompts_lib.encode_prompts(target_model, rows, data.chat, data.system)
   width = max(len(p) for p in prompt_ids)
   methods_lib.check_methods_fit(grid.methods, grid.gammas, target_model, drafter_models, width, data.max_new_tokens,
                                 grid.drafter_settings, grid.verifier_settings)
@@ -161,7 +162,7 @@ def main_job(models: job_config.Models, grid: job_config.MethodGrid, sampler: jo
   print(f"\npeak resident memory of this job: {rss_gb:.2f} GB (10^9 bytes)")
   report = dict(target=models.target, drafter=list(models.drafters) if several else models.drafters[0],
                 dtype=models.dtype, gamma=grid.gammas[0], max_new_tokens=data.max_new_tokens, top_k=sampler.top_k,
-                top_p=sampler.top_p, peak_rss_gb=rss_gb,
+                top_p=sampler.top_p, system=data.system, peak_rss_gb=rss_gb,
                 devices=runtime.describe_devices(mesh), mesh=list(models.mesh),
                 programs_compiled=runtime.backend_compiles() - compiles_before,
                 prompts=[dict(id=r["id"], task=r["task"], source=r["source"], licence=r["licence"]) for r in rows],

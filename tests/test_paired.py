@@ -144,6 +144,7 @@ def test_rsd_c_branches_at_several_depths_within_each_budget():
     (["--json", "/proc/version/out.json"], "cannot write the folder of the report (--json)"),
     (["--mesh", "2x2"], "--mesh 2 x 2 (data x model) must cover the run's 1 device(s)"),
     (["--mesh", "four"], "--mesh takes DATAxMODEL (e.g. 4x2), got 'four'"),
+    (["--system", " "], "--system: system must be 'default', 'none', a system message"),
 ])
 def test_option_mistakes_are_one_line_before_any_model_loads(argv, message, capsys, monkeypatch):
   from blockspec_jax import sources
@@ -161,13 +162,34 @@ def test_the_plain_comparison_runs_end_to_end_and_records_its_mesh(tmp_path, cap
   under both rules (BE = γ + 1 at every γ), and the report records the options and the mesh it ran on."""
   import json
   from blockspec_jax.eval import paired
+  from blockspec_jax import sources
+  from blockspec_jax.data import prompts as prompts_lib
   out = tmp_path / "paired.json"
   assert paired.main(["--target", "smollm2-135m", "--drafter", "smollm2-135m", "--num-prompts", "1",
-                      "--sample-tokens", "4", "--positions", "2", "--gamma", "2", "--draws", "2",
+                      "--sample-tokens", "4", "--positions", "2", "--gamma", "2", "--draws", "2", "--system", "none",
                       "--json", str(out)]) == 0
   saved = json.loads(out.read_text())
   assert saved["config"]["mesh"] == [1, 1] and saved["config"]["gamma"] == 2 and len(saved["contexts"]) == 2
+  # the contexts' prompts carry no system turn: the first context is the prompt itself
+  none, default = (prompts_lib.encode_prompts(sources.load_model("smollm2-135m"), prompts_lib.load_prompts(limit=1),
+                                              system=s)[0] for s in ("none", "default"))
+  assert saved["config"]["system"] == "none" and saved["contexts"][0] == len(none) < len(default)
   assert [(s["gamma"], s["be"]["token"], s["be"]["block"]) for s in saved["summary"]] == [
       (1, pytest.approx(2.0, abs=1e-3), pytest.approx(2.0, abs=1e-3)),
       (2, pytest.approx(3.0, abs=1e-3), pytest.approx(3.0, abs=1e-3))]
   assert "BE = 1 + Σ_i P(τ ≥ i | X^i)" in capsys.readouterr().out
+
+
+def test_a_resumed_file_must_have_the_same_contexts(tmp_path):
+  """A file is resumed only with the settings that made its contexts; one written before ``--system`` existed counts
+  as ``--system default``."""
+  import argparse
+  from blockspec_jax.checks import UsageError
+  from blockspec_jax.eval import paired
+  args = argparse.Namespace(**{k: 1 for k in paired._CONTEXT_SETTINGS}, verify_draws=16)
+  args.system = "default"
+  earlier = {"config": {k: 1 for k in paired._CONTEXT_SETTINGS if k != "system"} | {"verify_draws": 16}}
+  paired._check_same_contexts(tmp_path, earlier, args, paired._CONTEXT_SETTINGS + ("verify_draws",))
+  args.system, args.verify_draws, args.seed = "none", 8, 2
+  with pytest.raises(UsageError, match=r"other settings \(--system, --seed, --verify-draws\)"):
+    paired._check_same_contexts(tmp_path, earlier, args, paired._CONTEXT_SETTINGS + ("verify_draws",))

@@ -302,7 +302,7 @@ def lossy_bench(models: job_config.Models, grid: LossyGrid, sampler: job_config.
   mesh = models.device_mesh()
   print(f"loaded {models.drafters[0]} → {models.target} ({models.dtype}); {len(rows)} prompts; T = {temperature:g}; "
         f"on {runtime.describe_devices(mesh)}; compilation cache {compile_dir or 'off'}", flush=True)
-  prompt_ids = prompts_lib.encode_prompts(target_model, rows, data.chat)
+  prompt_ids = prompts_lib.encode_prompts(target_model, rows, data.chat, data.system)
   width = max(len(p) for p in prompt_ids)
   needed = max(methods_lib.method_gamma(s["method"], gamma, s["verifier_settings"]) for s in specs)
   methods_lib.check_cache_room(width, data.max_new_tokens, needed, target_model.config, drafter_model.config)
@@ -316,7 +316,7 @@ def lossy_bench(models: job_config.Models, grid: LossyGrid, sampler: job_config.
   report = dict(target=models.target, drafter=models.drafters[0], sprinter_head=grid.sprinter_head,
                 dtype=models.dtype, temperature=temperature, gamma=gamma, cap=grid.cap, beam_width=grid.beam_width,
                 beam_sample=grid.beam_sample, beam_per_step=grid.beam_per_step, top_k=sampler.top_k,
-                top_p=sampler.top_p, max_new_tokens=data.max_new_tokens, seed=sampler.seed,
+                top_p=sampler.top_p, max_new_tokens=data.max_new_tokens, seed=sampler.seed, system=data.system,
                 peak_rss_gb=rss_gb, seconds=time.perf_counter() - start,
                 prompts=[dict(id=r["id"], task=r["task"]) for r in rows], tabular_tv=tabular,
                 tabular_same_drafts=same, results=results)

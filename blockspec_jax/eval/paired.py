@@ -20,7 +20,8 @@ The paired difference (block − token) per context is averaged over draws; the 
         [--num-prompts 3] [--sample-tokens 32] [--positions 4] [--gamma 8] [--draws 8] [--temperature 1]
         [--json results/paired.json]
 
-Contexts: the first ``--num-prompts`` shipped prompts (chat template, as the main job), each extended by the first
+Contexts: the first ``--num-prompts`` shipped prompts (chat template, as the main job; ``--system none`` without
+the template's default system message, or ``--system "<message>"`` with one's own), each extended by the first
 0, n/k, 2n/k, … tokens (k = ``--positions``) of one autoregressive sample of n = ``--sample-tokens`` tokens from the
 target at ``--temperature``.
 
@@ -212,7 +213,10 @@ def _trees_main(args, target, drafter_model, prompt_ids, start) -> int:
   from blockspec_jax import runtime
   from blockspec_jax.eval import paired_trees as pt
   path = pathlib.Path(args.json)
-  done = json.loads(path.read_text())["results"] if path.exists() else []
+  saved = json.loads(path.read_text()) if path.exists() else {}
+  if saved:
+    _check_same_contexts(path, saved, args, _CONTEXT_SETTINGS + ("verify_draws",))
+  done = saved.get("results", [])
   have = {(r["temperature"], r["budget"], r["arm"]) for r in done}
   if done:
     print(f"resuming from {path}: {len(done)} arms already measured", flush=True)
@@ -285,8 +289,21 @@ def _paired_drafter(name, target, args):
 
 #: The settings that make the contexts and the drafts of a ``--drafters`` comparison: a resumed (or extended) run must
 #: have the same ones (``--buckets`` may differ: it changes float rounding, not the drafts).
-_CONTEXT_SETTINGS = ("target", "drafter", "prompts", "num_prompts", "sample_tokens", "positions", "gamma", "draws",
-                     "dtype", "seed")
+_CONTEXT_SETTINGS = ("target", "drafter", "prompts", "system", "num_prompts", "sample_tokens", "positions", "gamma",
+                     "draws", "dtype", "seed")
+#: What a file written before a setting existed measured with.
+_EARLIER_DEFAULTS = {"system": "default"}
+
+
+def _check_same_contexts(path: pathlib.Path, saved: dict, args, settings=_CONTEXT_SETTINGS) -> None:
+  """A resumed (or extended) file was measured with ``args``' ``settings``; else a UsageError naming those that
+  differ."""
+  from blockspec_jax import checks as checks_lib
+  changed = ["--" + k.replace("_", "-") for k in settings
+             if saved.get("config", {}).get(k, _EARLIER_DEFAULTS.get(k)) != vars(args)[k]]
+  if changed:
+    raise checks_lib.UsageError(f"{path} was measured with other settings ({', '.join(changed)}), so its contexts or "
+                                "drafts differ; pass another --json or remove it")
 
 
 def _drafters_main(args, target, prompt_rows, prompt_ids, start) -> int:
@@ -304,11 +321,7 @@ def _drafters_main(args, target, prompt_rows, prompt_ids, start) -> int:
     if args.drafter_list[:len(before)] != before:
       raise checks_lib.UsageError(f"{path} holds results for the drafters {','.join(before)}; give them first (more may "
                             "follow: they are measured on the same contexts), or pass another --json")
-    changed = ["--" + k.replace("_", "-") for k in _CONTEXT_SETTINGS
-               if saved.get("config", {}).get(k) != vars(args)[k]]
-    if changed:
-      raise checks_lib.UsageError(f"{path} was measured with other settings ({', '.join(changed)}), so its contexts or "
-                            "drafts differ; pass another --json or remove it")
+    _check_same_contexts(path, saved, args)
   have = {(r["temperature"], r["drafter"]) for r in done}
   if done:
     print(f"resuming from {path}: {len(done)} (temperature, drafter) tables already measured", flush=True)
@@ -415,6 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--target", default=methods.DEFAULT_TARGET)
   ap.add_argument("--drafter", default=methods.DEFAULT_DRAFTER)
   ap.add_argument("--prompts", default=str(prompts_lib.DEFAULT_PROMPTS))
+  ap.add_argument("--system", default="default",
+                  help="each prompt's system turn: 'default' (the chat template's own), 'none', or a system message")
   ap.add_argument("--num-prompts", type=int, default=3)
   ap.add_argument("--sample-tokens", type=int, default=32)
   ap.add_argument("--positions", type=int, default=4)
@@ -471,6 +486,11 @@ def _check_args(args) -> None:
                  error=checks_lib.UsageError)
   methods.check_settings(gamma=args.gamma, temperatures=(args.temperature,), num_prompts=args.num_prompts,
                       dtype=args.dtype, models=(args.target, args.drafter, *args.drafter_list))
+  from blockspec_jax.data import prompts as prompts_lib
+  try:
+    prompts_lib.check_system(args.system)
+  except checks_lib.UsageError as e:
+    raise checks_lib.UsageError(f"--system: {e}") from None
   if args.drafters is not None and args.trees:
     raise checks_lib.UsageError("--drafters and --trees are separate measurements; give one")
   if args.drafters is None and not args.trees and args.temperature_given:
@@ -516,7 +536,7 @@ def main(argv=None) -> int:
       start = time.perf_counter()
       target = sources.load_model(args.target, args.dtype, scan_layers=True)
       rows = prompts_lib.load_prompts(args.prompts, limit=args.num_prompts)
-      return _drafters_main(args, target, rows, prompts_lib.encode_prompts(target, rows, chat=True), start)
+      return _drafters_main(args, target, rows, prompts_lib.encode_prompts(target, rows, True, args.system), start)
     return _pair_main(args)
 
 
@@ -529,7 +549,8 @@ def _pair_main(args) -> int:
   target = sources.load_model(args.target, args.dtype, scan_layers=True)
   drafter = sources.load_model(args.drafter, args.dtype, scan_layers=True)
   sources.check_pair(target, drafter)
-  prompt_ids = prompts_lib.encode_prompts(target, prompts_lib.load_prompts(args.prompts, limit=args.num_prompts), chat=True)
+  rows = prompts_lib.load_prompts(args.prompts, limit=args.num_prompts)
+  prompt_ids = prompts_lib.encode_prompts(target, rows, True, args.system)
   if args.trees:
     return _trees_main(args, target, drafter, prompt_ids, start)
   contexts = sampled_contexts(target, prompt_ids, args.temperature, args)

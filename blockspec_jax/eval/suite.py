@@ -409,7 +409,8 @@ def run_suite(name: str, models: job_config.Models, grid: job_config.MethodGrid,
   compile_dir = runtime.enable_compilation_cache(models.compilation_cache)
   target_model, (drafter_model,), load_s = models.load()
   mesh = models.device_mesh()
-  ids = {t: prompts_lib.encode_prompts(target_model, task_rows, data.chat) for t, task_rows in by_task.items()}
+  ids = {t: prompts_lib.encode_prompts(target_model, task_rows, data.chat, data.system)
+         for t, task_rows in by_task.items()}
   width = bucket_width(max(len(p) for task_ids in ids.values() for p in task_ids), width_bucket)
   methods_lib.check_methods_fit(grid.methods, grid.all_gammas, target_model, [drafter_model], width,
                                 data.max_new_tokens, grid.drafter_settings, grid.verifier_settings)
@@ -424,7 +425,7 @@ def run_suite(name: str, models: job_config.Models, grid: job_config.MethodGrid,
                   prompts_per_task=data.prompts_per_task, methods=list(grid.methods), gammas=list(grid.gammas),
                   temperatures=list(sampler.temperatures), top_k=sampler.top_k, top_p=sampler.top_p,
                   max_new_tokens=data.max_new_tokens, dtype=models.dtype, seed=sampler.seed, chat=data.chat,
-                  drafter_settings=grid.drafter_settings, verifier_settings=grid.verifier_settings,
+                  system=data.system, drafter_settings=grid.drafter_settings, verifier_settings=grid.verifier_settings,
                   method_gammas=grid.method_gammas or None, width_bucket=width_bucket, fidelity=bool(fidelity),
                   scan_layers=models.scan_layers, share_prefills=share_prefills, mesh=list(models.mesh))
   report = _report(name, settings, by_task, width, wall, output.out_dir, results)

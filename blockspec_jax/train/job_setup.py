@@ -76,6 +76,9 @@ class JobSettings:
   """Real models: prompts longer than this many tokens are left out of training (a held-out one is an error)."""
   chat: bool = True
   """Real models: chat-templated prompts."""
+  system: Any = "default"
+  """Real models: each prompt's system turn, ``"default"`` (the template's own), ``"none"``, a system message, or a
+  tuple of these cycled over the training prompts and over the held-out ones (varied formats; ``data.prompts``)."""
   dtype: str = "float32"
   """Real models: the parameters' dtype."""
   target_weights: str = "dequantized"
@@ -114,6 +117,7 @@ class JobSettings:
       self.check_int(name, low)
     self.check_int("stop_after", 1, optional=True)
     self.check_target_weights()
+    self.check_system()
     self.check()
     self.train_mesh()
 
@@ -169,6 +173,14 @@ class JobSettings:
       raise checks.UsageError(f"{self.name('target_weights')} = {self.target_weights!r} is for a real target (a "
                               "GGUF model); the random tiny target has float32 weights")
 
+  def check_system(self) -> None:
+    """:attr:`system` is a prompt format or a tuple of them (``prompts.check_system``); one becomes a string."""
+    try:
+      formats = prompts_lib.check_system(self.system, self.chat)
+    except checks.UsageError as e:
+      raise checks.UsageError(f"{self.name('system')}: {e}") from None
+    object.__setattr__(self, "system", formats[0] if len(formats) == 1 else formats)
+
   def weights_meta(self) -> dict:
     """What the target's weights add to a cached file's record: nothing for the dequantized weights (so earlier
     files stay valid), the kind otherwise."""
@@ -186,8 +198,11 @@ class JobSettings:
   def prompt_meta(self) -> dict:
     """The prompt settings that decide the prompt pool (recorded with cached data)."""
     if self.real:
-      return dict(chat=self.chat, max_prompt_len=self.max_prompt_len,
+      meta = dict(chat=self.chat, max_prompt_len=self.max_prompt_len,
                   train_prompts_per_task=self.train_prompts_per_task)
+      if self.system != prompts_lib.SYSTEM_DEFAULT:  # recorded only when set, so earlier files stay valid
+        meta["system"] = list(self.system) if isinstance(self.system, tuple) else self.system
+      return meta
     return dict(num_prompts=self.num_prompts, prompt_len=self.prompt_len,
                 heldout_fraction=float(self.heldout_fraction))
 
@@ -280,7 +295,7 @@ def encode_rows(target_model, rows: tuple[list, list], settings: JobSettings) ->
   """``(prompts_NxP, prompt_len_N, (train_idx, heldout_idx), info)``: ``rows = (heldout, train)`` encoded with the
   target's tokenizer (``pools.encode_pool``); ``info`` counts the training prompts by task and the long ones."""
   prompts_NxP, prompt_len_N, split, by_task, dropped = pools.encode_pool(
-      target_model, rows[0], rows[1], settings.max_prompt_len, settings.chat, settings.JOB)
+      target_model, rows[0], rows[1], settings.max_prompt_len, settings.chat, settings.JOB, settings.system)
   return prompts_NxP, prompt_len_N, split, {"train_prompts_by_task": by_task, "train_prompts_dropped_long": dropped}
 
 

@@ -106,17 +106,19 @@ def prompt_rows(workdir, heldout_prompts: str, per_task: int, seed: int) -> tupl
   return heldout, train
 
 
-def encode_pool(model, heldout_rows, train_rows, max_prompt_len: int, chat: bool, job: str):
-  """The training prompts then the held-out ones, encoded with ``model``'s tokenizer (chat-templated when ``chat``)
-  into ``(prompts_NxP int32, prompt_len_N, (train_idx, heldout_idx), by_task, dropped)``: training prompts longer
-  than ``max_prompt_len`` tokens are left out (``dropped`` of them; ``by_task`` counts the kept ones per task), a
-  held-out one that long is a UsageError naming ``<job>.max_prompt_len``."""
-  held_ids = prompts_lib.encode_prompts(model, heldout_rows, chat)
+def encode_pool(model, heldout_rows, train_rows, max_prompt_len: int, chat: bool, job: str,
+                system=prompts_lib.SYSTEM_DEFAULT):
+  """The training prompts then the held-out ones, encoded with ``model``'s tokenizer (chat-templated when ``chat``, each
+  pool's prompts with the ``system`` formats cycled over them: ``prompts.encode_prompts``) into ``(prompts_NxP int32,
+  prompt_len_N, (train_idx, heldout_idx), by_task, dropped)``: training prompts longer than ``max_prompt_len`` tokens
+  are left out (``dropped`` of them; ``by_task`` counts the kept ones per task), a held-out one that long is a
+  UsageError naming ``<job>.max_prompt_len``."""
+  held_ids = prompts_lib.encode_prompts(model, heldout_rows, chat, system)
   too_long = [r["id"] for r, ids in zip(heldout_rows, held_ids) if len(ids) > max_prompt_len]
   if too_long:
     raise checks_lib.UsageError(f"held-out prompts {too_long} are longer than {job}.max_prompt_len = {max_prompt_len} "
                           "tokens; raise it")
-  train_ids = prompts_lib.encode_prompts(model, train_rows, chat)
+  train_ids = prompts_lib.encode_prompts(model, train_rows, chat, system)
   kept = [i for i, ids in enumerate(train_ids) if len(ids) <= max_prompt_len]
   by_task: dict[str, int] = {}
   for i in kept:
