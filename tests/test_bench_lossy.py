@@ -108,6 +108,17 @@ def test_bench_on_smollm2_end_to_end(tmp_path, capsys):
     assert np.isfinite(r["mean_logp"]) and r["perplexity"] >= 1.0
 
 
+def test_a_bench_without_sprinter_or_without_mtad_rows():
+  """``thresholds = ()`` leaves SPRINTER out (no head needed), ``taus = ()`` MTAD; one lossy row is needed."""
+  from blockspec_jax.checks import UsageError
+  for fields, lossy in (({"thresholds": (), "sprinter_head": None}, ["mtad τ=0.3", "mtad τ=0.5"]),
+                        ({"taus": ()}, ["sprinter θ=0.3", "sprinter θ=0.5", "sprinter θ=0.7"])):
+    grid = bench_lossy.LossySettings(**fields).groups()[1]
+    assert [s["label"] for s in grid.specs()] == ["autoregressive", "token", "block", *lossy]
+  with pytest.raises(UsageError, match="needs a lossy row"):
+    bench_lossy.LossySettings(thresholds=(), taus=())
+
+
 def test_same_draft_table_compares_rules_on_one_draft_law():
   """Token, block and MTAD on the same sampled chains, exactly: the lossless rules have TV 0 and block accepts at
   least as much as token; MTAD's acceptance falls as τ grows (a = max{i : L_i > log τ} shrinks draft by draft) and

@@ -175,11 +175,11 @@ class LossyGrid:
 
   #: The draft length γ of every speculative row.
   gamma: int = 4
-  #: SPRINTER's head thresholds, one row each.
+  #: SPRINTER's head thresholds, one row each (``()``: no SPRINTER rows, and no head needed).
   thresholds: tuple[float, ...] = (0.3, 0.5, 0.7)
   #: SPRINTER's cap: the target is called at least once per ``cap`` tokens.
   cap: int = 20
-  #: MTAD's τ, one row each.
+  #: MTAD's τ, one row each (``()``: no MTAD rows).
   taus: tuple[float, ...] = (0.3, 0.5)
   #: The trained SPRINTER head (a ``python -m blockspec_jax.train`` work directory).
   sprinter_head: str | None = "results/train/sprinter_qwen"
@@ -256,8 +256,9 @@ class LossySettings(job_config.EvalSettings):
     models = self.models()
     sampler = self.sampler_settings((self.temperature,))
     data = self.data_settings(self.prompts_path, num_prompts=self.num_prompts)
-    if not self.thresholds or not self.taus:
-      raise checks.UsageError("bench_lossy needs at least one SPRINTER threshold and one MTAD tau")
+    if not self.thresholds and not self.taus:
+      raise checks.UsageError("bench_lossy needs a lossy row: at least one SPRINTER threshold or one MTAD tau (() "
+                              "leaves that method out)")
     grid = LossyGrid(gamma=self.gamma, thresholds=self.thresholds, cap=self.cap, taus=self.taus,
                      sprinter_head=self.sprinter_head, beam_width=self.beam_width, beam_sample=self.beam_sample,
                      sprinter_bonus=tuple(self.sprinter_bonus), beam_per_step=self.beam_per_step)
