@@ -15,6 +15,7 @@ INCLUDE_ONLY = {"gin/eval/qwen_pair.gin"}  # bound settings shared by the Qwen s
 GIN_FILES = sorted(str(p.relative_to(REPO)) for p in (REPO / "gin").rglob("*.gin")
                    if str(p.relative_to(REPO)) not in INCLUDE_ONLY)
 EXPECTED = {"gin/theory_report.gin": "theory_report", "gin/bench/lossy_qwen.gin": "bench_lossy",
+            "gin/bench/mtad_official_qwen.gin": "bench_lossy",
             "gin/bench/paired_six.gin": "paired", "gin/bench/verify_small.gin": "bench_verify",
             "gin/bench/mesh_smollm2.gin": "bench_mesh", "gin/bench/mesh_jobs.gin": "bench_mesh"}
 
