@@ -113,6 +113,22 @@ def test_layers_of_different_block_types_do_not_stack_and_the_error_says_so():
     np.testing.assert_array_equal(quant.dequantize_np(back), quant.dequantize_np(same[f"layers_{i}"]["w"]))
 
 
+def test_a_sound_cache_that_cannot_be_stacked_is_kept(smol, monkeypatch):
+  """Asking a mixed-type model (Qwen 1.5B's Q4_K_M) for the stacked layout raises the layout's error and keeps the
+  converted file: it is not damaged, and converting it again would end in the same error."""
+  from blockspec_jax.models import registry, stacking
+  path = hub.converted_cache_path("smollm2-135m", weights="quantized")
+  before = registry.file_id(path)
+
+  def mixed(*args, **kwargs):
+    raise stacking.UnstackableLayers("stack_layers: attn/v/weight is stored as Q4_K and Q6_K")
+
+  monkeypatch.setattr(hub, "_load", mixed)
+  with pytest.raises(stacking.UnstackableLayers, match="attn/v/weight"):
+    hub.load_model("smollm2-135m", weights="quantized", scan_layers=True, progress=False)
+  assert registry.file_id(path) == before and path.exists()
+
+
 def test_the_quantized_cache_reads_back_and_a_damaged_one_is_refused(smol, tmp_path):
   _, quantized = smol
   path = hub.converted_cache_path("smollm2-135m", weights="quantized")

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blockspec_jax.models import gguf_convert, hf_convert, quant, registry
+from blockspec_jax.models import gguf_convert, hf_convert, quant, registry, stacking
 from blockspec_jax.models.decoder import DecoderConfig, stack_layers
 from blockspec_jax.models.tokenizer import TokenizerWrapper, tokenizer_from_gguf
 
@@ -390,9 +390,12 @@ def _gguf_tokenizer(contents) -> TokenizerWrapper:
 
 def _try_load(path: pathlib.Path, spec: registry.ModelSpec, dtype: str, stacked: bool = False,
               weights: str = "dequantized"):
-  """``_load(path, ...)``, or None (with a message) when the file is unusable; the caller rebuilds it."""
+  """``_load(path, ...)``, or None (with a message) when the file is unusable; the caller rebuilds it. A sound file
+  that cannot be stacked (``stacking.UnstackableLayers``) is kept and the error raised."""
   try:
     return _load(path, spec, dtype, stacked, weights)
+  except stacking.UnstackableLayers:
+    raise  # the file is sound; the layout asked for cannot hold it
   except (ValueError, KeyError, TypeError, OSError, EOFError, zipfile.BadZipFile, json.JSONDecodeError) as e:
     print(f"[blockspec_jax] converted cache {path} is unusable ({type(e).__name__}: {e}); deleting it and "
           "converting again", file=sys.stderr)

@@ -13,7 +13,7 @@ import numpy as np
 
 from blockspec_jax.models import quant
 
-__all__ = ["stack_layers", "unstack_layers"]
+__all__ = ["stack_layers", "unstack_layers", "UnstackableLayers"]
 
 
 def stack_layers(params: dict, num_layers: int, consume: bool = False) -> dict:
@@ -53,16 +53,22 @@ def _is_quantized(x) -> bool:
   return isinstance(x, quant.QuantizedTensor)
 
 
+class UnstackableLayers(ValueError):
+  """The layers store one weight in different quantized block types: a layout question, not a damaged file (a cache
+  holding such a model is kept; ``hub.load_model`` raises this instead of converting again)."""
+
+
 def _stack(leaves: list, where: str):
   """One ``[L, ...]`` leaf of the layers' ``leaves``: host arrays stay on the host until put. Quantized weights
   stack their codes and scales (the logical shape stays one layer's) when every layer stores the same block type;
   a GGUF that mixes types across layers (Q4_K_M files keep some layers' ``attn_v`` / ``ffn_down`` in Q6_K) cannot
-  be stacked: a ValueError names the types, and such a model runs in the unrolled layout."""
+  be stacked: :class:`UnstackableLayers` (a ValueError) names the types, and such a model runs in the unrolled
+  layout."""
   if any(_is_quantized(leaf) for leaf in leaves):
     counts = collections.Counter((leaf.qtype, tuple(leaf.shape)) if _is_quantized(leaf)
                                  else ("float", tuple(np.shape(leaf))) for leaf in leaves)
     if len(counts) != 1:
-      raise ValueError(f"stack_layers: {where} is stored as " + ", ".join(
+      raise UnstackableLayers(f"stack_layers: {where} is stored as " + ", ".join(
           f"{t} {shape} in {n} layers" for (t, shape), n in sorted(counts.items())) + "; quantized weights of "
           "different block types cannot share one stack: load this model in the unrolled layout "
           "(scan_layers=False)")
