@@ -191,8 +191,12 @@ def test_gradients_through_the_kernel():
   gx = jax.jit(jax.grad(loss("xla")))(x_MxK, qt)
   np.testing.assert_allclose(np.asarray(gk), np.asarray(gx), rtol=1e-5, atol=1e-6)
   scale_grad = lambda impl: jax.grad(lambda s: loss(impl)(x_MxK, dataclasses.replace(qt, scale_OxG=s)))
-  np.testing.assert_allclose(np.asarray(scale_grad("kernel")(jnp.asarray(qt.scale_OxG))),
-                             np.asarray(scale_grad("xla")(jnp.asarray(qt.scale_OxG))), rtol=1e-4, atol=1e-6)
+  want = np.asarray(scale_grad("xla")(jnp.asarray(qt.scale_OxG)))
+  # Each entry sums 3 x 32 products of a code, x and cos(y): two float32 summation orders differ by a few ulps of
+  # the largest terms (~1e-5 here, where the largest entry is ~130), so the bound scales with the gradient (an entry
+  # near 0 has no relative accuracy).
+  np.testing.assert_allclose(np.asarray(scale_grad("kernel")(jnp.asarray(qt.scale_OxG))), want, rtol=1e-4,
+                             atol=1e-6 * float(np.abs(want).max()))
   # Stacked, with the layer traced: the gradient w.r.t. x of one layer.
   parts, stacked = _stack("Q8_0", 2, 16, 64, seed=42)
   x_MxK = jnp.asarray(_x(2, 64, seed=43))

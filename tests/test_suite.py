@@ -166,7 +166,7 @@ def test_the_grid_runs_each_method_at_its_gammas_and_autoregressive_once(tmp_pat
   calls = []
   model = types.SimpleNamespace(stop_ids=(0,))
   monkeypatch.setattr(sources, "load_models", lambda *a, **k: (model, [model], 0.0))
-  monkeypatch.setattr(prompts_lib, "encode_prompts", lambda m, rows, chat: [[1] * (10 + len(r["text"]) % 50) for r in rows])
+  monkeypatch.setattr(prompts_lib, "encode_prompts", lambda m, rows, chat, system: [[1] * (10 + len(r["text"]) % 50) for r in rows])
   monkeypatch.setattr(methods_lib, "check_methods_fit", lambda *a, **k: 0)
 
   def run_method(method, target, drafter, ids, width, *, gamma, temperature, warm, **kw):
@@ -203,7 +203,7 @@ def test_a_lossy_grid_measures_fidelity_and_plots_speed_against_it(tmp_path, mon
   import types
   model = types.SimpleNamespace(stop_ids=(0,))
   monkeypatch.setattr(sources, "load_models", lambda *a, **k: (model, [model], 0.0))
-  monkeypatch.setattr(prompts_lib, "encode_prompts", lambda m, rows, chat: [[1] * 5 for _ in rows])
+  monkeypatch.setattr(prompts_lib, "encode_prompts", lambda m, rows, chat, system: [[1] * 5 for _ in rows])
   monkeypatch.setattr(methods_lib, "check_methods_fit", lambda *a, **k: 0)
   logp = {"autoregressive": -1.0, "block": -1.1, "mtad": -0.5}
   shapes = set()
