@@ -5,7 +5,6 @@ model and its run's untuned drafter (``@init``)."""
 
 import json
 
-import jax
 import numpy as np
 import pytest
 
