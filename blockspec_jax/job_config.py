@@ -200,8 +200,7 @@ class DataSettings:
   def __post_init__(self):
     methods_lib.check_settings(max_new_tokens=self.max_new_tokens, num_prompts=self.num_prompts)
     methods_lib.check_settings(num_prompts=self.prompts_per_task)
-    formats = prompts_lib.check_system(self.system, self.chat)
-    object.__setattr__(self, "system", formats[0] if len(formats) == 1 else formats)
+    object.__setattr__(self, "system", prompts_lib.system_setting(self.system, self.chat))
     if self.tasks is not None:
       object.__setattr__(self, "tasks", tuple(self.tasks))
 

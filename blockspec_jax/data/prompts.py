@@ -551,6 +551,13 @@ def check_system(system, chat: bool = True) -> tuple[str, ...]:
   return formats
 
 
+def system_setting(system, chat: bool = True):
+  """``system`` checked (:func:`check_system`) as a job's settings hold it: one format as its string, several as a
+  tuple."""
+  formats = check_system(system, chat)
+  return formats[0] if len(formats) == 1 else formats
+
+
 def chat_text(tokenizer, user: str, system: str = SYSTEM_DEFAULT) -> str:
   """The chat template's text of one user turn and the generation prompt, with ``system``:
 

@@ -174,12 +174,11 @@ class JobSettings:
                               "GGUF model); the random tiny target has float32 weights")
 
   def check_system(self) -> None:
-    """:attr:`system` is a prompt format or a tuple of them (``prompts.check_system``); one becomes a string."""
+    """:attr:`system` is a prompt format or a tuple of them (``prompts.system_setting``: one becomes a string)."""
     try:
-      formats = prompts_lib.check_system(self.system, self.chat)
+      object.__setattr__(self, "system", prompts_lib.system_setting(self.system, self.chat))
     except checks.UsageError as e:
       raise checks.UsageError(f"{self.name('system')}: {e}") from None
-    object.__setattr__(self, "system", formats[0] if len(formats) == 1 else formats)
 
   def weights_meta(self) -> dict:
     """What the target's weights add to a cached file's record: nothing for the dequantized weights (so earlier
