@@ -19,7 +19,7 @@ from typing import Any, Sequence
 from blockspec_jax import methods as methods_lib
 from blockspec_jax import runtime
 from blockspec_jax import sources
-from blockspec_jax.data import prompts as prompts_lib
+from blockspec_jax.data import formats as formats_lib
 from blockspec_jax.checks import UsageError
 
 __all__ = ["Models", "MethodGrid", "SamplerSettings", "DataSettings", "OutputSettings", "EvalSettings",
@@ -192,7 +192,7 @@ class DataSettings:
   chat: bool = True
   #: The system turn of each chat prompt: ``"default"`` (the template's own: Qwen2.5 and SmolLM2 insert a default
   #: system message), ``"none"`` (no system turn), a system message, or a tuple of these cycled over the prompts
-  #: (``data.prompts.chat_text``).
+  #: (``data.formats.chat_text``).
   system: Any = "default"
   #: New tokens decoded per prompt.
   max_new_tokens: int = 64
@@ -200,7 +200,7 @@ class DataSettings:
   def __post_init__(self):
     methods_lib.check_settings(max_new_tokens=self.max_new_tokens, num_prompts=self.num_prompts)
     methods_lib.check_settings(num_prompts=self.prompts_per_task)
-    object.__setattr__(self, "system", prompts_lib.system_setting(self.system, self.chat))
+    object.__setattr__(self, "system", formats_lib.system_setting(self.system, self.chat))
     if self.tasks is not None:
       object.__setattr__(self, "tasks", tuple(self.tasks))
 

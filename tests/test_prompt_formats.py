@@ -1,8 +1,8 @@
-"""Prompt formats (``data.prompts.chat_text`` / ``encode_prompts(system=...)``): the template's default system
-message, no system turn, or a system message of one's own, on four kinds of chat template (ChatML with a default
-system turn as Qwen2.5's and SmolLM2's, a Llama-3-like one that writes BOS, a Gemma-like one that folds the system
-message into the user turn, one with no system role) and on SmolLM2's own; formats cycled over prompts; bad values
-refused by name."""
+"""Prompt formats (``data.formats.chat_text`` / ``data.prompts.encode_prompts(system=...)``): the template's default
+system message, no system turn, or a system message of one's own, on four kinds of chat template (ChatML with a
+default system turn as Qwen2.5's and SmolLM2's, a Llama-3-like one that writes BOS, a Gemma-like one that folds the
+system message into the user turn, one with no system role) and on SmolLM2's own; formats cycled over prompts; bad
+values refused by name."""
 
 import types
 
@@ -11,6 +11,7 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
 from blockspec_jax.checks import UsageError
+from blockspec_jax.data import formats
 from blockspec_jax.data import prompts as prompts_lib
 from blockspec_jax.models import tokenizer as tokenizer_lib
 
@@ -55,20 +56,20 @@ def _tokenizer(template):
 ], ids=["chatml_default_system", "llama3_bos", "gemma_folded"])
 def test_the_three_formats_on_each_kind_of_template(template, default, none, own):
   tok = _tokenizer(template)
-  assert prompts_lib.chat_text(tok, "Hi?") == default
-  assert prompts_lib.chat_text(tok, "Hi?", prompts_lib.SYSTEM_NONE) == none
-  assert prompts_lib.chat_text(tok, "Hi?", "Be brief.") == own
+  assert formats.chat_text(tok, "Hi?") == default
+  assert formats.chat_text(tok, "Hi?", formats.SYSTEM_NONE) == none
+  assert formats.chat_text(tok, "Hi?", "Be brief.") == own
 
 
 def test_a_template_without_a_system_role():
   tok = _tokenizer(NO_SYSTEM_ROLE)
-  assert prompts_lib.chat_text(tok, "Hi?", "none") == prompts_lib.chat_text(tok, "Hi?") == "[user] Hi?\n[assistant] "
+  assert formats.chat_text(tok, "Hi?", "none") == formats.chat_text(tok, "Hi?") == "[user] Hi?\n[assistant] "
   with pytest.raises(UsageError, match="takes no system message .*no system role here"):
-    prompts_lib.chat_text(tok, "Hi?", "Be brief.")
+    formats.chat_text(tok, "Hi?", "Be brief.")
 
 
 def test_smollm2_without_its_default_system_message(smol_tokenizer):
-  default, none, own = (prompts_lib.chat_text(smol_tokenizer, "Hi?", s) for s in ("default", "none", "Be brief."))
+  default, none, own = (formats.chat_text(smol_tokenizer, "Hi?", s) for s in ("default", "none", "Be brief."))
   assert "You are a helpful AI assistant named SmolLM" in default
   assert none == "<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n" and default.endswith(none)
   assert own == "<|im_start|>system\nBe brief.<|im_end|>\n" + none
@@ -94,7 +95,7 @@ def test_formats_cycle_over_the_prompts_and_bad_values_are_refused():
   cycled = prompts_lib.encode_prompts(model, rows, system=("default", "none"))
   default, none = (prompts_lib.encode_prompts(model, rows[:1], system=s)[0] for s in ("default", "none"))
   assert cycled == [default, none, default, none, default]
-  assert "".join(map(chr, none)) == prompts_lib.chat_text(model.tokenizer, "Hi?", "none") and default != none
+  assert "".join(map(chr, none)) == formats.chat_text(model.tokenizer, "Hi?", "none") and default != none
   assert prompts_lib.encode_prompts(model, rows[:2]) == [default, default]  # the default format, as before
   for bad in ("", " ", (), ("none", ""), 3, None):
     with pytest.raises(UsageError, match="system must be 'default', 'none', a system message"):

@@ -486,9 +486,9 @@ def _check_args(args) -> None:
                  error=checks_lib.UsageError)
   methods.check_settings(gamma=args.gamma, temperatures=(args.temperature,), num_prompts=args.num_prompts,
                       dtype=args.dtype, models=(args.target, args.drafter, *args.drafter_list))
-  from blockspec_jax.data import prompts as prompts_lib
+  from blockspec_jax.data import formats
   try:
-    prompts_lib.check_system(args.system)
+    formats.check_system(args.system)
   except checks_lib.UsageError as e:
     raise checks_lib.UsageError(f"--system: {e}") from None
   if args.drafters is not None and args.trees:

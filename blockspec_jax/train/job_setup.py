@@ -26,6 +26,7 @@ from blockspec_jax import methods
 from blockspec_jax import parallel
 from blockspec_jax import runtime
 from blockspec_jax import sources
+from blockspec_jax.data import formats as formats_lib
 from blockspec_jax.data import prompts as prompts_lib
 from blockspec_jax.models import decoder as decoder_lib
 from blockspec_jax.train import distill, pools, trainer
@@ -174,9 +175,9 @@ class JobSettings:
                               "GGUF model); the random tiny target has float32 weights")
 
   def check_system(self) -> None:
-    """:attr:`system` is a prompt format or a tuple of them (``prompts.system_setting``: one becomes a string)."""
+    """:attr:`system` is a prompt format or a tuple of them (``formats.system_setting``: one becomes a string)."""
     try:
-      object.__setattr__(self, "system", prompts_lib.system_setting(self.system, self.chat))
+      object.__setattr__(self, "system", formats_lib.system_setting(self.system, self.chat))
     except checks.UsageError as e:
       raise checks.UsageError(f"{self.name('system')}: {e}") from None
 
@@ -199,7 +200,7 @@ class JobSettings:
     if self.real:
       meta = dict(chat=self.chat, max_prompt_len=self.max_prompt_len,
                   train_prompts_per_task=self.train_prompts_per_task)
-      if self.system != prompts_lib.SYSTEM_DEFAULT:  # recorded only when set, so earlier files stay valid
+      if self.system != formats_lib.SYSTEM_DEFAULT:  # recorded only when set, so earlier files stay valid
         meta["system"] = list(self.system) if isinstance(self.system, tuple) else self.system
       return meta
     return dict(num_prompts=self.num_prompts, prompt_len=self.prompt_len,

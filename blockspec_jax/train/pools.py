@@ -18,6 +18,7 @@ import numpy as np
 
 from blockspec_jax import artifacts, checks
 from blockspec_jax import checks as checks_lib
+from blockspec_jax.data import formats as formats_lib
 from blockspec_jax.data import prompts as prompts_lib
 
 __all__ = ["check_int", "check_collection", "check_number", "prompt_rows", "encode_pool", "model_name", "read_cached",
@@ -107,7 +108,7 @@ def prompt_rows(workdir, heldout_prompts: str, per_task: int, seed: int) -> tupl
 
 
 def encode_pool(model, heldout_rows, train_rows, max_prompt_len: int, chat: bool, job: str,
-                system=prompts_lib.SYSTEM_DEFAULT):
+                system=formats_lib.SYSTEM_DEFAULT):
   """The training prompts then the held-out ones, encoded with ``model``'s tokenizer (chat-templated when ``chat``, each
   pool's prompts with the ``system`` formats cycled over them: ``prompts.encode_prompts``) into ``(prompts_NxP int32,
   prompt_len_N, (train_idx, heldout_idx), by_task, dropped)``: training prompts longer than ``max_prompt_len`` tokens
