@@ -119,6 +119,43 @@ def test_a_bench_without_sprinter_or_without_mtad_rows():
     bench_lossy.LossySettings(thresholds=(), taus=())
 
 
+def test_several_sprinter_heads_side_by_side(monkeypatch):
+  """A tuple of heads gives one set of SPRINTER rows per head, labelled with the head's directory name, and each row
+  decodes with its own head (the other rows with the first); heads must have distinct names."""
+  from blockspec_jax.checks import UsageError
+  heads = ("runs/sprinter_sampled", "runs/sprinter_official")
+  grid = bench_lossy.LossySettings(sprinter_head=list(heads), thresholds=(0.3, 0.7), taus=(),
+                                   sprinter_bonus=(True, False)).groups()[1]
+  specs = grid.specs()
+  assert [s["label"] for s in specs if s["method"] == "sprinter"] == [
+      f"sprinter θ={t}{b} [{h}]" for h in ("sprinter_sampled", "sprinter_official") for b in ("", " no bonus")
+      for t in ("0.3", "0.7")]
+  assert [s["head"] for s in specs if s["method"] == "sprinter"] == [heads[0]] * 4 + [heads[1]] * 4
+  one = bench_lossy.LossySettings(sprinter_head=heads[0]).groups()[1]
+  assert [s["label"] for s in one.specs() if s["method"] == "sprinter"] == ["sprinter θ=0.3", "sprinter θ=0.5",
+                                                                             "sprinter θ=0.7"]
+  seen = []
+
+  def run_method(method, *args, drafter_settings, verifier_settings, **kwargs):
+    seen.append((method, drafter_settings["sprinter"]["head"]))
+    return {"tokens_per_s": 1.0, "target_calls_per_token": 1.0}, [[1]]
+
+  monkeypatch.setattr(bench_lossy.harness, "run_method", run_method)
+  monkeypatch.setattr(bench_lossy, "target_loglik", lambda *a, **k: (-1.0, 1, [-1.0]))
+  Tok = type("Tok", (), {"decode": lambda self, ids, skip_special_tokens: "x"})
+  target = type("Target", (), {"stop_ids": (), "tokenizer": Tok()})()
+  data = bench_lossy.LossySettings().data_settings("unused", num_prompts=1)
+  sampler = bench_lossy.LossySettings().sampler_settings((1.0,))
+  rows = bench_lossy._bench_rows(grid, sampler, data, (target, None), [], [[1]], 1,
+                                 {s["label"]: 0.0 for s in specs}, None, None)
+  assert seen == [("autoregressive", heads[0]), ("token", heads[0]), ("block", heads[0])] + [
+      ("sprinter", h) for h in heads for _ in range(4)]
+  assert [r.get("sprinter_head") for r in rows[3:]] == [heads[0]] * 4 + [heads[1]] * 4
+  for bad in (("a/head", "b/head"), (None,), ()):
+    with pytest.raises(UsageError, match="sprinter_head"):
+      bench_lossy.LossySettings(sprinter_head=bad).groups()
+
+
 def test_same_draft_table_compares_rules_on_one_draft_law():
   """Token, block and MTAD on the same sampled chains, exactly: the lossless rules have TV 0 and block accepts at
   least as much as token; MTAD's acceptance falls as τ grows (a = max{i : L_i > log τ} shrinks draft by draft) and

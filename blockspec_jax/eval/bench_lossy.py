@@ -45,19 +45,23 @@ __all__ = ["method_specs", "tabular_pair", "same_draft_table", "tabular_fidelity
            "LossySettings", "bench_lossy_job", "LossyGrid", "lossy_bench", "main"]
 
 
-def method_specs(thresholds, taus, cap: int, lossless=("token", "block"), sprinter_bonus=(True,)) -> list[dict]:
+def method_specs(thresholds, taus, cap: int, lossless=("token", "block"), sprinter_bonus=(True,),
+                 sprinter_heads=(None,)) -> list[dict]:
   """The rows of one run: ``{"label", "method", "verifier_settings"}`` for autoregressive, the lossless rules, SPRINTER
   at every threshold (cap ``cap``; with and/or without the bonus token, ``sprinter_bonus``: the rows without it are
-  labelled "no bonus") and MTAD at every τ."""
+  labelled "no bonus"; with each head of ``sprinter_heads``, in its row's ``"head"``: with more than one head, each
+  row's label ends with its head's directory name in brackets) and MTAD at every τ."""
   specs = [dict(label="autoregressive", method=methods_lib.AUTOREGRESSIVE, verifier_settings={})]
   specs += [dict(label=rule, method=rule, verifier_settings={}) for rule in lossless]
-  specs += [dict(label=f"sprinter θ={t:g}" + ("" if bonus else " no bonus"), method="sprinter",
-                 verifier_settings={"sprinter": {"threshold": float(t), "cap": int(cap), "bonus": bool(bonus)}})
-            for bonus in sprinter_bonus for t in thresholds]
+  heads = tuple(sprinter_heads)
+  specs += [dict(label=f"sprinter θ={t:g}" + ("" if bonus else " no bonus")
+                 + (f" [{pathlib.PurePath(str(head)).name}]" if len(heads) > 1 else ""), method="sprinter",
+                 verifier_settings={"sprinter": {"threshold": float(t), "cap": int(cap), "bonus": bool(bonus)}},
+                 head=head)
+            for head in heads for bonus in sprinter_bonus for t in thresholds]
   specs += [dict(label=f"mtad τ={tau:g}", method="mtad", verifier_settings={"mtad": {"tau": float(tau)}})
             for tau in taus]
   return specs
-
 
 
 def tabular_pair(*, vocab_size: int = 4, depth: int = 3, seed: int = 0, mix: float = 0.5):
@@ -181,8 +185,10 @@ class LossyGrid:
   cap: int = 20
   #: MTAD's τ, one row each (``()``: no MTAD rows).
   taus: tuple[float, ...] = (0.3, 0.5)
-  #: The trained SPRINTER head (a ``python -m blockspec_jax.train`` work directory).
-  sprinter_head: str | None = "results/train/sprinter_qwen"
+  #: The trained SPRINTER head (a ``python -m blockspec_jax.train`` work directory), or several side by side: a
+  #: tuple of work directories (one set of SPRINTER rows each, labelled with the directory's name), e.g. the heads
+  #: trained on the two label sets (``sprinter_job.label_set``).
+  sprinter_head: str | tuple[str, ...] | None = "results/train/sprinter_qwen"
   #: MTAD's beam drafter: beams per draft.
   beam_width: int = 4
   #: MTAD's beam drafter: sample the beams (False: the top ones).
@@ -199,6 +205,11 @@ class LossyGrid:
         isinstance(b, bool) for b in self.sprinter_bonus):
       raise checks.UsageError(f"bench_lossy.sprinter_bonus must list True and/or False once each, got "
                               f"{self.sprinter_bonus!r}")
+    heads = self.sprinter_heads
+    if self.thresholds and (not heads or not all(isinstance(h, str) and h for h in heads)
+                            or len({pathlib.PurePath(h).name for h in heads}) != len(heads)):
+      raise checks.UsageError(f"bench_lossy.sprinter_head must name one trained head's directory, or a tuple of "
+                              f"directories with distinct names, for the SPRINTER rows; got {self.sprinter_head!r}")
     specs = self.specs()
     methods_lib.check_settings(gamma=self.gamma, methods=[s["method"] for s in specs])
     for s in specs:
@@ -206,11 +217,21 @@ class LossyGrid:
 
   def specs(self) -> list[dict]:
     """The rows, autoregressive first (:func:`method_specs`)."""
-    return method_specs(self.thresholds, self.taus, self.cap, sprinter_bonus=self.sprinter_bonus)
+    return method_specs(self.thresholds, self.taus, self.cap, sprinter_bonus=self.sprinter_bonus,
+                        sprinter_heads=self.sprinter_heads)
 
-  def drafter_settings(self) -> dict:
-    """The drafters' settings of every row: SPRINTER's head, MTAD's beam."""
-    return {"sprinter": {"head": self.sprinter_head},
+  @property
+  def sprinter_heads(self) -> tuple:
+    """:attr:`sprinter_head` as a tuple (``()`` for None)."""
+    if self.sprinter_head is None:
+      return ()
+    return tuple(self.sprinter_head) if isinstance(self.sprinter_head, (tuple, list)) else (self.sprinter_head,)
+
+  def drafter_settings(self, head: str | None = None) -> dict:
+    """The drafters' settings of a row: SPRINTER's head (``head``, a row's ``"head"``; default the first of
+    :attr:`sprinter_heads`), MTAD's beam."""
+    head = head if head is not None else (self.sprinter_heads or (None,))[0]
+    return {"sprinter": {"head": head},
             "beam": {"width": self.beam_width, "sample": self.beam_sample, "per_step": self.beam_per_step}}
 
 
@@ -221,8 +242,8 @@ class LossySettings(job_config.EvalSettings):
   (``job_config.EvalSettings``) and these (:class:`LossyGrid` documents the grid's); made once, they check every
   field, before a model loads. One drafter (``drafter``), one temperature."""
 
-  sprinter_head: str | None = "results/train/sprinter_qwen"
-  """:attr:`LossyGrid.sprinter_head`."""
+  sprinter_head: str | tuple | None = "results/train/sprinter_qwen"
+  """:attr:`LossyGrid.sprinter_head` (one head's directory, or a tuple of them)."""
   prompts_path: str = str(prompts_lib.DEFAULT_PROMPTS)
   """``job_config.DataSettings.prompts``."""
   num_prompts: int | None = None
@@ -260,7 +281,8 @@ class LossySettings(job_config.EvalSettings):
       raise checks.UsageError("bench_lossy needs a lossy row: at least one SPRINTER threshold or one MTAD tau (() "
                               "leaves that method out)")
     grid = LossyGrid(gamma=self.gamma, thresholds=self.thresholds, cap=self.cap, taus=self.taus,
-                     sprinter_head=self.sprinter_head, beam_width=self.beam_width, beam_sample=self.beam_sample,
+                     sprinter_head=(tuple(self.sprinter_head) if isinstance(self.sprinter_head, list)
+                                    else self.sprinter_head), beam_width=self.beam_width, beam_sample=self.beam_sample,
                      sprinter_bonus=tuple(self.sprinter_bonus), beam_per_step=self.beam_per_step)
     return models, grid, sampler, data, job_config.OutputSettings(output_json=self.output_json)
 
@@ -348,9 +370,9 @@ def _bench_rows(grid: LossyGrid, sampler: job_config.SamplerSettings, data: job_
   ``harness.run_method``), with its speed, its target
   log-likelihood against autoregressive decoding's, its tabular TV and (with a ``scorer``) its HumanEval score."""
   target_model, drafter_model = pair
-  drafter_settings = grid.drafter_settings()
   results, baseline, ar_per_seq = [], None, None
   for s in grid.specs():
+    drafter_settings = grid.drafter_settings(s.get("head"))
     summary, outputs = harness.run_method(s["method"], target_model, drafter_model, prompt_ids, width,
                                           gamma=grid.gamma, max_new_tokens=data.max_new_tokens,
                                           temperature=sampler.temperatures[0], seed=sampler.seed,
@@ -359,6 +381,8 @@ def _bench_rows(grid: LossyGrid, sampler: job_config.SamplerSettings, data: job_
                                           top_p=sampler.top_p, prefills=prefills, mesh=mesh)
     summary["label"] = s["label"]
     summary["verifier_settings"] = s["verifier_settings"]
+    if s["method"] == "sprinter":
+      summary["sprinter_head"] = drafter_settings["sprinter"]["head"]
     total, count, per_seq = target_loglik(target_model, prompt_ids, outputs)
     summary.update(mean_logp=total / max(count, 1), perplexity=math.exp(-total / max(count, 1)),
                    per_prompt_mean_logp=per_seq)
