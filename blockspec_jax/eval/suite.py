@@ -37,7 +37,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime
-import math
 import pathlib
 import platform
 import sys
@@ -56,6 +55,7 @@ from blockspec_jax import methods as methods_lib
 from blockspec_jax import runtime
 from blockspec_jax.eval import fidelity as fidelity_lib
 from blockspec_jax.data import prompts as prompts_lib
+from blockspec_jax.eval.suite_plots import write_plots
 
 __all__ = ["SuiteSettings", "suite_job", "load_suite_prompts", "ROW_FIELDS", "write_csv", "write_plots",
            "write_markdown", "bucket_width", "main"]
@@ -136,119 +136,6 @@ def write_csv(rows: list[dict], path) -> pathlib.Path:
         cells.append("" if v is None else v)
       writer.writerow(cells)
   return path
-
-
-def _label(r: dict, temperatures) -> str:
-  return r["method"] + (f" T={r['temperature']:g}" if len(temperatures) > 1 else "")
-
-
-def write_plots(rows: list[dict], out_dir) -> list[pathlib.Path]:
-  """PNG plots of a suite's rows (see the module docstring); [] without matplotlib."""
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-  except ImportError:
-    return []
-  out_dir = pathlib.Path(out_dir)
-  tasks = list(dict.fromkeys(r["task"] for r in rows))
-  temperatures = sorted({r["temperature"] for r in rows})
-  written = []
-
-  def integer_ticks(ax, values):
-    """Ticks at exactly the integers ``values`` (γ or draft positions), with room either side of a single one:
-    matplotlib would otherwise spread fractional ticks (3.80, 3.85, …) over the axis around one point."""
-    values = sorted({int(v) for v in values})
-    if not values:
-      return
-    if len(values) <= 12:
-      ax.set_xticks(values)
-    else:
-      ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    if len(values) == 1:
-      ax.set_xlim(values[0] - 1, values[0] + 1)
-
-  def panels(title):
-    cols = min(len(tasks), 4)
-    rows_of_panels = math.ceil(len(tasks) / cols)
-    fig, axes = plt.subplots(rows_of_panels, cols, figsize=(4.2 * cols, 3.4 * rows_of_panels), squeeze=False)
-    for ax in axes.flat[len(tasks):]:
-      ax.set_visible(False)
-    fig.suptitle(title)
-    return fig, axes.flat
-
-  for field, name, title, ylabel in (
-      ("block_efficiency", "be_vs_gamma.png", "block efficiency (tokens / target call)", "block efficiency"),
-      ("speedup", "speedup_vs_gamma.png", "speedup over autoregressive (tok/s)", "speedup (×)")):
-    fig, axes = panels(title)
-    for ax, task in zip(axes, tasks):
-      series: dict[str, list] = {}
-      for r in rows:
-        if r["task"] == task and r["gamma"] is not None and r.get(field) is not None and np.isfinite(r[field]):
-          series.setdefault(_label(r, temperatures), []).append((r["gamma"], r[field]))
-      for label, points in series.items():
-        points.sort()
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
-      if field == "speedup":
-        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-      ax.set_title(task)
-      ax.set_xlabel("γ")
-      ax.set_ylabel(ylabel)
-      integer_ticks(ax, [g for points in series.values() for g, _ in points])
-      ax.grid(alpha=0.3)
-      if series:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out_dir / name, dpi=110)
-    plt.close(fig)
-    written.append(out_dir / name)
-
-  fig, axes = panels("acceptance per position (each method at its largest γ)")
-  for ax, task in zip(axes, tasks):
-    top = {}
-    for r in rows:
-      if r["task"] == task and r.get("acceptance_per_position"):
-        key = _label(r, temperatures)
-        if key not in top or r["gamma"] > top[key]["gamma"]:
-          top[key] = r
-    for label, r in top.items():
-      acc = r["acceptance_per_position"]
-      ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{label} γ={r['gamma']}")
-    ax.set_title(task)
-    ax.set_xlabel("draft position i")
-    ax.set_ylabel("acceptance P(τ ≥ i)")
-    integer_ticks(ax, [i for r in top.values() for i in range(1, len(r["acceptance_per_position"]) + 1)])
-    ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3)
-    if top:
-      ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(out_dir / "acceptance_per_position.png", dpi=110)
-  plt.close(fig)
-  written.append(out_dir / "acceptance_per_position.png")
-
-  if any(np.isfinite(r.get("delta_logp_vs_ar", float("nan"))) for r in rows):
-    fig, axes = panels("speed against fidelity: speedup vs Δ mean target log-likelihood from autoregressive sampling")
-    for ax, task in zip(axes, tasks):
-      for r in rows:
-        x, y = r.get("delta_logp_vs_ar", float("nan")), r["speedup"]
-        if r["task"] != task or r["method"] == methods_lib.AUTOREGRESSIVE or not (np.isfinite(x) and np.isfinite(y)):
-          continue
-        ax.scatter([x], [y], marker="^" if r.get("lossy") else "o", s=40, color="C3" if r.get("lossy") else "C0")
-        ax.annotate(f"{_label(r, temperatures)} γ={r['gamma']}", (x, y), textcoords="offset points", xytext=(3, 3),
-                    fontsize=7)
-      ax.axvline(0.0, color="grey", lw=0.8, ls="--")
-      ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-      ax.set_title(task)
-      ax.set_xlabel("Δ mean log p (target, T = 1) vs autoregressive")
-      ax.set_ylabel("speedup")
-      ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_dir / "tradeoff.png", dpi=110)
-    plt.close(fig)
-    written.append(out_dir / "tradeoff.png")
-  return written
 
 
 def _fmt(v, spec: str) -> str:
