@@ -452,37 +452,9 @@ def load_model(name: str | os.PathLike, dtype: str = "float32", cache_dir: os.Pa
     return scanned(model, consume=True) if scan_layers else model
   if isinstance(spec, registry.ModelSpec) and spec.arch not in gguf_convert.SUPPORTED_ARCHS:
     gguf_convert.config_from_gguf({}, spec.arch)  # raises NotImplementedError naming what Decoder lacks
-  name = spec.name
-  path = converted_cache_path(spec.cache_name if isinstance(spec, LocalSource) else name, dtype, cache_dir, weights)
-  seen = registry.file_id(path)
-  loaded = None if seen is None else _try_load(path, spec, dtype, scan_layers, weights)
-  if loaded is None:
-    registry.check_writable_dir(path.parent, f"the converted parameters of {name} ({dtype})")  # before any work
-    with registry.cache_lock(path.with_name(path.name + ".lock"), f"converting {name} ({dtype}) into {path}") as locked:
-      now = registry.file_id(path)
-      if now is not None and now != seen:
-        loaded = _try_load(path, spec, dtype, scan_layers, weights)  # converted by another process meanwhile
-      if loaded is None:
-        registry.remove_stale(path.parent, path.name + ".partial-", locked)  # left by killed runs
-        if now is not None:
-          try:
-            path.unlink(missing_ok=True)
-          except OSError as e:
-            raise registry.cache_dir_error(path.parent, f"a fresh {path.name} in place of the unusable one", e) from e
-        gguf_path = spec.path if isinstance(spec, LocalSource) else registry.fetch_gguf(spec, cache_dir,
-                                                                                       progress=progress)
-        contents = gguf_convert.read_gguf(gguf_path)
-        tokenizer = _gguf_tokenizer(contents)  # before the long part: a broken tokenizer fails fast
-        # The tensor infos give the size before converting (a stand-in without them, as tests install, is checked
-        # by _save alone, with the exact size).
-        if isinstance(contents, gguf_convert.GGUFContents):
-          _check_free_space(path.parent, _estimated_bytes(contents, dtype, weights), f"the converted parameters of "
-                           f"{name} ({dtype}, {path.name})")
-        config, params_np = gguf_convert.convert(contents, dtype=dtype, progress=progress,
-                                                 quantized=weights == "quantized")
-        del contents
-        _save(path, config, params_np, tokenizer, dtype, spec, weights)
-        loaded = config, params_np, tokenizer
+  path = converted_cache_path(spec.cache_name if isinstance(spec, LocalSource) else spec.name, dtype, cache_dir,
+                              weights)
+  loaded = _load_or_convert(spec, path, dtype, cache_dir, weights, progress, scan_layers)
   config, params, tokenizer = loaded
   del loaded
   model = LoadedModel(config=config, params=params, tokenizer=tokenizer, spec=spec)
@@ -490,6 +462,50 @@ def load_model(name: str | os.PathLike, dtype: str = "float32", cache_dir: os.Pa
     model = scanned(model, consume=True)
   _device_put_in_place(model.params)
   return model
+
+
+def _load_or_convert(spec, path: pathlib.Path, dtype: str, cache_dir, weights: str, progress: bool,
+                     scan_layers: bool) -> tuple:
+  """``(config, params, tokenizer)`` from the converted file ``path``, converting ``spec``'s GGUF into it first when
+  it is absent or unusable (once, under a lock other processes share: one that converted it meanwhile is read)."""
+  name = spec.name
+  seen = registry.file_id(path)
+  loaded = None if seen is None else _try_load(path, spec, dtype, scan_layers, weights)
+  if loaded is not None:
+    return loaded
+  registry.check_writable_dir(path.parent, f"the converted parameters of {name} ({dtype})")  # before any work
+  with registry.cache_lock(path.with_name(path.name + ".lock"), f"converting {name} ({dtype}) into {path}") as locked:
+    now = registry.file_id(path)
+    if now is not None and now != seen:
+      loaded = _try_load(path, spec, dtype, scan_layers, weights)  # converted by another process meanwhile
+    if loaded is None:
+      loaded = _convert_into(path, spec, dtype, cache_dir, weights, progress, replace=now is not None, locked=locked)
+  return loaded
+
+
+def _convert_into(path: pathlib.Path, spec, dtype: str, cache_dir, weights: str, progress: bool, *, replace: bool,
+                  locked) -> tuple:
+  """Convert ``spec``'s GGUF (fetched for a registry model) and save it as ``path`` (``replace``: in place of an
+  unusable file there), holding the conversion lock ``locked``; returns ``(config, params, tokenizer)``."""
+  name = spec.name
+  registry.remove_stale(path.parent, path.name + ".partial-", locked)  # left by killed runs
+  if replace:
+    try:
+      path.unlink(missing_ok=True)
+    except OSError as e:
+      raise registry.cache_dir_error(path.parent, f"a fresh {path.name} in place of the unusable one", e) from e
+  gguf_path = spec.path if isinstance(spec, LocalSource) else registry.fetch_gguf(spec, cache_dir, progress=progress)
+  contents = gguf_convert.read_gguf(gguf_path)
+  tokenizer = _gguf_tokenizer(contents)  # before the long part: a broken tokenizer fails fast
+  # The tensor infos give the size before converting (a stand-in without them, as tests install, is checked by _save
+  # alone, with the exact size).
+  if isinstance(contents, gguf_convert.GGUFContents):
+    _check_free_space(path.parent, _estimated_bytes(contents, dtype, weights), f"the converted parameters of "
+                      f"{name} ({dtype}, {path.name})")
+  config, params_np = gguf_convert.convert(contents, dtype=dtype, progress=progress, quantized=weights == "quantized")
+  del contents
+  _save(path, config, params_np, tokenizer, dtype, spec, weights)
+  return config, params_np, tokenizer
 
 
 def scanned(model: LoadedModel, consume: bool = False) -> LoadedModel:
