@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from blockspec_jax import kernels, sampling
+from blockspec_jax.kernels import _build
 from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.drafters import ModelDrafter
 from blockspec_jax.models.decoder import Decoder, DecoderConfig, causal_mask, init_cache
@@ -266,7 +267,7 @@ def test_off_cpu_the_kernel_is_never_built(monkeypatch):
   a committed CPU input still gives "cpu"."""
   monkeypatch.setattr(kernels, "_state", {})  # as in a fresh process: nothing built or loaded yet
   built = []
-  monkeypatch.setattr(kernels, "_open_library", lambda *a, **k: built.append(a))
+  monkeypatch.setattr(kernels, "open_library", lambda *a, **k: built.append(a))
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   x_MxK, w_NxK = _operands(6, 24, 10, seed=11)
   x_BxTxK = x_MxK.reshape(2, 3, 24)
@@ -291,7 +292,7 @@ def test_off_cpu_the_kernel_is_never_built(monkeypatch):
 def test_build_key_covers_source_compiler_flags_jax_and_machine(tmp_path, monkeypatch):
   src = tmp_path / "k.cc"
   src.write_text("int f() { return 1; }\n")
-  key = lambda: kernels._plan(src, tmp_path).key
+  key = lambda: _build._plan(src, tmp_path).key
   keys = [key()]
   assert key() == keys[0]  # stable
   src.write_text("int f() { return 2; }\n")
@@ -302,18 +303,18 @@ def test_build_key_covers_source_compiler_flags_jax_and_machine(tmp_path, monkey
   cxx.chmod(0o755)
   monkeypatch.setenv("CXX", str(cxx))
   keys.append(key())
-  assert kernels._plan(src, tmp_path).cmd[0] == str(cxx.resolve())
+  assert _build._plan(src, tmp_path).cmd[0] == str(cxx.resolve())
   cxx.write_text(f'#!/bin/sh\n[ "$1" = --version ] && echo fake 2.0 && exit 0\nexec {real} "$@"\n')
   keys.append(key())
-  monkeypatch.setattr(kernels, "_FLAGS", kernels._FLAGS + ("-march=native",))
+  monkeypatch.setattr(_build, "_FLAGS", _build._FLAGS + ("-march=native",))
   keys.append(key())
   monkeypatch.setattr(jax, "__version__", "0.0.1")
   keys.append(key())
-  monkeypatch.setattr(kernels, "_machine", lambda: "x86_64")  # the same machine without AVX2 / FMA
+  monkeypatch.setattr(_build, "_machine", lambda: "x86_64")  # the same machine without AVX2 / FMA
   keys.append(key())
   assert len(set(keys)) == len(keys)
   monkeypatch.undo()
-  machine = kernels._machine().split("+")
+  machine = _build._machine().split("+")
   assert machine[0] == platform.machine()
   if os.path.exists("/proc/cpuinfo"):
     with open("/proc/cpuinfo") as f:
@@ -327,9 +328,9 @@ _PROBE_SRC = 'extern "C" int bsj_probe() { return 7; }\n'
 
 @pytest.fixture
 def compiles(monkeypatch):
-  """Records every build (kernels._compile call) by key."""
-  calls, real = [], kernels._compile
-  monkeypatch.setattr(kernels, "_compile", lambda plan: (calls.append(plan.key), real(plan))[1])
+  """Records every build (_build._compile call) by key."""
+  calls, real = [], _build._compile
+  monkeypatch.setattr(_build, "_compile", lambda plan: (calls.append(plan.key), real(plan))[1])
   return calls
 
 
@@ -339,7 +340,7 @@ def test_cached_library_is_verified_before_loading_and_rebuilt_once(tmp_path, co
   after the rebuild leaves the failure marker."""
   src, out = tmp_path / "probe.cc", tmp_path / "cache"
   src.write_text(_PROBE_SRC)
-  opened = lambda load=str: kernels._open_library(src, out, load=load)
+  opened = lambda load=str: _build.open_library(src, out, load=load)
   lib = pathlib.Path(opened())
   meta = json.loads(lib.with_suffix(".json").read_text())
   assert meta["size"] == lib.stat().st_size and meta["sha256"] == hashlib.sha256(lib.read_bytes()).hexdigest()
@@ -347,7 +348,7 @@ def test_cached_library_is_verified_before_loading_and_rebuilt_once(tmp_path, co
   os.truncate(lib, 4096)  # what a full disk or a killed copy leaves (loading it would be SIGBUS)
   with pytest.warns(RuntimeWarning, match="does not match the size / SHA-256"):
     assert opened() == str(lib)
-  assert len(compiles) == 2 and kernels._verified(kernels._plan(src, out))
+  assert len(compiles) == 2 and _build._verified(_build._plan(src, out))
   lib.with_suffix(".json").unlink()  # killed between the two renames: not trusted
   with pytest.warns(RuntimeWarning, match="does not match"):
     opened()
@@ -375,17 +376,17 @@ def test_cached_library_is_verified_before_loading_and_rebuilt_once(tmp_path, co
   assert len(compiles) == 5
   # The real loader on a library that was never truncated (another key).
   src.write_text(_PROBE_SRC + "// another build\n")
-  assert kernels._open_library(src, out).bsj_probe() == 7
+  assert _build.open_library(src, out).bsj_probe() == 7
 
 
 def test_failed_build_is_remembered_until_the_compiler_or_source_changes_or_a_rebuild_is_forced(tmp_path,
                                                                                                monkeypatch, compiles):
   src, out = tmp_path / "bad.cc", tmp_path / "cache"
   src.write_text("this is not C++;\n")
-  opened = lambda: kernels._open_library(src, out, load=str)
+  opened = lambda: _build.open_library(src, out, load=str)
   with pytest.raises(kernels.KernelUnavailable, match="building bad-.* failed"):
     opened()
-  marker = kernels._plan(src, out).failed
+  marker = _build._plan(src, out).failed
   assert "building" in json.loads(marker.read_text())["error"] and len(compiles) == 1
   for _ in range(2):  # later calls (later processes) fail at once, quoting the error, without building
     with pytest.raises(kernels.KernelUnavailable, match="earlier build failed .*BLOCKSPEC_JAX_KERNEL_REBUILD"):
