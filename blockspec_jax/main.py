@@ -48,6 +48,7 @@ ARGPARSE_JOBS = {
     "bench_peer": "blockspec_jax.eval.bench_peer",
     "bench_trees": "blockspec_jax.eval.bench_trees",
     "bench_verify": "blockspec_jax.eval.bench_verify",
+    "bench_sampling": "blockspec_jax.eval.bench_sampling",
     "build_prompts": "blockspec_jax.data.prompts",
 }
 _ARGPARSE_CONFIGURABLES: dict = {}

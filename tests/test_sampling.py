@@ -78,22 +78,6 @@ class TransformTest(chex.TestCase):
                                sampling.probs_from_logits(jnp.arange(8.0), temperature=0.7, top_k=5, top_p=0.9))
 
 
-def _sorted_top_p_reference(logits, temperature, top_k, top_p):
-  """The filters by sorting every row whole (the module docstring's definition, as written before the fast path)."""
-  scaled = jnp.asarray(logits, jnp.float32) / jnp.float32(temperature)
-  if top_k and top_k < scaled.shape[-1]:
-    scaled = jnp.where(scaled >= jnp.sort(scaled, axis=-1)[..., -top_k][..., None], scaled, -jnp.inf)
-  probs = jax.nn.softmax(scaled, axis=-1)
-  if top_p == 1.0:
-    return probs
-  order = jnp.argsort(-probs, axis=-1, stable=True)
-  sorted_ = jnp.take_along_axis(probs, order, axis=-1)
-  keep_sorted = ((jnp.cumsum(sorted_, axis=-1) - sorted_) < jnp.float32(top_p)).at[..., 0].set(True)
-  keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
-  probs = jnp.where(keep, probs, 0.0)
-  return probs / jnp.sum(probs, axis=-1, keepdims=True)
-
-
 @pytest.mark.parametrize("vocab", [50, 1000, 151936])
 def test_filters_equal_sorting_the_whole_row(vocab):
   """Top-k and top-p from the largest candidates (``sampling._top_p_keep``) keep exactly the tokens sorting every
@@ -110,7 +94,8 @@ def test_filters_equal_sorting_the_whole_row(vocab):
   logits_2xRxV = jnp.asarray(np.stack([np.stack(rows), np.stack(rows[::-1])]), jnp.float32)
   for temperature, top_k, top_p in [(1.0, 0, 0.9), (1.0, 10, 0.9), (0.7, 5, 0.5), (1.0, 100, 0.99), (1.3, 0, 0.2),
                                     (1.0, 40, 1.0), (1.0, 0, 0.999)]:
-    want = np.asarray(_sorted_top_p_reference(logits_2xRxV, temperature, top_k, top_p))
+    want = np.asarray(sampling.probs_by_sorting(logits_2xRxV, temperature=temperature, top_k=top_k,
+                                                top_p=top_p))
     eager = sampling.probs_from_logits(logits_2xRxV, temperature=temperature, top_k=top_k, top_p=top_p)
     jitted = jax.jit(lambda x: sampling.probs_from_logits(x, temperature=temperature, top_k=top_k, top_p=top_p))
     for got in (np.asarray(eager), np.asarray(jitted(logits_2xRxV))):
