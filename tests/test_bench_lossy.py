@@ -156,6 +156,17 @@ def test_several_sprinter_heads_side_by_side(monkeypatch):
       bench_lossy.LossySettings(sprinter_head=bad).groups()
 
 
+def test_the_lossless_rows_are_a_setting():
+  from blockspec_jax.checks import UsageError
+  grid = bench_lossy.LossySettings(lossless=("block",), taus=()).groups()[1]
+  assert [s["label"] for s in grid.specs()][:3] == ["autoregressive", "block", "sprinter θ=0.3"]
+  assert [s["label"] for s in bench_lossy.LossySettings(lossless=()).groups()[1].specs()][:2] == [
+      "autoregressive", "sprinter θ=0.3"]
+  for bad in (("sprinter",), ("mtad",), ("nope",), ("block", "block")):
+    with pytest.raises(UsageError, match="bench_lossy.lossless"):
+      bench_lossy.LossySettings(lossless=bad)
+
+
 def test_same_draft_table_compares_rules_on_one_draft_law():
   """Token, block and MTAD on the same sampled chains, exactly: the lossless rules have TV 0 and block accepts at
   least as much as token; MTAD's acceptance falls as τ grows (a = max{i : L_i > log τ} shrinks draft by draft) and

@@ -199,8 +199,16 @@ class LossyGrid:
   #: SPRINTER with the bonus token after an accepted flagged token (True, the paper's), without it (False, this
   #: codebase's variant before 2026-11-28), or both side by side: (True, False).
   sprinter_bonus: tuple[bool, ...] = (True,)
+  #: The lossless rules beside them, one row each (the baseline the lossy rows are read against).
+  lossless: tuple[str, ...] = ("token", "block")
 
   def __post_init__(self):
+    from blockspec_jax import verify
+    bad = [r for r in self.lossless if r not in verify.VERIFIERS or not verify.get_verifier(r).lossless]
+    if bad or len(set(self.lossless)) != len(self.lossless):
+      raise checks.UsageError(f"bench_lossy.lossless must list registered lossless rules once each "
+                              f"({', '.join(sorted(n for n in verify.VERIFIERS if verify.get_verifier(n).lossless))}), "
+                              f"got {self.lossless!r}")
     if not self.sprinter_bonus or len(set(self.sprinter_bonus)) != len(self.sprinter_bonus) or not all(
         isinstance(b, bool) for b in self.sprinter_bonus):
       raise checks.UsageError(f"bench_lossy.sprinter_bonus must list True and/or False once each, got "
@@ -217,8 +225,8 @@ class LossyGrid:
 
   def specs(self) -> list[dict]:
     """The rows, autoregressive first (:func:`method_specs`)."""
-    return method_specs(self.thresholds, self.taus, self.cap, sprinter_bonus=self.sprinter_bonus,
-                        sprinter_heads=self.sprinter_heads)
+    return method_specs(self.thresholds, self.taus, self.cap, lossless=self.lossless,
+                        sprinter_bonus=self.sprinter_bonus, sprinter_heads=self.sprinter_heads)
 
   @property
   def sprinter_heads(self) -> tuple:
@@ -260,6 +268,7 @@ class LossySettings(job_config.EvalSettings):
   beam_sample: bool = True
   beam_per_step: bool = False
   sprinter_bonus: tuple = (True,)
+  lossless: tuple = ("token", "block")
   """:class:`LossyGrid`'s fields of the same names."""
   tabular_n: int = 3
   """The exact fidelity on the tabular pair compares the law of the first ``n`` emitted tokens."""
@@ -283,7 +292,8 @@ class LossySettings(job_config.EvalSettings):
     grid = LossyGrid(gamma=self.gamma, thresholds=self.thresholds, cap=self.cap, taus=self.taus,
                      sprinter_head=(tuple(self.sprinter_head) if isinstance(self.sprinter_head, list)
                                     else self.sprinter_head), beam_width=self.beam_width, beam_sample=self.beam_sample,
-                     sprinter_bonus=tuple(self.sprinter_bonus), beam_per_step=self.beam_per_step)
+                     sprinter_bonus=tuple(self.sprinter_bonus), beam_per_step=self.beam_per_step,
+                     lossless=tuple(self.lossless))
     return models, grid, sampler, data, job_config.OutputSettings(output_json=self.output_json)
 
 
