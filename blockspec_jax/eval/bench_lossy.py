@@ -290,8 +290,7 @@ class LossySettings(job_config.EvalSettings):
       raise checks.UsageError("bench_lossy needs a lossy row: at least one SPRINTER threshold or one MTAD tau (() "
                               "leaves that method out)")
     grid = LossyGrid(gamma=self.gamma, thresholds=self.thresholds, cap=self.cap, taus=self.taus,
-                     sprinter_head=(tuple(self.sprinter_head) if isinstance(self.sprinter_head, list)
-                                    else self.sprinter_head), beam_width=self.beam_width, beam_sample=self.beam_sample,
+                     sprinter_head=self.sprinter_head, beam_width=self.beam_width, beam_sample=self.beam_sample,
                      sprinter_bonus=tuple(self.sprinter_bonus), beam_per_step=self.beam_per_step,
                      lossless=tuple(self.lossless))
     return models, grid, sampler, data, job_config.OutputSettings(output_json=self.output_json)
