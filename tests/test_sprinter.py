@@ -2,8 +2,10 @@
 the paper states (a head that always flags is lossless: the target's law, and greedy = autoregressive), counters,
 batch independence and the errors for bad settings."""
 
+import dataclasses
 import itertools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -245,3 +247,18 @@ def test_jobs_know_the_lossy_rules():
     assert not verify.get_verifier(name).lossless_under(T1)
   with pytest.raises(checks.UsageError, match="needs a trained verifier head"):
     methods.drafter_params(SprinterDrafter(tiny_config()), None, None)
+
+
+def test_drafters_that_differ_only_in_their_head_share_prefill_states():
+  """The prefill feeds the drafter model alone: two heads give the same prefill key (``harness.PrefillCache`` shares
+  the state between them) and the same state bit for bit; another drafter model does not share it."""
+  config, target, drafter = model_pair()
+  a, b = SprinterDrafter(config, head="runs/a"), SprinterDrafter(config, head="runs/b")
+  assert a.prefill_key() == b.prefill_key() and hash(a.prefill_key()) == hash(b.prefill_key())
+  other = SprinterDrafter(dataclasses.replace(config, num_layers=config.num_layers + 1), head="runs/a")
+  assert other.prefill_key() != a.prefill_key()
+  tokens, lens = spec.prepare_prompts(RAGGED)
+  states = [spec.prefill_speculative(target, {"model": drafter, "head": random_head(config, seed)}, tokens, lens,
+                                     target=config, drafter=d, gamma=2, max_new_tokens=4)
+            for d, seed in ((a, 1), (b, 2))]
+  chex.assert_trees_all_equal(*states)

@@ -56,6 +56,12 @@ class ModelDrafter(Settings, ConfigBacked):
   def __post_init__(self):
     self.check_fields(self.config)
 
+  def prefill_key(self):
+    """What the prefill (:meth:`init_state`) depends on, for sharing prefill states between rows
+    (``eval.harness.PrefillCache``): the whole drafter here; subclasses whose settings the prefill never reads
+    (SPRINTER's head) leave them out."""
+    return self
+
   def num_nodes(self, gamma: int) -> int:
     return gamma
 

@@ -65,6 +65,11 @@ class SprinterDrafter(ModelDrafter):
   def forward(self, params, state, tokens_BxT, positions_BxT):
     return super().forward(params["model"], state, tokens_BxT, positions_BxT)
 
+  def prefill_key(self):
+    """The prefill feeds the drafter model alone (:meth:`init_state` reads ``params["model"]``), so drafters
+    that differ only in their head share prefill states."""
+    return (type(self), dataclasses.replace(self, head=None))
+
   run_setting = "head"  # the field naming the training run (methods.trained_drafter_spec)
   run_what = "a trained verifier head"
   run_train = "train one with `python -m blockspec_jax.train --gin_file gin/train/sprinter_qwen.gin`"

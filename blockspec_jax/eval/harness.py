@@ -92,8 +92,11 @@ def _phases(method: str, target, drafter, gamma: int, max_new_tokens: int, sampl
   if mesh is not None:
     dp = parallel.shard_params(dp, mesh)
   common = dict(target=target.config, drafter=drafter_obj, gamma=gamma, max_new_tokens=max_new_tokens, **placed)
-  # The drafter object (its settings: a trained drafter's path, a tree's shape) and the two models determine ``dp``.
-  key = ("speculative", id(target), id(drafter), drafter_obj, gamma, max_new_tokens)
+  # The drafter's prefill key (its settings that the prefill reads: a trained drafter's path, a tree's shape) and the
+  # two models determine the prefill state; drafters without ``prefill_key`` are keyed whole.
+  prefill_key = getattr(drafter_obj, "prefill_key", None)
+  key = ("speculative", id(target), id(drafter), prefill_key() if prefill_key else drafter_obj, gamma,
+         max_new_tokens)
   try:
     hash(key)
   except TypeError:
