@@ -68,7 +68,7 @@ class SprinterDrafter(ModelDrafter):
   def prefill_key(self):
     """The prefill feeds the drafter model alone (:meth:`init_state` reads ``params["model"]``), so drafters
     that differ only in their head share prefill states."""
-    return (type(self), dataclasses.replace(self, head=None))
+    return dataclasses.replace(self, head=None)  # dataclass equality compares the class too
 
   run_setting = "head"  # the field naming the training run (methods.trained_drafter_spec)
   run_what = "a trained verifier head"
