@@ -38,59 +38,70 @@ def time_breakdown(result: dict, rep: dict) -> dict:
               tokens_per_call=result["tokens_generated"] / result["target_calls"])
 
 
-def analyse(ours: dict, bf16: dict, hf: dict) -> dict:
-  """Speedups, ideals and the checks (a), (b), (c)."""
-  rows, checks = [], dict(a=[], b=[], c=[], fastest={}, bf16=[], drift={}, time=[])
-  costs = {}
-  for rep in (ours, bf16):
-    if not rep:
-      continue
-    t1 = rep["target_forward_ms"]["1"]
-    c = rep["drafter_forward_ms"] / t1
-    v = {int(k): ms / t1 for k, ms in rep["target_forward_ms"].items()}
-    costs[rep["dtype"]] = dict(c=c, v=v, target_1tok_ms=t1, drafter_1tok_ms=rep["drafter_forward_ms"])
-    # Baselines per T: the faster of the autoregressive passes before and after the sweep (conservative speedups).
-    ar_rows = [r for r in rep["results"] if r["method"] == "autoregressive"]
-    ar = {t: max(r["tokens_per_s"] for r in ar_rows if r["temperature"] == t)
-          for t in {r["temperature"] for r in ar_rows}}
-    ar_decode = {t: max(r["decode_tokens_per_s"] for r in ar_rows if r["temperature"] == t) for t in ar}
-    # The same c with the target step taken from the baseline's own loop (ms per autoregressive token, decode phase).
-    c_loop = {t: rep["drafter_forward_ms"] * ar_decode[t] / 1e3 for t in ar}
-    costs[rep["dtype"]]["c_loop"] = {str(t): x for t, x in c_loop.items()}
-    for r in rep["results"]:
-      row = dict(engine=f"ours-{'f32' if rep['dtype'] == 'float32' else 'bf16'}", **{
-          k: r.get(k) for k in ("method", "temperature", "gamma", "repeat", "tokens_per_s", "decode_tokens_per_s",
-                                "prefill_s", "decode_s", "block_efficiency", "tokens_generated", "target_calls",
-                                "wall_s")})
-      base, base_decode = ar.get(r["temperature"]), ar_decode.get(r["temperature"])
-      row["speedup"] = r["tokens_per_s"] / base if base else None
-      row["decode_speedup"] = r["decode_tokens_per_s"] / base_decode if base_decode else None
-      if r["gamma"] is not None and r["method"] != "autoregressive":
-        g, be = r["gamma"], r["block_efficiency"]
-        row["ideal"] = be / (1 + g * c)
-        row["ideal_refined"] = be / (g * c + v[g + 1])
-        if r["temperature"] in c_loop:
-          row["ideal_loop"] = be / (1 + g * c_loop[r["temperature"]])
-          row["decode_over_ideal_loop"] = row["decode_speedup"] / row["ideal_loop"]
-        row["measured_over_ideal"] = row["speedup"] / row["ideal"] if row["speedup"] else None
-        row["measured_over_refined"] = row["speedup"] / row["ideal_refined"] if row["speedup"] else None
-        row["decode_over_ideal"] = row["decode_speedup"] / row["ideal"] if row["decode_speedup"] else None
-        row["decode_over_refined"] = row["decode_speedup"] / row["ideal_refined"] if row["decode_speedup"] else None
-      if rep["dtype"] == "float32" and r.get("decode_s") and not r.get("repeat"):
-        checks["time"].append(time_breakdown(r, rep))
-      rows.append(row)
-  if hf:
-    ar = {r["temperature"]: r["tokens_per_s"] for r in hf["results"] if r["method"] == "autoregressive"}
-    for r in hf["results"]:
-      row = dict(engine="hf-f32", **{k: r.get(k) for k in ("method", "temperature", "gamma", "tokens_per_s",
-                                                           "block_efficiency", "tokens_generated", "target_calls",
-                                                           "wall_s")})
-      base = ar.get(r["temperature"])
-      row["speedup"] = r["tokens_per_s"] / base if base else None
-      rows.append(row)
-  find = lambda engine, method, t, g, repeat=0: next(
-      (r for r in rows if r["engine"] == engine and r["method"] == method and r["temperature"] == t
-       and r["gamma"] == g and (r.get("repeat") or 0) == repeat), None)
+_ROW_KEYS = ("method", "temperature", "gamma", "repeat", "tokens_per_s", "decode_tokens_per_s", "prefill_s", "decode_s",
+             "block_efficiency", "tokens_generated", "target_calls", "wall_s")
+_HF_ROW_KEYS = ("method", "temperature", "gamma", "tokens_per_s", "block_efficiency", "tokens_generated",
+                "target_calls", "wall_s")
+
+
+def _our_rows(rep: dict, time_checks: list) -> tuple[list, dict]:
+  """One worker's report (float32 or bfloat16): its rows with speedups and ideals, and its costs ``c`` / ``v``.
+  Appends the float32 rows' time breakdowns to ``time_checks``."""
+  t1 = rep["target_forward_ms"]["1"]
+  c = rep["drafter_forward_ms"] / t1
+  v = {int(k): ms / t1 for k, ms in rep["target_forward_ms"].items()}
+  costs = dict(c=c, v=v, target_1tok_ms=t1, drafter_1tok_ms=rep["drafter_forward_ms"])
+  # Baselines per T: the faster of the autoregressive passes before and after the sweep (conservative speedups).
+  ar_rows = [r for r in rep["results"] if r["method"] == "autoregressive"]
+  ar = {t: max(r["tokens_per_s"] for r in ar_rows if r["temperature"] == t) for t in {r["temperature"] for r in ar_rows}}
+  ar_decode = {t: max(r["decode_tokens_per_s"] for r in ar_rows if r["temperature"] == t) for t in ar}
+  # The same c with the target step taken from the baseline's own loop (ms per autoregressive token, decode phase).
+  c_loop = {t: rep["drafter_forward_ms"] * ar_decode[t] / 1e3 for t in ar}
+  costs["c_loop"] = {str(t): x for t, x in c_loop.items()}
+  rows = []
+  for r in rep["results"]:
+    row = dict(engine=f"ours-{'f32' if rep['dtype'] == 'float32' else 'bf16'}", **{k: r.get(k) for k in _ROW_KEYS})
+    base, base_decode = ar.get(r["temperature"]), ar_decode.get(r["temperature"])
+    row["speedup"] = r["tokens_per_s"] / base if base else None
+    row["decode_speedup"] = r["decode_tokens_per_s"] / base_decode if base_decode else None
+    if r["gamma"] is not None and r["method"] != "autoregressive":
+      g, be = r["gamma"], r["block_efficiency"]
+      row["ideal"] = be / (1 + g * c)
+      row["ideal_refined"] = be / (g * c + v[g + 1])
+      if r["temperature"] in c_loop:
+        row["ideal_loop"] = be / (1 + g * c_loop[r["temperature"]])
+        row["decode_over_ideal_loop"] = row["decode_speedup"] / row["ideal_loop"]
+      row["measured_over_ideal"] = row["speedup"] / row["ideal"] if row["speedup"] else None
+      row["measured_over_refined"] = row["speedup"] / row["ideal_refined"] if row["speedup"] else None
+      row["decode_over_ideal"] = row["decode_speedup"] / row["ideal"] if row["decode_speedup"] else None
+      row["decode_over_refined"] = row["decode_speedup"] / row["ideal_refined"] if row["decode_speedup"] else None
+    if rep["dtype"] == "float32" and r.get("decode_s") and not r.get("repeat"):
+      time_checks.append(time_breakdown(r, rep))
+    rows.append(row)
+  return rows, costs
+
+
+def _hf_rows(hf: dict) -> list:
+  """transformers' rows, with speedups against its own autoregressive row."""
+  ar = {r["temperature"]: r["tokens_per_s"] for r in hf["results"] if r["method"] == "autoregressive"}
+  rows = []
+  for r in hf["results"]:
+    row = dict(engine="hf-f32", **{k: r.get(k) for k in _HF_ROW_KEYS})
+    base = ar.get(r["temperature"])
+    row["speedup"] = r["tokens_per_s"] / base if base else None
+    rows.append(row)
+  return rows
+
+
+def _find(rows, engine, method, t, g, repeat=0):
+  """The row of ``engine``'s ``method`` at temperature ``t``, γ ``g`` and ``repeat`` (None if absent)."""
+  return next((r for r in rows if r["engine"] == engine and r["method"] == method and r["temperature"] == t
+               and r["gamma"] == g and (r.get("repeat") or 0) == repeat), None)
+
+
+def _f32_checks(rows: list, checks: dict) -> None:
+  """Per temperature of the float32 rows: (a) block against its ideal, the autoregressive drift, the fastest rule and
+  γ, (c) block against token at T = 1."""
   f32 = [r for r in rows if r["engine"] == "ours-f32"]
   for t in sorted({r["temperature"] for r in f32}):
     spec_rows = [r for r in f32 if r["temperature"] == t and r["method"] in ("token", "block")]
@@ -117,15 +128,19 @@ def analyse(ours: dict, bf16: dict, hf: dict) -> dict:
                                        decode_tokens_per_s=best_decode["decode_tokens_per_s"],
                                        decode_speedup=best_decode["decode_speedup"])
     for g in sorted({r["gamma"] for r in spec_rows}):
-      tok, blk = find("ours-f32", "token", t, g), find("ours-f32", "block", t, g)
+      tok, blk = _find(rows, "ours-f32", "token", t, g), _find(rows, "ours-f32", "block", t, g)
       if tok and blk and t == 1.0:
         checks["c"].append(dict(temperature=t, gamma=g, be_token=tok["block_efficiency"],
                                 be_block=blk["block_efficiency"],
                                 gain=blk["block_efficiency"] / tok["block_efficiency"] - 1,
                                 passed=blk["block_efficiency"] >= tok["block_efficiency"]))
+
+
+def _cross_engine_checks(rows: list, checks: dict) -> None:
+  """(b) our block rows against transformers' assisted generation; bfloat16 rows against float32's."""
   for r in rows:
     if r["engine"] == "hf-f32" and r["method"] == "assisted":
-      ours_row = find("ours-f32", "block", r["temperature"], r["gamma"])
+      ours_row = _find(rows, "ours-f32", "block", r["temperature"], r["gamma"])
       if ours_row:
         ratio = ours_row["tokens_per_s"] / r["tokens_per_s"]
         checks["b"].append(dict(temperature=r["temperature"], gamma=r["gamma"], ours=ours_row["tokens_per_s"],
@@ -133,11 +148,24 @@ def analyse(ours: dict, bf16: dict, hf: dict) -> dict:
                                 hf_be=r["block_efficiency"], passed=ratio >= PEER_RATIO_TARGET))
   for r in rows:
     if r["engine"] == "ours-bf16":
-      ref = find("ours-f32", r["method"], r["temperature"], r["gamma"], r.get("repeat") or 0)
+      ref = _find(rows, "ours-f32", r["method"], r["temperature"], r["gamma"], r.get("repeat") or 0)
       if ref:
         checks["bf16"].append(dict(method=r["method"], temperature=r["temperature"], gamma=r["gamma"],
                                    repeat=r.get("repeat") or 0, bf16=r["tokens_per_s"], f32=ref["tokens_per_s"],
                                    ratio=r["tokens_per_s"] / ref["tokens_per_s"],
                                    decode_ratio=r["decode_tokens_per_s"] / ref["decode_tokens_per_s"]))
-  return dict(rows=rows, checks=checks, costs=costs)
 
+
+def analyse(ours: dict, bf16: dict, hf: dict) -> dict:
+  """Speedups, ideals and the checks (a), (b), (c): ``{"rows", "checks", "costs"}``."""
+  rows, checks = [], dict(a=[], b=[], c=[], fastest={}, bf16=[], drift={}, time=[])
+  costs = {}
+  for rep in (ours, bf16):
+    if rep:
+      rep_rows, costs[rep["dtype"]] = _our_rows(rep, checks["time"])
+      rows += rep_rows
+  if hf:
+    rows += _hf_rows(hf)
+  _f32_checks(rows, checks)
+  _cross_engine_checks(rows, checks)
+  return dict(rows=rows, checks=checks, costs=costs)
