@@ -325,6 +325,43 @@ def test_error_unsupported_config(field, value, message, tiny_llama_dir, tmp_pat
     hub.load_model(directory, progress=False)
 
 
+_LLAMA_CONFIG = dict(model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=3, hidden_size=16,
+                     num_attention_heads=2, num_key_value_heads=1, intermediate_size=32, vocab_size=50)
+_GEMMA3_CONFIG = dict(_LLAMA_CONFIG, model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], head_dim=8,
+                      sliding_window=4, layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+
+
+@pytest.mark.parametrize("base,field,value,error,message", [
+    (_LLAMA_CONFIG, "hidden_act", "gelu", NotImplementedError,
+     r"config\.json: hidden_act 'gelu' is not supported for llama; supported: 'silu'"),
+    (_LLAMA_CONFIG, "attention_bias", True, NotImplementedError,
+     r"config\.json: attention_bias=true \(llama\) is not supported by Decoder"),
+    (_GEMMA3_CONFIG, "final_logit_softcapping", 30.0, NotImplementedError,
+     r"config\.json: final_logit_softcapping=30\.0 \(gemma3\) is not supported by Decoder"),
+    (_GEMMA3_CONFIG, "hidden_activation", "silu", NotImplementedError,
+     r"hidden_activation 'silu' is not supported for gemma3; supported: 'gelu_pytorch_tanh'"),
+    (_GEMMA3_CONFIG, "layer_types", ["full_attention"], ValueError,
+     r"config\.json: layer_types has 1 entries for 3 layers"),
+    (_GEMMA3_CONFIG, "layer_types", "sliding_attention", ValueError, r"layer_types must be a list of strings"),
+    (_GEMMA3_CONFIG, "layer_types", ["full_attention", "chunked_attention", "full_attention"], NotImplementedError,
+     r"layer_types \['chunked_attention'\] are not supported; supported: \('full_attention', 'sliding_attention'\)"),
+])
+def test_config_from_hf_names_what_the_decoder_cannot_express(base, field, value, error, message):
+  hf_convert.config_from_hf(base)  # the base configs are valid
+  with pytest.raises(error, match=message):
+    hf_convert.config_from_hf(dict(base, **{field: value}))
+
+
+def test_config_from_hf_gemma3_layer_kinds_from_the_list_or_the_pattern():
+  config = hf_convert.config_from_hf(_GEMMA3_CONFIG)
+  assert config.layer_types == ("sliding", "sliding", "full") and config.sliding_window == 4
+  assert config.qk_norm and config.post_norms and config.embed_scale
+  without_list = {k: v for k, v in _GEMMA3_CONFIG.items() if k != "layer_types"}
+  assert hf_convert.config_from_hf(dict(without_list, sliding_window_pattern=2)).layer_types == (
+      "sliding", "full", "sliding")
+  assert not hf_convert.config_from_hf(_LLAMA_CONFIG).qk_norm
+
+
 def test_error_missing_and_extra_tensors(tiny_llama_dir, tmp_path):
   from safetensors.numpy import load_file, save_file
   tensors = load_file(str(tiny_llama_dir / "model.safetensors"))

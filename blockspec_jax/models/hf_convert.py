@@ -205,6 +205,45 @@ def _rope(cfg: dict, family: str, kind: str | None, theta_key: str, theta_defaul
   return _positive(theta_default if theta is None else theta, theta_key, where)
 
 
+def _check_supported(cfg: dict, family: str, where: str) -> None:
+  """NotImplementedError for an activation, bias, bidirectional or sliding attention, or soft-capping the Decoder
+  cannot express for ``family``."""
+  act_key = "hidden_activation" if family == "gemma3" and cfg.get("hidden_activation") else "hidden_act"
+  act = cfg.get(act_key) or ("gelu_pytorch_tanh" if family == "gemma3" else "silu")
+  wanted_act = "gelu_pytorch_tanh" if family == "gemma3" else "silu"
+  if act != wanted_act:
+    raise NotImplementedError(f"{where}: {act_key} {act!r} is not supported for {family}; supported: {wanted_act!r}")
+  for key in ("attention_bias", "mlp_bias", "use_bidirectional_attention", "use_sliding_window"):
+    if cfg.get(key):
+      raise NotImplementedError(f"{where}: {key}=true ({family}) is not supported by Decoder")
+  for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+    if cfg.get(key) is not None:
+      raise NotImplementedError(f"{where}: {key}={cfg[key]} ({family}) is not supported by Decoder")
+
+
+def _gemma3_fields(cfg: dict, num_layers: int, where: str) -> dict[str, Any]:
+  """Gemma 3's DecoderConfig fields beyond the shared ones: norms, scales, the sliding window, each layer's kind
+  (``layer_types``, or every ``sliding_window_pattern``-th layer full) and the local rope base."""
+  theta_local = _rope(cfg, "gemma3", "sliding_attention", "rope_local_base_freq", GEMMA3_ROPE_THETA_LOCAL, where)
+  layer_types = cfg.get("layer_types")
+  if layer_types is None:
+    pattern = _int(cfg, "sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN, where)
+    layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+  if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+    raise ValueError(f"{where}: layer_types must be a list of strings, got {_short(layer_types)}")
+  if len(layer_types) != num_layers:
+    raise ValueError(f"{where}: layer_types has {len(layer_types)} entries for {num_layers} layers")
+  kinds = {"full_attention": "full", "sliding_attention": "sliding"}
+  bad = sorted({t for t in layer_types if t not in kinds})
+  if bad:
+    raise NotImplementedError(f"{where}: layer_types {bad} are not supported; supported: {tuple(kinds)}")
+  return dict(qk_norm=True, post_norms=True, norm_plus_one=True, embed_scale=True, mlp_activation="gelu_tanh",
+              query_scale=_positive(_get(cfg, "query_pre_attn_scalar", 256, where), "query_pre_attn_scalar",
+                                    where) ** -0.5,
+              sliding_window=_int(cfg, "sliding_window", 4096, where),
+              layer_types=tuple(kinds[t] for t in layer_types), rope_theta_local=theta_local)
+
+
 def config_from_hf(config: dict, *, tensor_names: Any = None, dtype: str = "float32",
                    where: str = "config.json") -> DecoderConfig:
   """DecoderConfig of an HF ``config.json`` (llama, qwen2, gemma3_text, or gemma3 with a ``text_config``).
@@ -236,43 +275,15 @@ def config_from_hf(config: dict, *, tensor_names: Any = None, dtype: str = "floa
   num_kv_heads = _int(cfg, "num_key_value_heads", num_heads, where)
   head_default = 256 if family == "gemma3" else (d_model // num_heads if d_model % num_heads == 0 else None)
   head_dim = _int(cfg, "head_dim", head_default, where)
-  act_key = "hidden_activation" if family == "gemma3" and cfg.get("hidden_activation") else "hidden_act"
-  act = cfg.get(act_key) or ("gelu_pytorch_tanh" if family == "gemma3" else "silu")
-  wanted_act = "gelu_pytorch_tanh" if family == "gemma3" else "silu"
-  if act != wanted_act:
-    raise NotImplementedError(f"{where}: {act_key} {act!r} is not supported for {family}; supported: {wanted_act!r}")
-  for key in ("attention_bias", "mlp_bias", "use_bidirectional_attention", "use_sliding_window"):
-    if cfg.get(key):
-      raise NotImplementedError(f"{where}: {key}=true ({family}) is not supported by Decoder")
-  for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-    if cfg.get(key) is not None:
-      raise NotImplementedError(f"{where}: {key}={cfg[key]} ({family}) is not supported by Decoder")
+  _check_supported(cfg, family, where)
   tie = bool(cfg.get("tie_word_embeddings", _TIE_DEFAULT[family]))
   if tensor_names is not None and "lm_head.weight" not in tensor_names:
     tie = True
-  gemma: dict[str, Any] = {}
   if family == "gemma3":
     theta = _rope(cfg, family, "full_attention", "rope_theta", _THETA_DEFAULT[family], where)
-    theta_local = _rope(cfg, family, "sliding_attention", "rope_local_base_freq", GEMMA3_ROPE_THETA_LOCAL, where)
-    layer_types = cfg.get("layer_types")
-    if layer_types is None:
-      pattern = _int(cfg, "sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN, where)
-      layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
-    if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
-      raise ValueError(f"{where}: layer_types must be a list of strings, got {_short(layer_types)}")
-    if len(layer_types) != num_layers:
-      raise ValueError(f"{where}: layer_types has {len(layer_types)} entries for {num_layers} layers")
-    kinds = {"full_attention": "full", "sliding_attention": "sliding"}
-    bad = sorted({t for t in layer_types if t not in kinds})
-    if bad:
-      raise NotImplementedError(f"{where}: layer_types {bad} are not supported; supported: {tuple(kinds)}")
-    gemma = dict(qk_norm=True, post_norms=True, norm_plus_one=True, embed_scale=True, mlp_activation="gelu_tanh",
-                 query_scale=_positive(_get(cfg, "query_pre_attn_scalar", 256, where), "query_pre_attn_scalar",
-                                       where) ** -0.5,
-                 sliding_window=_int(cfg, "sliding_window", 4096, where),
-                 layer_types=tuple(kinds[t] for t in layer_types), rope_theta_local=theta_local)
+    gemma = _gemma3_fields(cfg, num_layers, where)
   else:
-    theta = _rope(cfg, family, None, "rope_theta", _THETA_DEFAULT[family], where)
+    theta, gemma = _rope(cfg, family, None, "rope_theta", _THETA_DEFAULT[family], where), {}
   fields = dict(
       vocab_size=_int(cfg, "vocab_size", where=where),
       d_model=d_model,
