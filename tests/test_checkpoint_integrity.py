@@ -9,7 +9,10 @@ it cannot; ``recipe.restore_trainable`` falls back only when no step is asked fo
 with them.
 """
 
+import asyncio
+import gc
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -192,6 +195,41 @@ def test_orbax_failures_on_unrecorded_steps_are_one_line_in_a_real_process(runs,
   assert lines[0].startswith(f"error: no intact checkpoint in {workdir / 'checkpoints'} (step 4: it is not verified "
                              "and orbax cannot restore it: JSONDecodeError")
   assert "step 2: it is not verified and orbax cannot restore it: ValueError: OUT_OF_RANGE" in lines[0]
+
+
+def _report_never_retrieved(exc):
+  """Has asyncio report "Task exception was never retrieved" for ``exc``, as it does for orbax's abandoned reads:
+  a task raises it in a loop closed without retrieving it, and the garbage collector reaches the task later."""
+  async def fail():
+    raise exc
+  loop = asyncio.new_event_loop()
+  task = loop.create_task(fail())
+  loop.run_until_complete(asyncio.sleep(0.01))
+  loop.close()
+  del task
+  gc.collect()
+
+
+def test_asyncio_reports_about_orbax_tasks_after_a_failed_restore_are_dropped_and_no_others(runs, tmp_path, caplog):
+  """Orbax closes its event loop without cancelling the reads still pending, and asyncio reports those tasks when the
+  garbage collector reaches them: possibly at interpreter exit, after the one error line (a loaded CI machine printed
+  such a traceback there). Once a restore has failed, asyncio's report about an exception raised in orbax's code is
+  dropped for good; the same report about any other exception still reaches the log."""
+  import orbax.checkpoint as ocp
+  workdir = _copy(runs, tmp_path)
+  _data_file(workdir, 2).write_bytes(b"")
+  manager = checkpoints.make_manager(workdir / "checkpoints", max_to_keep=2, every=2)
+  with pytest.raises(Exception) as orbax_error:
+    with checkpoints._quiet():
+      manager.restore(2, args=ocp.args.StandardRestore())
+  assert "OUT_OF_RANGE" in str(orbax_error.value.__cause__)
+  caplog.set_level(logging.WARNING)
+  _report_never_retrieved(orbax_error.value)
+  assert [r for r in caplog.records if r.name == "asyncio"] == []
+  _report_never_retrieved(ValueError("not orbax's"))
+  reports = [r for r in caplog.records if r.name == "asyncio"]
+  assert len(reports) == 1 and reports[0].getMessage().startswith("Task exception was never retrieved")
+  assert reports[0].exc_info[1].args == ("not orbax's",)
 
 
 def test_a_run_of_an_older_version_without_records_resumes_from_its_newest_step_with_a_line(runs, tmp_path, capsys):

@@ -14,7 +14,8 @@ exactly (no file missing, none extra, every size and digest equal); a verified s
 step whose files differ from its record, or that orbax fails to restore for any reason (a zero-length file, a missing
 ``_METADATA``, anything orbax raises), is *damaged*: one line on stderr names it, the reason and the step used
 instead, and the next older step is tried. Orbax's own logging and its asyncio tracebacks during a failed attempt are
-held back, so a damaged step costs that one line, not pages of tracebacks.
+held back, and so are asyncio's reports about orbax's abandoned reads that arrive later (up to interpreter exit), so
+a damaged step costs that one line, not pages of tracebacks.
 
 A step without a record (saved before records existed, or a run killed between orbax's save and the record) is
 *unverified*. It takes its place in the walk, newest first: it is used when orbax restores it, always with a line
@@ -195,44 +196,66 @@ def verify_step(directory, step: int) -> tuple[bool | None, str]:
   return True, ""
 
 
-def _from_orbax(unraisable) -> bool:
-  """Whether an unraisable exception is debris of orbax's failed restore: the ``RuntimeError('Event loop is
-  closed')`` that tensorstore's late callbacks raise once orbax has closed its event loop (one per pending read),
-  or an exception raised in orbax's own code (its abandoned read coroutines, reported when they are collected)."""
-  exc = unraisable.exc_value
+def _in_orbax(exc: BaseException | None, tb, obj=None) -> bool:
+  """Whether an exception is debris of orbax's failed restore: the ``RuntimeError('Event loop is closed')`` that
+  tensorstore's late callbacks raise once orbax has closed its event loop (one per pending read), or an exception
+  raised in orbax's own code (``tb`` passes through it), or one reported about a coroutine of orbax's (``obj``:
+  its abandoned read coroutines, reported when they are collected)."""
   if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
     return True
-  code = getattr(unraisable.object, "cr_code", None)
-  if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
+  code = getattr(obj, "cr_code", None)
+  if code is not None and _ORBAX_DIR in code.co_filename:
     return True
-  tb = unraisable.exc_traceback
   while tb is not None:
-    if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
+    if _ORBAX_DIR in tb.tb_frame.f_code.co_filename:
       return True
     tb = tb.tb_next
   return False
 
 
+_ORBAX_DIR = f"{os.sep}orbax{os.sep}"
+
+
 def _drop_orbax_debris(previous):
-  """An unraisable hook that drops what :func:`_from_orbax` recognises and passes everything else to ``previous``."""
+  """An unraisable hook that drops what :func:`_in_orbax` recognises and passes everything else to ``previous``."""
   def hook(unraisable):
-    if not _from_orbax(unraisable):
+    if not _in_orbax(unraisable.exc_value, unraisable.exc_traceback, unraisable.object):
       previous(unraisable)
   hook.blockspec_quiet = True
   return hook
 
 
+class _OrbaxTaskFilter(logging.Filter):
+  """Drops asyncio's reports about orbax's tasks: "Task exception was never retrieved" for an exception raised in
+  orbax's code, "Task was destroyed but it is pending!" for a task running an orbax coroutine. Orbax runs its reads in
+  a loop it closes without cancelling the reads still pending, and asyncio reports those tasks whenever the garbage
+  collector reaches them, possibly only at interpreter exit. Every other record passes."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc, tb = (record.exc_info[1], record.exc_info[2]) if record.exc_info else (None, None)
+    if exc is not None and _in_orbax(exc, tb):
+      return False
+    return not (record.msg and "Task" in str(record.msg) and _ORBAX_DIR in record.getMessage())
+
+
+_ASYNCIO_FILTER = _OrbaxTaskFilter()
+
+
 @contextlib.contextmanager
 def _quiet():
   """Holds back orbax's absl warnings and asyncio's error logs for the duration, and the debris of a failed restore
-  (:func:`_from_orbax`) for good: it arrives from tensorstore's threads and the garbage collector after the failure,
-  so that filter of ``sys.unraisablehook`` stays in place once a block has raised (it drops nothing else)."""
+  for good: it arrives from tensorstore's threads and the garbage collector after the failure, possibly only at exit,
+  so once a block has raised, a filter of ``sys.unraisablehook`` (:func:`_drop_orbax_debris`) and one of the asyncio
+  logger (:class:`_OrbaxTaskFilter`) stay in place; they drop nothing else."""
   loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
   levels = [logger.level for logger in loggers]
   previous = sys.unraisablehook
   installed = getattr(previous, "blockspec_quiet", False)
   if not installed:
     sys.unraisablehook = _drop_orbax_debris(previous)
+  asyncio_logger = loggers[1]
+  filtered = _ASYNCIO_FILTER in asyncio_logger.filters
+  asyncio_logger.addFilter(_ASYNCIO_FILTER)
   for logger in loggers:
     logger.setLevel(logging.CRITICAL + 1)
   failed = False
@@ -248,6 +271,8 @@ def _quiet():
       logger.setLevel(level)
     if not failed and not installed and getattr(sys.unraisablehook, "blockspec_quiet", False):
       sys.unraisablehook = previous
+    if not failed and not filtered:
+      asyncio_logger.removeFilter(_ASYNCIO_FILTER)
 
 
 def _one_line(e: BaseException) -> str:
