@@ -311,6 +311,34 @@ def test_a_run_stopped_between_accumulated_updates_resumes_exactly(tmp_path):
   assert float(jnp.abs(straight.state.trainable["w"]).max()) > 0
 
 
+def test_a_donating_step_computes_the_same_state_and_frees_the_one_passed_in(tmp_path):
+  """``make_train_step(donate=True)``, what ``fit`` runs: the new state is the non-donating step's bit for bit, and
+  the state passed in is deleted (its buffers became the new state's, so the two never coexist). ``fit`` copies a
+  fresh state first: the caller's initial arrays survive the run, unchanged."""
+  def loss_fn(trainable, frozen, batch, key):
+    return jnp.mean((trainable["w"] @ frozen["x"] - batch["y"]) ** 2) + 0.01 * jax.random.normal(key), {}
+  opt = trainer.make_optimizer("adamw", 0.05, "cosine", 1, 4, 0.01, 1.0)
+  frozen, batch = {"x": jnp.eye(8) * 2.0}, {"y": jnp.ones((8, 8))}
+  init = {"w": jax.random.normal(jax.random.key(1), (8, 8))}
+  kept, donated = trainer.init_state(init, opt), trainer.init_state({"w": jnp.array(init["w"], copy=True)}, opt)
+  plain, donating = trainer.make_train_step(loss_fn, opt), trainer.make_train_step(loss_fn, opt, donate=True)
+  for step in range(3):
+    new_kept, _ = plain(kept, frozen, batch, jax.random.key(step))
+    new_donated, _ = donating(donated, frozen, batch, jax.random.key(step))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(kept))
+    assert all(x.is_deleted() for x in jax.tree.leaves(donated))
+    kept, donated = new_kept, new_donated
+    for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(donated)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  before = np.asarray(init["w"]).copy()
+  result = trainer.fit(loss_fn=loss_fn, optimizer=opt, trainable=init, frozen=frozen, batch_fn=lambda s, t: batch,
+                       key=jax.random.key(0), workdir=tmp_path,
+                       loop=trainer.Loop(num_steps=4, checkpoint_every=2, progress=False, plot=False))
+  assert not init["w"].is_deleted()
+  np.testing.assert_array_equal(np.asarray(init["w"]), before)
+  assert not np.array_equal(np.asarray(result.state.trainable["w"]), before)
+
+
 def test_fit_drops_metrics_past_the_checkpoint_it_resumes_from(tmp_path):
   straight = _quadratic_fit(tmp_path / "a", 8)
   _quadratic_fit(tmp_path / "b", 8, stop_after=4)  # checkpoints 3 and 4 (the stop's own save)
