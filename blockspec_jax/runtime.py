@@ -1,7 +1,8 @@
 """The process a job runs in: memory, compiled programs, JAX's persistent compilation cache, the first compile's
 announcement, and where reports go.
 
-* :func:`peak_rss_gb`; :func:`release_programs_if_near_map_limit` (drop compiled programs before a long-lived process
+* :func:`peak_rss_gb`; :func:`fix_mmap_threshold` (freed arrays go back to the system: a long run's heap does not
+  grow); :func:`release_programs_if_near_map_limit` (drop compiled programs before a long-lived process
   runs out of memory mappings); :func:`backend_compiles` (programs compiled so far: says whether a timed section
   compiled);
 * :func:`compiling` (``compiling <label> …`` with a spinner, every first compile says it is compiling);
@@ -27,7 +28,7 @@ import time
 from blockspec_jax.checks import UsageError
 from blockspec_jax.paths import default_cache_dir
 
-__all__ = ["peak_rss_gb", "mapped_regions", "max_mapped_regions", "release_programs_if_near_map_limit",
+__all__ = ["peak_rss_gb", "fix_mmap_threshold", "mapped_regions", "max_mapped_regions", "release_programs_if_near_map_limit",
            "backend_compiles", "compiling", "COMPILE_CACHE_ENV_VAR", "COMPILE_CACHE_MAX_BYTES",
            "enable_compilation_cache", "is_main_process", "sync_processes", "check_output_dir", "check_output_file",
            "write_report", "describe_devices"]
@@ -36,6 +37,29 @@ __all__ = ["peak_rss_gb", "mapped_regions", "max_mapped_regions", "release_progr
 def peak_rss_gb() -> float:
   """Peak resident memory of this process in GB (10^9 bytes); Linux reports ``ru_maxrss`` in KiB."""
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def fix_mmap_threshold(nbytes: int = 1 << 20) -> bool:
+  """Has glibc's ``malloc`` map every block of at least ``nbytes`` on its own (``mallopt(M_MMAP_THRESHOLD)``, as
+  ``MALLOC_MMAP_THRESHOLD_=<nbytes>`` would), so a freed array goes back to the system. By default the threshold is
+  dynamic: each freed mapped block raises it, up to 32 MiB, and from then on arrays under it (a 0.5B model's weight
+  matrices and their optimizer moments are 2-17 MiB each) come from the heap, where freed ones stay resident between
+  live ones. A long training process that saves or restores checkpoints grows that way by gigabytes (an SD² run
+  resumed from a checkpoint: 23.3 GB peak against 18.1 GB with the threshold fixed, on the same run). Returns whether
+  the threshold was set: False off glibc, and when ``MALLOC_MMAP_THRESHOLD_`` is set (the user's choice stands).
+  Process-wide: called by the command-line entry points, never by library code."""
+  if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 4096:
+    raise ValueError(f"the mmap threshold must be an integer of at least 4096 bytes, got {nbytes!r}")
+  if "MALLOC_MMAP_THRESHOLD_" in os.environ or not sys.platform.startswith("linux"):
+    return False
+  import ctypes
+  try:
+    libc = ctypes.CDLL("libc.so.6")
+    mallopt = libc.mallopt
+  except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+    return False
+  m_mmap_threshold = -3
+  return bool(mallopt(m_mmap_threshold, nbytes))
 
 
 def mapped_regions() -> int | None:

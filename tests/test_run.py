@@ -2,6 +2,9 @@
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -290,6 +293,47 @@ def test_compiled_programs_are_released_near_the_map_limit(monkeypatch):
     runtime.release_programs_if_near_map_limit(0)
 
 
+_HEAP_SCRIPT = """
+import os, sys
+import numpy as np
+from blockspec_jax import runtime
+def rss_mb():
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+if sys.argv[1] == "fixed":
+  assert runtime.fix_mmap_threshold()
+big = np.ones(16 << 17)  # 16 MiB, mapped on its own; freeing it raises glibc's dynamic threshold to 16 MiB
+del big
+arrays, pins = [], []
+for _ in range(40):  # 8 MiB arrays (under the raised threshold: heap), each followed by a small live block
+  arrays.append(np.ones(1 << 20))
+  pins.append(np.ones(1 << 14))
+before = rss_mb()
+del arrays
+print(round(before - rss_mb()))
+"""
+
+
+def test_a_fixed_mmap_threshold_gives_freed_arrays_back_to_the_system():
+  """runtime.fix_mmap_threshold (the training command calls it): 40 freed arrays of 8 MiB between live small blocks
+  stay resident under glibc's dynamic threshold once a 16 MiB array has been freed (the heap cannot shrink past
+  live blocks), and go back to the system with the threshold fixed at 1 MiB. A user's MALLOC_MMAP_THRESHOLD_
+  stands."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+  released = {}
+  for mode in ("dynamic", "fixed"):
+    proc = subprocess.run([sys.executable, "-c", _HEAP_SCRIPT, mode], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    released[mode] = int(proc.stdout.split()[-1])
+  assert released["dynamic"] < 40 and released["fixed"] > 300, released
+  with pytest.raises(ValueError, match="at least 4096 bytes"):
+    runtime.fix_mmap_threshold(100)
+  proc = subprocess.run([sys.executable, "-c", "from blockspec_jax import runtime; print(runtime.fix_mmap_threshold())"],
+                        capture_output=True, text=True, env={**env, "MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=120)
+  assert proc.stdout.split()[-1] == "False", proc.stderr[-2000:]
+
+
 def test_methods_name_every_registered_rule_and_drafter():
   import types
 
@@ -387,7 +431,6 @@ def test_main_job_runs_the_target_reading_drafters_from_gin(tmp_path, capsys):
   target's own next-token head) raw and rescored, and a zero SD² map (exactly the plain drafter, so block@steered
   emits block's tokens), all loaded from run directories as trained parts are."""
   import jax
-  import numpy as np
   from blockspec_jax.drafters import heads as heads_lib, lattice, steer as steer_lib
   from blockspec_jax.models import hub
   from blockspec_jax.train import heads as heads_train, steer as steer_train
