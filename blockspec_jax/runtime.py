@@ -28,9 +28,9 @@ import time
 from blockspec_jax.checks import UsageError
 from blockspec_jax.paths import default_cache_dir
 
-__all__ = ["peak_rss_gb", "fix_mmap_threshold", "mapped_regions", "max_mapped_regions", "release_programs_if_near_map_limit",
-           "backend_compiles", "compiling", "COMPILE_CACHE_ENV_VAR", "COMPILE_CACHE_MAX_BYTES",
-           "enable_compilation_cache", "is_main_process", "sync_processes", "check_output_dir", "check_output_file",
+__all__ = ["peak_rss_gb", "fix_mmap_threshold", "mapped_regions", "max_mapped_regions",
+           "release_programs_if_near_map_limit", "backend_compiles", "compiling", "COMPILE_CACHE_ENV_VAR",
+           "COMPILE_CACHE_MAX_BYTES", "enable_compilation_cache", "is_main_process", "sync_processes", "check_output_dir", "check_output_file",
            "write_report", "describe_devices"]
 
 
@@ -45,7 +45,7 @@ def fix_mmap_threshold(nbytes: int = 1 << 20) -> bool:
   dynamic: each freed mapped block raises it, up to 32 MiB, and from then on arrays under it (a 0.5B model's weight
   matrices and their optimizer moments are 2-17 MiB each) come from the heap, where freed ones stay resident between
   live ones. A long training process that saves or restores checkpoints grows that way by gigabytes (an SD² run
-  resumed from a checkpoint: 23.3 GB peak against 18.1 GB with the threshold fixed, on the same run). Returns whether
+  resumed from a checkpoint: 23.3 GB peak against 18.2 GB with the threshold fixed, on the same run). Returns whether
   the threshold was set: False off glibc, and when ``MALLOC_MMAP_THRESHOLD_`` is set (the user's choice stands).
   Process-wide: called by the command-line entry points, never by library code."""
   if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 4096:

@@ -329,8 +329,9 @@ def test_a_fixed_mmap_threshold_gives_freed_arrays_back_to_the_system():
   assert released["dynamic"] < 40 and released["fixed"] > 300, released
   with pytest.raises(ValueError, match="at least 4096 bytes"):
     runtime.fix_mmap_threshold(100)
-  proc = subprocess.run([sys.executable, "-c", "from blockspec_jax import runtime; print(runtime.fix_mmap_threshold())"],
-                        capture_output=True, text=True, env={**env, "MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=120)
+  script = "from blockspec_jax import runtime; print(runtime.fix_mmap_threshold())"
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        env={**env, "MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=120)
   assert proc.stdout.split()[-1] == "False", proc.stderr[-2000:]
 
 
