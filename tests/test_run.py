@@ -301,7 +301,7 @@ def rss_mb():
   with open("/proc/self/statm") as f:
     return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 if sys.argv[1] == "fixed":
-  assert runtime.fix_mmap_threshold()
+  assert runtime.limit_heap_growth(arenas=8) == {"mmap_threshold": 1 << 20, "arenas": 8}
 big = np.ones(16 << 17)  # 16 MiB, mapped on its own; freeing it raises glibc's dynamic threshold to 16 MiB
 del big
 arrays, pins = [], []
@@ -315,10 +315,10 @@ print(round(before - rss_mb()))
 
 
 def test_a_fixed_mmap_threshold_gives_freed_arrays_back_to_the_system():
-  """runtime.fix_mmap_threshold (the training command calls it): 40 freed arrays of 8 MiB between live small blocks
-  stay resident under glibc's dynamic threshold once a 16 MiB array has been freed (the heap cannot shrink past
-  live blocks), and go back to the system with the threshold fixed at 1 MiB. A user's MALLOC_MMAP_THRESHOLD_
-  stands."""
+  """runtime.limit_heap_growth (the training command calls it first): 40 freed arrays of 8 MiB between live small
+  blocks stay resident under glibc's dynamic threshold once a 16 MiB array has been freed (the heap cannot shrink
+  past live blocks), and go back to the system with the threshold fixed at 1 MiB. A user's MALLOC_MMAP_THRESHOLD_ or
+  MALLOC_ARENA_MAX stands: that setting is not made."""
   env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
   released = {}
   for mode in ("dynamic", "fixed"):
@@ -327,12 +327,15 @@ def test_a_fixed_mmap_threshold_gives_freed_arrays_back_to_the_system():
     assert proc.returncode == 0, proc.stderr[-2000:]
     released[mode] = int(proc.stdout.split()[-1])
   assert released["dynamic"] < 40 and released["fixed"] > 300, released
-  with pytest.raises(ValueError, match="at least 4096 bytes"):
-    runtime.fix_mmap_threshold(100)
-  script = "from blockspec_jax import runtime; print(runtime.fix_mmap_threshold())"
-  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                        env={**env, "MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=120)
-  assert proc.stdout.split()[-1] == "False", proc.stderr[-2000:]
+  for bad, message in (({"mmap_threshold": 100}, "mmap_threshold must be an integer of at least 4096"),
+                       ({"arenas": 0}, "arenas must be an integer of at least 1")):
+    with pytest.raises(ValueError, match=message):
+      runtime.limit_heap_growth(**bad)
+  script = "from blockspec_jax import runtime; print(sorted(runtime.limit_heap_growth()))"
+  for var, left in (("MALLOC_MMAP_THRESHOLD_", "['arenas']"), ("MALLOC_ARENA_MAX", "['mmap_threshold']")):
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env={**env, var: "65536"},
+                          timeout=120)
+    assert proc.stdout.strip().splitlines()[-1] == left, proc.stderr[-2000:]
 
 
 def test_methods_name_every_registered_rule_and_drafter():

@@ -86,7 +86,7 @@ def main(argv=None) -> int:
   with cli.cli_errors(parser.prog):
     if not args.gin_file:
       raise checks_lib.UsageError("give a job with --gin_file gin/train/<job>.gin")
-    runtime.fix_mmap_threshold()  # checkpoint saves and restores otherwise grow the heap by gigabytes
+    runtime.limit_heap_growth()  # checkpoint saves and restores otherwise grow the heap by gigabytes
     cli.join_multihost_from_env()
     _jobs()  # every job's configurables registered before the files are parsed
     cli.parse_gin(args.gin_file, args.gin_param)
