@@ -50,8 +50,9 @@ def limit_heap_growth(mmap_threshold: int = 1 << 20, arenas: int = 1) -> dict[st
     checkpoint saves run in tensorstore's threads, whose arenas fragment, so each save's peak was higher than the last
     (saving one 2.3 GB state 8 times: resident 2.8 -> 4.3 GB with the default arenas, flat at 3.0 GB with one).
 
-  Measured on an SD² run resumed from a checkpoint: 23.3 GB peak before, 18.2 GB with the threshold fixed; the
-  per-save growth (21.45 -> 22.30 -> 23.42 GB at three saves of a 358M-parameter state) is the arenas'. An environment
+  Measured on an SD² run resumed from a checkpoint: 23.3 GB peak before, 18.2 GB with the threshold fixed. The
+  arena limit removes the growth over repeated saves in ``eval.bench_train_memory``; on the real run (358M trained
+  parameters) saves still raised the peak after it (docs/results/sd2.md). An environment
   setting (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_ARENA_MAX``) stands: that one is not made. Process-wide: called first
   thing by the training command, never by library code."""
   for name, value, least in (("mmap_threshold", mmap_threshold, 4096), ("arenas", arenas, 1)):
