@@ -1,7 +1,7 @@
 """The process a job runs in: memory, compiled programs, JAX's persistent compilation cache, the first compile's
 announcement, and where reports go.
 
-* :func:`peak_rss_gb`; :func:`limit_heap_growth` (freed arrays go back to the system: a long run's heap does not
+* :func:`peak_rss_gb`, :func:`resident_gb`; :func:`limit_heap_growth` (freed arrays go back to the system: a long run's heap does not
   grow); :func:`release_programs_if_near_map_limit` (drop compiled programs before a long-lived process
   runs out of memory mappings); :func:`backend_compiles` (programs compiled so far: says whether a timed section
   compiled);
@@ -28,7 +28,7 @@ import time
 from blockspec_jax.checks import UsageError
 from blockspec_jax.paths import default_cache_dir
 
-__all__ = ["peak_rss_gb", "limit_heap_growth", "mapped_regions", "max_mapped_regions",
+__all__ = ["peak_rss_gb", "resident_gb", "limit_heap_growth", "mapped_regions", "max_mapped_regions",
            "release_programs_if_near_map_limit", "backend_compiles", "compiling", "COMPILE_CACHE_ENV_VAR",
            "COMPILE_CACHE_MAX_BYTES", "enable_compilation_cache", "is_main_process", "sync_processes", "check_output_dir", "check_output_file",
            "write_report", "describe_devices"]
@@ -37,6 +37,13 @@ __all__ = ["peak_rss_gb", "limit_heap_growth", "mapped_regions", "max_mapped_reg
 def peak_rss_gb() -> float:
   """Peak resident memory of this process in GB (10^9 bytes); Linux reports ``ru_maxrss`` in KiB."""
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def resident_gb() -> float:
+  """Resident memory of this process now, in GB (10^9 bytes), from ``/proc/self/statm``; :func:`peak_rss_gb` is the
+  peak. Linux only."""
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
 
 
 def limit_heap_growth(mmap_threshold: int = 1 << 20, arenas: int = 1) -> dict[str, int]:

@@ -294,12 +294,9 @@ def test_compiled_programs_are_released_near_the_map_limit(monkeypatch):
 
 
 _HEAP_SCRIPT = """
-import os, sys
+import sys
 import numpy as np
 from blockspec_jax import runtime
-def rss_mb():
-  with open("/proc/self/statm") as f:
-    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 if sys.argv[1] == "fixed":
   assert runtime.limit_heap_growth(arenas=8) == {"mmap_threshold": 1 << 20, "arenas": 8}
 big = np.ones(16 << 17)  # 16 MiB, mapped on its own; freeing it raises glibc's dynamic threshold to 16 MiB
@@ -308,9 +305,9 @@ arrays, pins = [], []
 for _ in range(40):  # 8 MiB arrays (under the raised threshold: heap), each followed by a small live block
   arrays.append(np.ones(1 << 20))
   pins.append(np.ones(1 << 14))
-before = rss_mb()
+before = runtime.resident_gb()
 del arrays
-print(round(before - rss_mb()))
+print(round((before - runtime.resident_gb()) * 1e9 / 2**20))
 """
 
 

@@ -32,24 +32,21 @@ MODES = {
 
 _CHILD = """
 import json, pathlib, sys
-arrays, mib, saves, limit, workdir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5]
+arrays, mib, saves, workdir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[5]
 from blockspec_jax import runtime
-if limit:
+if sys.argv[4] == "1":
   runtime.limit_heap_growth()
 import jax
 from blockspec_jax.train import checkpoints, trainer
-def resident_gb():
-  with open("/proc/self/statm") as f:
-    return int(f.read().split()[1]) * 4096 / 1e9
 shape = (mib * 256, 1024)
 init = {f"w{i}": jax.random.normal(jax.random.key(i), shape) for i in range(arrays)}
 state = trainer.init_state(init, trainer.make_optimizer("adamw", 1e-3, "constant"))
 jax.block_until_ready(state)
 manager = checkpoints.make_manager(pathlib.Path(workdir) / "checkpoints", 2, 1)
-rows = [resident_gb()]
+rows = [runtime.resident_gb()]
 for step in range(1, saves + 1):
   checkpoints.save(manager, step, state)
-  rows.append(resident_gb())
+  rows.append(runtime.resident_gb())
 print(json.dumps({"resident_gb": rows, "peak_gb": runtime.peak_rss_gb()}))
 """
 
