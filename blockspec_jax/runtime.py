@@ -1,9 +1,9 @@
 """The process a job runs in: memory, compiled programs, JAX's persistent compilation cache, the first compile's
 announcement, and where reports go.
 
-* :func:`peak_rss_gb`, :func:`resident_gb`; :func:`limit_heap_growth` (freed arrays go back to the system: a long run's heap does not
-  grow); :func:`release_programs_if_near_map_limit` (drop compiled programs before a long-lived process
-  runs out of memory mappings); :func:`backend_compiles` (programs compiled so far: says whether a timed section
+* :func:`peak_rss_gb`, :func:`resident_gb`; :func:`limit_heap_growth` (freed arrays go back to the system: a long
+  run's heap does not grow); :func:`release_programs_if_near_map_limit` (drop compiled programs before a long-lived
+  process runs out of memory mappings); :func:`backend_compiles` (programs compiled so far: says whether a timed section
   compiled);
 * :func:`compiling` (``compiling <label> …`` with a spinner, every first compile says it is compiling);
 * :func:`enable_compilation_cache` (JAX's persistent cache, shared safely by several processes);
