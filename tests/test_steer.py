@@ -337,6 +337,34 @@ def test_replayed_history_is_the_state_decoding_leaves(stride):
                              max_new_tokens=1, history_B=history_B, replay_stride=0)
 
 
+def test_paired_takes_a_steered_entry_with_its_replay_setting_and_refuses_other_unknown_settings(
+    tmp_path, capsys, monkeypatch):
+  """``eval.paired --drafters base,steered:DIR?replay=8`` passes the option checks (``replay`` is the job's setting,
+  not the drafter's: a regression refused it before any model loaded), while a setting neither knows is still one
+  line naming it, before any model loads."""
+  from blockspec_jax import sources
+  from blockspec_jax.eval import paired
+  target, _, drafter_cfg, _ = pair()
+  steer_lib.save_steer(tmp_path, random_map(target, drafter_cfg),
+                       {"target_layers": [0, 1, 2], "steered_layers": list(range(drafter_cfg.num_layers)),
+                        "drafter_layers": drafter_cfg.num_layers, "ffn_dim": drafter_cfg.ffn_dim})
+
+  class Loaded(Exception):
+    pass
+
+  def load_model(*a, **k):
+    raise Loaded
+
+  monkeypatch.setattr(sources, "load_model", load_model)
+  common = ["--target", "smollm2-135m", "--drafter", "smollm2-135m", "--drafters"]
+  with pytest.raises(Loaded):  # every check passed: the first model is being loaded
+    paired.main([*common, f"smollm2-135m,steered:{tmp_path}?replay=8"])
+  with pytest.raises(SystemExit) as exit_info:
+    paired.main([*common, f"smollm2-135m,steered:{tmp_path}?replay=8&stride=2"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert exit_info.value.code == 2 and len(err) == 1 and "has no settings ['stride']" in err[0], err
+
+
 @pytest.mark.slow  # a paired table over a steered drafter; the replay itself is tested by default (stride 1)
 def test_paired_acceptance_replays_a_steered_drafter_history(tmp_path):
   """eval.paired with each context's offset: a steered drafter's rows change exactly where a context has tokens past

@@ -252,12 +252,16 @@ def _trees_main(args, target, drafter_model, prompt_ids, start) -> int:
   return 0
 
 
+#: The settings a ``--drafters`` entry may carry for this job rather than its drafter (``steered:DIR?replay=8``).
+_JOB_SETTINGS = ("replay",)
+
+
 def _trained_entry(name, args) -> tuple[str, dict, int] | None:
   """``(drafter, settings, replay stride)`` of a ``--drafters`` entry naming a drafter with trained parts (checked,
   with its run's record, before any model loads), None for an entry that names a model."""
   from blockspec_jax import checks as checks_lib
   from blockspec_jax import methods
-  spec_ = methods.trained_drafter_spec(name, job_settings=("replay",))
+  spec_ = methods.trained_drafter_spec(name, job_settings=_JOB_SETTINGS)
   if spec_ is None:
     return None
   kind, settings = spec_
@@ -485,7 +489,8 @@ def _check_args(args) -> None:
   check_int(args.replay_stride, "--replay-stride", 0, hint=" (0: every context prefilled as a prompt)",
                  error=checks_lib.UsageError)
   methods.check_settings(gamma=args.gamma, temperatures=(args.temperature,), num_prompts=args.num_prompts,
-                      dtype=args.dtype, models=(args.target, args.drafter, *args.drafter_list))
+                      dtype=args.dtype, models=(args.target, args.drafter, *args.drafter_list),
+                      job_settings=_JOB_SETTINGS)
   from blockspec_jax.data import formats
   try:
     formats.check_system(args.system)
