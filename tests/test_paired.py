@@ -21,6 +21,21 @@ def test_self_drafting_accepts_everything():
   np.testing.assert_allclose(table, np.broadcast_to(np.arange(1, 5, dtype=np.float32), table.shape), rtol=1e-5)
 
 
+def test_progress_counts_the_contexts_batch_by_batch(capsys):
+  """``progress``: a bar over the contexts on stderr, advanced per length batch, naming the batch it compiles; the
+  table is the one without it."""
+  config, target, _ = model_pair()
+  table = paired.paired_acceptance(target, target, PROMPTS, target=config, drafter=ModelDrafter(config), gamma=2,
+                                   temperature=1.0, draws=2, buckets=2, progress="T=1 self")
+  err = capsys.readouterr().err
+  assert "T=1 self" in err and f"{len(PROMPTS)}/{len(PROMPTS)}" in err, err
+  assert "batch 1/2" in err and "batch 2/2" in err and "compiling" in err, err
+  np.testing.assert_allclose(table, np.broadcast_to(np.arange(1, 3, dtype=np.float32), table.shape), rtol=1e-5)
+  paired.paired_acceptance(target, target, PROMPTS, target=config, drafter=ModelDrafter(config), gamma=2,
+                           temperature=1.0, draws=2)
+  assert capsys.readouterr().err == ""  # no bar unless asked
+
+
 def test_rules_agree_at_gamma_one_and_block_wins_on_shared_drafts():
   config, target, drafter = model_pair(noise=1.0)
   table = _table(drafter, config, target, gamma=4, draws=64)

@@ -109,7 +109,8 @@ def length_buckets(lengths: Sequence[int], buckets: int) -> list[np.ndarray]:
 def paired_acceptance(target_params, drafter_params, contexts: Sequence[Sequence[int]], *, target,
                       drafter: Drafter, gamma: int, temperature: float, draws: int, seed: int = 0,
                       verifiers: tuple[str, ...] = ("token", "block"), buckets: int = 1,
-                      offsets: Sequence[int] | None = None, replay_stride: int = 0, mesh=None) -> np.ndarray:
+                      offsets: Sequence[int] | None = None, replay_stride: int = 0, mesh=None,
+                      progress: str | None = None) -> np.ndarray:
   """Ragged token-id ``contexts`` → the ``[draws, contexts, rules, γ]`` table of :func:`expected_accepted_table`.
 
   ``offsets`` (each context's tokens past its prompt, :func:`build_contexts`) with ``replay_stride ≥ 1``: those
@@ -126,7 +127,10 @@ def paired_acceptance(target_params, drafter_params, contexts: Sequence[Sequence
   ``mesh`` (``parallel.make_mesh``, of several devices): each batch's contexts over its ``data`` axis (padded to a
   multiple of it by repeating the last context, the padding cut from the table), both models' parameters laid out as
   ``parallel`` says; every process of a multi-host run passes the same contexts and gets the whole table. A context
-  draws with its own keys wherever it runs, so the table is one device's up to float rounding."""
+  draws with its own keys wherever it runs, so the table is one device's up to float rounding.
+
+  ``progress``: a tqdm bar of that name over the contexts (on stderr), advanced as each batch finishes; each batch
+  compiles its own program (its own width), which the bar's postfix says while it runs."""
   if gamma < 1 or draws < 1:
     raise ValueError(f"gamma and draws must be >= 1, got gamma = {gamma}, draws = {draws}")
   if not contexts or min(len(c) for c in contexts) < 1:
@@ -142,9 +146,15 @@ def paired_acceptance(target_params, drafter_params, contexts: Sequence[Sequence
   mesh, (target_params, drafter_params), keys_D, rows = parallel.layout_rows(
       mesh, (target_params, drafter_params), jax.random.split(jax.random.key(seed), draws))
   table_DxBxRxG = None
-  for run in length_buckets([len(c) for c in contexts], buckets):
+  runs = length_buckets([len(c) for c in contexts], buckets)
+  from tqdm import tqdm
+  bar = tqdm(total=len(contexts), desc=progress, unit="context", dynamic_ncols=True, file=sys.stderr,
+             disable=progress is None)
+  for batch, run in enumerate(runs):
     full = parallel.pad_rows(run, len(run) + -len(run) % rows)  # run itself on one device
     tokens_BxP, prompt_len_B = spec.prepare_prompts([list(contexts[i]) for i in full])
+    bar.set_postfix_str(f"batch {batch + 1}/{len(runs)}: {len(run)} contexts of width {tokens_BxP.shape[1]}, compiling "
+                        "and running", refresh=True)
     row_ids_B, history_B = full.astype(np.int32), (offsets[full] if replay else None)
     if mesh is not None:
       row_ids_B, tokens_BxP, prompt_len_B = parallel.shard_batch(mesh, row_ids_B, tokens_BxP, prompt_len_B)
@@ -156,6 +166,8 @@ def paired_acceptance(target_params, drafter_params, contexts: Sequence[Sequence
     if table_DxBxRxG is None:
       table_DxBxRxG = np.zeros((part.shape[0], len(contexts), *part.shape[2:]), part.dtype)
     table_DxBxRxG[:, run] = part
+    bar.update(len(run))
+  bar.close()
   return table_DxBxRxG
 
 
@@ -315,7 +327,6 @@ def _drafters_main(args, target, prompt_rows, prompt_ids, start) -> int:
   finished comparison takes more drafters appended to its list (only theirs are measured)."""
   from blockspec_jax import checks as checks_lib
   from blockspec_jax import methods
-  from blockspec_jax import runtime
   from blockspec_jax.eval import paired_drafters as pd
   path = pathlib.Path(args.json)
   saved = json.loads(path.read_text()) if path.exists() else {}
@@ -344,12 +355,13 @@ def _drafters_main(args, target, prompt_rows, prompt_ids, start) -> int:
       drafter_obj, drafter_params, stride = _paired_drafter(name, target, args)
       draws = 1 if temperature == 0 else args.draws  # greedy drafts are the same in every draw
       t0 = time.perf_counter()
-      with runtime.compiling(f"T = {temperature:g}, drafter {label} ({len(contexts)} contexts × {draws} drafts)"):
-        table = paired_acceptance(target.params["params"], drafter_params, contexts,
-                                  target=target.config, drafter=drafter_obj, gamma=args.gamma,
-                                  temperature=temperature, draws=draws, seed=args.seed, verifiers=rules,
-                                  buckets=args.buckets, offsets=offsets, replay_stride=stride or 0,
-                                  mesh=args.device_mesh)
+      print(f"T = {temperature:g}, drafter {label}: {len(contexts)} contexts × {draws} drafts in {args.buckets} "
+            "batches of similar length (each batch compiles its own program)", file=sys.stderr, flush=True)
+      table = paired_acceptance(target.params["params"], drafter_params, contexts,
+                                target=target.config, drafter=drafter_obj, gamma=args.gamma,
+                                temperature=temperature, draws=draws, seed=args.seed, verifiers=rules,
+                                buckets=args.buckets, offsets=offsets, replay_stride=stride or 0,
+                                mesh=args.device_mesh, progress=f"T={temperature:g} {label}")
       del drafter_obj, drafter_params
       results.append(dict(temperature=temperature, drafter=label, name=name, tasks=tasks, offsets=offsets,
                           replay_stride=stride,
@@ -488,9 +500,10 @@ def _check_args(args) -> None:
     check_int(value, option, error=checks_lib.UsageError)
   check_int(args.replay_stride, "--replay-stride", 0, hint=" (0: every context prefilled as a prompt)",
                  error=checks_lib.UsageError)
+  # a trained drafter's entry is checked once, with its run's record and its replay setting (_trained_entry)
+  models = [entry for entry in args.drafter_list if _trained_entry(entry, args) is None]
   methods.check_settings(gamma=args.gamma, temperatures=(args.temperature,), num_prompts=args.num_prompts,
-                      dtype=args.dtype, models=(args.target, args.drafter, *args.drafter_list),
-                      job_settings=_JOB_SETTINGS)
+                         dtype=args.dtype, models=(args.target, args.drafter, *models))
   from blockspec_jax.data import formats
   try:
     formats.check_system(args.system)
@@ -506,8 +519,6 @@ def _check_args(args) -> None:
   if args.drafters is not None:
     if not args.drafter_list:
       raise checks_lib.UsageError("--drafters: give at least one drafter")
-    for entry in args.drafter_list:
-      _trained_entry(entry, args)  # a trained drafter's run and settings, before any model loads
   runtime.check_output_file(args.json, "the report (--json)")
   args.mesh_shape = parallel.parse_mesh_shape(args.mesh)
   args.device_mesh = parallel.job_mesh(args.mesh_shape)
