@@ -23,4 +23,4 @@ def test_every_mode_reports_one_resident_figure_per_save(tmp_path, capsys):
 def test_sizes_below_one_are_refused(capsys):
   with pytest.raises(SystemExit):
     bench_train_memory.main(["--saves", "0"])
-  assert "must be at least 1, got 0" in capsys.readouterr().err
+  assert "--saves: the value must be an integer >= 1, got 0" in capsys.readouterr().err

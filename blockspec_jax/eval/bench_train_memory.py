@@ -65,10 +65,9 @@ def measure(mode: str, arrays: int, mib: int, saves: int) -> dict:
 
 
 def _positive(text: str) -> int:
-  value = int(text)
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-  return value
+  """An argparse type: ``checks.check_int``'s rule (an integer >= 1) and its message."""
+  from blockspec_jax.checks import check_int
+  return check_int(int(text), "the value", error=argparse.ArgumentTypeError)
 
 
 def main(argv=None) -> int:
