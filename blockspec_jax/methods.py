@@ -206,13 +206,12 @@ def _sequence(value, name: str) -> tuple:
 
 def check_settings(*, gamma=None, gammas=None, methods=None, known_methods: Sequence[str] | None = None,
                    temperatures=None, max_new_tokens=None, num_prompts=None, dtype: str | None = None,
-                   models: Iterable[str] = (), job_settings: Sequence[str] = ()) -> None:
+                   models: Iterable[str] = ()) -> None:
   """Check a job's settings before anything heavy runs (no model is loaded); raises :class:`UsageError`.
 
   ``gammas``, ``methods`` and ``temperatures`` (when given) must be non-empty tuples or lists. ``methods`` are checked
   with :func:`parse_method` (every registered verifier, optionally ``@drafter``) unless ``known_methods`` lists the
-  only allowed names. ``models``: registry names, local paths or trained drafters' entries (:func:`check_model_name`;
-  ``job_settings``: the keys such an entry may carry for the calling job, e.g. ``eval.paired``'s ``replay``)."""
+  only allowed names. ``models``: registry names, local paths or trained drafters' entries (:func:`check_model_name`)."""
   if gamma is not None:
     check_gamma(gamma)
   if gammas is not None:
@@ -238,7 +237,7 @@ def check_settings(*, gamma=None, gammas=None, methods=None, known_methods: Sequ
   if dtype is not None and dtype not in ("float32", "bfloat16"):
     raise UsageError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
   for name in models:
-    check_model_name(name, job_settings)
+    check_model_name(name)
 
 
 def check_cache_room(prompt_width: int, max_new_tokens: int, draft_nodes: int, *configs) -> int:
@@ -322,11 +321,10 @@ def drafter_labels(names) -> list[str]:
   return labels
 
 
-def check_model_name(name, job_settings: Sequence[str] = ()) -> None:
+def check_model_name(name) -> None:
   """What :func:`load_model` would refuse at once (unknown names, missing paths, a bad ``@step``), without loading;
-  a :class:`UsageError`. ``job_settings``: keys a trained drafter's entry may carry for the calling job
-  (:func:`trained_drafter_spec`)."""
-  if trained_run_spec(name) is not None or trained_drafter_spec(name, job_settings) is not None:
+  a :class:`UsageError` (a trained drafter's entry: :func:`trained_drafter_spec`'s checks)."""
+  if trained_run_spec(name) is not None or trained_drafter_spec(name) is not None:
     return
   from blockspec_jax.models import hub
   try:
