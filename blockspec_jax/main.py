@@ -9,7 +9,8 @@ The job is the one whose settings the gin files bind (``JOBS``: the main job ``r
 jobs ``distill_job``, ``sprinter_job``, ``heads_job``, ``steer_job``, which also take ``--workdir``; and the
 argparse commands ``ARGPARSE_JOBS`` (``paired``, ``bench_decode``, ``bench_peer``, ``bench_trees``,
 ``bench_verify``, ``bench_sampling``, ``sprinter_transfer``, ``build_prompts``), whose gin settings are their
-options by dest with the parser's defaults, e.g. ``paired.num_prompts = 24``). Gin files compose with ``include``; bindings of two different jobs are refused.
+options by dest with the parser's defaults, e.g. ``paired.num_prompts = 24``). Gin files compose with ``include``;
+bindings of two different jobs are refused.
 Each job's own command (``python -m blockspec_jax.run``, ``python -m blockspec_jax.eval.suite``, ``python -m
 blockspec_jax.train``, ``python -m blockspec_jax.eval.paired --num-prompts 24``, …) does the same for its job alone.
 """

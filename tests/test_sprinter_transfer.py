@@ -88,7 +88,7 @@ def test_mistakes_are_one_line_before_any_model_loads(tmp_path, capsys, monkeypa
   assert len(err.splitlines()) == 1 and message in err, err
 
 
-def test_smollm2_end_to_end_keeps_its_labels(tmp_path, capsys):
+def test_smollm2_end_to_end_keeps_its_labels(tmp_path, capsys, monkeypatch):
   """SmolLM2 drafting for itself (every label 1: q = p): the report, its labels file, a rerun that reads them, and
   another format refused on the same labels file."""
   head_dir = _fake_run(tmp_path)
@@ -104,8 +104,12 @@ def test_smollm2_end_to_end_keeps_its_labels(tmp_path, capsys):
   assert list(result["by_task"]) == list(dict.fromkeys(tasks)) and "collecting sampled labels" in first
   assert sum(sub["num"] for sub in result["by_task"].values()) == result["num"]
   assert (tmp_path / "transfer_labels.npz").is_file()
+  from blockspec_jax import sources
+  loaded, load = [], sources.load_model
+  monkeypatch.setattr(sources, "load_model", lambda name, *a, **k: loaded.append(name) or load(name, *a, **k))
   assert st.main(argv) == 0
   assert "labels read from" in capsys.readouterr().out
+  assert loaded == ["smollm2-135m"]  # the target's tokenizer keys the labels; no drafter without a collection
   assert json.loads(out.read_text())["report"] == result["report"]
   with pytest.raises(SystemExit):
     st.main(argv + ["--system", "none"])

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from blockspec_jax.checks import UsageError
 
-__all__ = ["SYSTEM_DEFAULT", "SYSTEM_NONE", "check_system", "system_setting", "chat_text"]
+__all__ = ["SYSTEM_DEFAULT", "SYSTEM_NONE", "SYSTEM_OPTION_HELP", "check_system", "check_system_option",
+           "system_setting", "chat_text"]
 
 #: ``system`` values (``prompts.encode_prompts``) that are not a message: the template's own rendering of a user turn
 #: (Qwen2.5's and SmolLM2's insert their default system message) and no system turn at all.
 SYSTEM_DEFAULT, SYSTEM_NONE = "default", "none"
 _SENTINEL = "\u2063system\u2063"  # a system message no template rewrites (invisible separators)
+#: The help of a command's ``--system`` option (:func:`check_system_option`).
+SYSTEM_OPTION_HELP = "each prompt's system turn: 'default' (the chat template's own), 'none', or a system message"
 
 
 def check_system(system, chat: bool = True) -> tuple[str, ...]:
@@ -25,6 +28,14 @@ def check_system(system, chat: bool = True) -> tuple[str, ...]:
   if not chat and formats != (SYSTEM_DEFAULT,):
     raise UsageError(f"system={system!r} needs chat-templated prompts (chat=True): a plain prompt has no system turn")
   return formats
+
+
+def check_system_option(system, option: str = "--system") -> tuple[str, ...]:
+  """:func:`check_system` for a command's option: its UsageError names ``option`` first."""
+  try:
+    return check_system(system)
+  except UsageError as e:
+    raise UsageError(f"{option}: {e}") from None
 
 
 def system_setting(system, chat: bool = True):

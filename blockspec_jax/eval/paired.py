@@ -438,14 +438,14 @@ def format_trees(results, temperatures) -> str:
 def build_parser() -> argparse.ArgumentParser:
   """The command line (also the gin job ``paired``'s settings and defaults, ``blockspec_jax.main``)."""
   from blockspec_jax import methods
+  from blockspec_jax.data import formats
   from blockspec_jax.data import prompts as prompts_lib
   ap = argparse.ArgumentParser(prog="python -m blockspec_jax.eval.paired", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--target", default=methods.DEFAULT_TARGET)
   ap.add_argument("--drafter", default=methods.DEFAULT_DRAFTER)
   ap.add_argument("--prompts", default=str(prompts_lib.DEFAULT_PROMPTS))
-  ap.add_argument("--system", default="default",
-                  help="each prompt's system turn: 'default' (the chat template's own), 'none', or a system message")
+  ap.add_argument("--system", default=formats.SYSTEM_DEFAULT, help=formats.SYSTEM_OPTION_HELP)
   ap.add_argument("--num-prompts", type=int, default=3)
   ap.add_argument("--sample-tokens", type=int, default=32)
   ap.add_argument("--positions", type=int, default=4)
@@ -505,10 +505,7 @@ def _check_args(args) -> None:
   methods.check_settings(gamma=args.gamma, temperatures=(args.temperature,), num_prompts=args.num_prompts,
                          dtype=args.dtype, models=(args.target, args.drafter, *models))
   from blockspec_jax.data import formats
-  try:
-    formats.check_system(args.system)
-  except checks_lib.UsageError as e:
-    raise checks_lib.UsageError(f"--system: {e}") from None
+  formats.check_system_option(args.system)
   if args.drafters is not None and args.trees:
     raise checks_lib.UsageError("--drafters and --trees are separate measurements; give one")
   if args.drafters is None and not args.trees and args.temperature_given:

@@ -115,12 +115,12 @@ def run_settings(head_dir) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
+  from blockspec_jax.data import formats
   ap = argparse.ArgumentParser(prog="python -m blockspec_jax.eval.sprinter_transfer", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--head", required=True, help="a sprinter_job run directory (head.npz, head.json, metrics.json)")
   ap.add_argument("--prompts", default="other", help="a shipped prompt set by name (other, six, default) or a JSONL")
-  ap.add_argument("--system", default="default",
-                  help="each prompt's system turn: 'default' (the chat template's own), 'none', or a system message")
+  ap.add_argument("--system", default=formats.SYSTEM_DEFAULT, help=formats.SYSTEM_OPTION_HELP)
   ap.add_argument("--num-prompts", type=int, default=None, help="the first N prompts (default all)")
   ap.add_argument("--first-row", type=int, default=0,
                   help="the first prompt's row id, which keys its sampled continuation: a run's own held-out prompts "
@@ -147,28 +147,26 @@ def main(argv=None) -> int:
     if args.num_prompts is not None:
       checks_lib.check_int(args.num_prompts, "--num-prompts", error=checks_lib.UsageError)
     checks_lib.check_int(args.first_row, "--first-row", 0, error=checks_lib.UsageError)
-    try:
-      formats.check_system(args.system)
-    except checks_lib.UsageError as e:
-      raise checks_lib.UsageError(f"--system: {e}") from None
+    formats.check_system_option(args.system)
     runtime.check_output_file(args.json, "the report (--json)")
     rows = prompts_lib.load_prompts(args.prompts, limit=args.num_prompts)
     try:
       head, _ = load_head(args.head)
     except ValueError as e:
       raise checks_lib.UsageError(f"--head {args.head}: {e}") from None
-    target = sources.load_model(run["target"], run["dtype"], scan_layers=True)
-    drafter = sources.load_model(run["drafter"], run["dtype"], scan_layers=True)
-    sources.check_pair(target, drafter)
-    if int(head["w_D"].shape[0]) != drafter.config.d_model:
-      raise checks_lib.UsageError(f"--head {args.head}: a head of D = {head['w_D'].shape[0]}, the drafter "
-                                  f"{run['drafter']} has D = {drafter.config.d_model}")
+    target = sources.load_model(run["target"], run["dtype"], scan_layers=True)  # its tokenizer keys the cache
     prompt_ids = prompts_lib.encode_prompts(target, rows, True, args.system)
     path = pathlib.Path(args.json)
     labels_path = path.with_name(f"{path.stem}_labels.npz")
     meta = {**run, "prompts": args.prompts, "system": args.system, "first_row": args.first_row,
             "prompt_ids_sha256": hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest()}
     data = pools.read_cached(labels_path, meta, sprinter_lib.load_labels, redo=str(labels_path))
+    if data is None:  # the drafter only to collect
+      drafter = sources.load_model(run["drafter"], run["dtype"], scan_layers=True)
+      sources.check_pair(target, drafter)
+      if int(head["w_D"].shape[0]) != drafter.config.d_model:
+        raise checks_lib.UsageError(f"--head {args.head}: a head of D = {head['w_D'].shape[0]}, the drafter "
+                                    f"{run['drafter']} has D = {drafter.config.d_model}")
   if data is not None:
     print(f"labels read from {labels_path} (collected with the same run, prompts and format)", flush=True)
   else:
