@@ -8,9 +8,9 @@ The job is the one whose settings the gin files bind (``JOBS``: the main job ``r
 ``bench_mesh``, the theory report ``theory_report``; the training
 jobs ``distill_job``, ``sprinter_job``, ``heads_job``, ``steer_job``, which also take ``--workdir``; and the
 argparse commands ``ARGPARSE_JOBS`` (``paired``, ``bench_decode``, ``bench_peer``, ``bench_trees``,
-``bench_verify``, ``bench_sampling``, ``sprinter_transfer``, ``build_prompts``), whose gin settings are their
-options by dest with the parser's defaults, e.g. ``paired.num_prompts = 24``). Gin files compose with ``include``;
-bindings of two different jobs are refused.
+``bench_verify``, ``bench_sampling``, ``sprinter_transfer``, ``heads_transfer``, ``build_prompts``), whose gin
+settings are their options by dest with the parser's defaults, e.g. ``paired.num_prompts = 24``). Gin files compose
+with ``include``; bindings of two different jobs are refused.
 Each job's own command (``python -m blockspec_jax.run``, ``python -m blockspec_jax.eval.suite``, ``python -m
 blockspec_jax.train``, ``python -m blockspec_jax.eval.paired --num-prompts 24``, …) does the same for its job alone.
 """
@@ -51,6 +51,7 @@ ARGPARSE_JOBS = {
     "bench_verify": "blockspec_jax.eval.bench_verify",
     "bench_sampling": "blockspec_jax.eval.bench_sampling",
     "sprinter_transfer": "blockspec_jax.eval.sprinter_transfer",
+    "heads_transfer": "blockspec_jax.eval.heads_transfer",
     "build_prompts": "blockspec_jax.data.prompts",
 }
 _ARGPARSE_CONFIGURABLES: dict = {}

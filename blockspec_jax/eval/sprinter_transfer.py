@@ -19,7 +19,6 @@ prompt set on the same file is refused (pass another ``--json``).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import pathlib
 import time
@@ -29,6 +28,7 @@ import jax
 import numpy as np
 
 from blockspec_jax.decoding import speculative as spec
+from blockspec_jax.eval import transfer
 
 #: What the head's run recorded that decides how labels are collected (``sprinter_job``'s ``metrics.json``).
 RUN_FIELDS = ("target", "drafter", "dtype", "label_set", "temperature", "max_new_tokens", "seed", "thresholds",
@@ -63,7 +63,6 @@ def score(head, data: dict, thresholds: Sequence[float], tasks: Sequence[str] | 
   category, when ``tasks[i]`` names prompt ``i``'s, whose row is ``first_row + i``)."""
   from blockspec_jax.train import sprinter as sprinter_lib
   features_NxD, labels_N = data["features_NxD"], np.asarray(data["labels_N"])
-  row_N = np.asarray(data["row_N"]) - first_row  # prompt i's row is first_row + i
 
   def one(mask_N) -> dict:
     labels = labels_N[mask_N]
@@ -75,8 +74,8 @@ def score(head, data: dict, thresholds: Sequence[float], tasks: Sequence[str] | 
 
   out = one(np.ones(labels_N.shape, bool))
   if tasks is not None:
-    task_N = np.asarray(tasks)[row_N]
-    out["by_task"] = {task: one(task_N == task) for task in dict.fromkeys(tasks)}
+    out["by_task"] = {task: one(mask_N) for task, mask_N in transfer.task_masks(data["row_N"], tasks,
+                                                                               first_row).items()}
   return out
 
 
@@ -99,42 +98,22 @@ def format_score(result: dict, title: str) -> str:
 def run_settings(head_dir) -> dict:
   """The head's run's :data:`RUN_FIELDS` from its ``metrics.json``; a UsageError when the directory is not a
   finished SPRINTER run."""
-  from blockspec_jax import checks as checks_lib
-  path = pathlib.Path(head_dir) / "metrics.json"
-  if not path.is_file():
-    raise checks_lib.UsageError(f"--head {head_dir}: no metrics.json there (a finished sprinter_job run writes it)")
-  try:
-    record = json.loads(path.read_text())
-  except (OSError, ValueError) as e:
-    raise checks_lib.UsageError(f"--head {head_dir}: {path} is not readable JSON ({e})") from None
-  missing = [k for k in RUN_FIELDS if k not in record]
-  if missing or not isinstance(record.get("target"), str) or not isinstance(record.get("drafter"), str):
-    raise checks_lib.UsageError(f"--head {head_dir}: {path} is not a real-model SPRINTER run's record (missing "
-                                f"{', '.join(missing) or 'model names'})")
-  return {k: record[k] for k in RUN_FIELDS}
+  return transfer.read_run(head_dir, RUN_FIELDS, flag="--head", job="sprinter_job", what="SPRINTER",
+                           names=("target", "drafter"))
 
 
 def build_parser() -> argparse.ArgumentParser:
-  from blockspec_jax.data import formats
   ap = argparse.ArgumentParser(prog="python -m blockspec_jax.eval.sprinter_transfer", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--head", required=True, help="a sprinter_job run directory (head.npz, head.json, metrics.json)")
-  ap.add_argument("--prompts", default="other", help="a shipped prompt set by name (other, six, default) or a JSONL")
-  ap.add_argument("--system", default=formats.SYSTEM_DEFAULT, help=formats.SYSTEM_OPTION_HELP)
-  ap.add_argument("--num-prompts", type=int, default=None, help="the first N prompts (default all)")
-  ap.add_argument("--first-row", type=int, default=0,
-                  help="the first prompt's row id, which keys its sampled continuation: a run's own held-out prompts "
-                       "(rows after its training prompts) collected with their ids give the run's own labels")
-  ap.add_argument("--json", default="results/sprinter_transfer.json")
+  transfer.add_prompt_options(ap, "results/sprinter_transfer.json")
   return ap
 
 
 def main(argv=None) -> int:
   from blockspec_jax import checks as checks_lib
   from blockspec_jax import cli
-  from blockspec_jax import runtime
   from blockspec_jax import sources
-  from blockspec_jax.data import formats
   from blockspec_jax.data import prompts as prompts_lib
   from blockspec_jax.drafters.sprinter import load_head
   from blockspec_jax.train import pools
@@ -144,12 +123,7 @@ def main(argv=None) -> int:
   start = time.perf_counter()
   with cli.cli_errors(ap.prog):
     run = run_settings(args.head)
-    if args.num_prompts is not None:
-      checks_lib.check_int(args.num_prompts, "--num-prompts", error=checks_lib.UsageError)
-    checks_lib.check_int(args.first_row, "--first-row", 0, error=checks_lib.UsageError)
-    formats.check_system_option(args.system)
-    runtime.check_output_file(args.json, "the report (--json)")
-    rows = prompts_lib.load_prompts(args.prompts, limit=args.num_prompts)
+    rows = transfer.check_prompt_options(args)
     try:
       head, _ = load_head(args.head)
     except ValueError as e:
@@ -157,9 +131,8 @@ def main(argv=None) -> int:
     target = sources.load_model(run["target"], run["dtype"], scan_layers=True)  # its tokenizer keys the cache
     prompt_ids = prompts_lib.encode_prompts(target, rows, True, args.system)
     path = pathlib.Path(args.json)
-    labels_path = path.with_name(f"{path.stem}_labels.npz")
-    meta = {**run, "prompts": args.prompts, "system": args.system, "first_row": args.first_row,
-            "prompt_ids_sha256": hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest()}
+    labels_path = transfer.kept_path(path, "labels")
+    meta = transfer.data_key(run, args, prompt_ids)
     data = pools.read_cached(labels_path, meta, sprinter_lib.load_labels, redo=str(labels_path))
     if data is None:  # the drafter only to collect
       drafter = sources.load_model(run["drafter"], run["dtype"], scan_layers=True)
