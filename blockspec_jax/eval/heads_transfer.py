@@ -22,8 +22,6 @@ or prompt set on the same file is refused (pass another ``--json``).
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import time
 from typing import Sequence
 
@@ -147,11 +145,9 @@ def main(argv=None) -> int:
   from blockspec_jax import checks
   from blockspec_jax import cli
   from blockspec_jax import sources
-  from blockspec_jax.data import prompts as prompts_lib
   from blockspec_jax.drafters import heads as heads_drafter
   from blockspec_jax.drafters import lattice
   from blockspec_jax.train import heads as heads_lib
-  from blockspec_jax.train import pools
   ap = build_parser()
   args = ap.parse_args(argv)
   start = time.perf_counter()
@@ -169,29 +165,22 @@ def main(argv=None) -> int:
       ngram, _ = lattice.load_ngram(args.heads, vocab_size=config.vocab_size)
     except (OSError, ValueError) as e:
       raise checks.UsageError(f"--heads {args.heads}: {e}") from None
-    prompt_ids = prompts_lib.encode_prompts(target, rows, True, args.system)
-    path = pathlib.Path(args.json)
-    hidden_path = transfer.kept_path(path, "hidden")
-    meta = transfer.data_key(run, args, prompt_ids)
-    data = pools.read_cached(hidden_path, meta, heads_lib.load_hidden, redo=str(hidden_path))
-  if data is not None:
-    print(f"hidden states read from {hidden_path} (collected with the same run, prompts and format)", flush=True)
-  else:
+    prompt_ids, kept, meta, data = transfer.read_kept(target, rows, args, run, "hidden", heads_lib.load_hidden)
+
+  def collect_hidden():
     print(f"collecting {len(rows)} prompts of {args.prompts} (system {args.system!r}): {run['max_new_tokens']} "
           f"target tokens each at T = {run['temperature']:g}, and the target's hidden states", flush=True)
-    data = collect(config, target.params["params"], prompt_ids, temperature=run["temperature"],
+    return collect(config, target.params["params"], prompt_ids, temperature=run["temperature"],
                    max_new_tokens=run["max_new_tokens"], seed=run["seed"], batch_size=run["collect_batch_size"],
                    stop_ids=tuple(target.stop_ids), first_row=args.first_row)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    heads_lib.save_hidden(hidden_path, data, meta)  # kept: a rerun (another --json title, a failed write) reads it
+
+  data = transfer.collect_or_read(data, kept, meta, "hidden states", collect_hidden, heads_lib.save_hidden)
   lm_head_VxD = heads_drafter.lm_head_weight(config, target.params["params"])
   result = score(heads, lm_head_VxD, ngram, data, num_heads=run["num_heads"], top_k=run["top_k"],
                  lm_weight=run["lm_weight"], tasks=[r["task"] for r in rows], first_row=args.first_row,
                  progress=True)
   print(format_score(result, f"BPD heads {args.heads} on {args.prompts} (system {args.system!r})"))
-  path.write_text(json.dumps(dict(config=vars(args), run=run, seconds=time.perf_counter() - start, **result),
-                             indent=1) + "\n")
-  print(f"wrote {path}; {time.perf_counter() - start:.0f} s")
+  transfer.write_report(args, run, result, start)
   return 0
 
 

@@ -19,8 +19,6 @@ prompt set on the same file is refused (pass another ``--json``).
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import time
 from typing import Sequence
 
@@ -114,9 +112,7 @@ def main(argv=None) -> int:
   from blockspec_jax import checks as checks_lib
   from blockspec_jax import cli
   from blockspec_jax import sources
-  from blockspec_jax.data import prompts as prompts_lib
   from blockspec_jax.drafters.sprinter import load_head
-  from blockspec_jax.train import pools
   from blockspec_jax.train import sprinter as sprinter_lib
   ap = build_parser()
   args = ap.parse_args(argv)
@@ -129,33 +125,26 @@ def main(argv=None) -> int:
     except ValueError as e:
       raise checks_lib.UsageError(f"--head {args.head}: {e}") from None
     target = sources.load_model(run["target"], run["dtype"], scan_layers=True)  # its tokenizer keys the cache
-    prompt_ids = prompts_lib.encode_prompts(target, rows, True, args.system)
-    path = pathlib.Path(args.json)
-    labels_path = transfer.kept_path(path, "labels")
-    meta = transfer.data_key(run, args, prompt_ids)
-    data = pools.read_cached(labels_path, meta, sprinter_lib.load_labels, redo=str(labels_path))
+    prompt_ids, kept, meta, data = transfer.read_kept(target, rows, args, run, "labels", sprinter_lib.load_labels)
     if data is None:  # the drafter only to collect
       drafter = sources.load_model(run["drafter"], run["dtype"], scan_layers=True)
       sources.check_pair(target, drafter)
       if int(head["w_D"].shape[0]) != drafter.config.d_model:
         raise checks_lib.UsageError(f"--head {args.head}: a head of D = {head['w_D'].shape[0]}, the drafter "
                                     f"{run['drafter']} has D = {drafter.config.d_model}")
-  if data is not None:
-    print(f"labels read from {labels_path} (collected with the same run, prompts and format)", flush=True)
-  else:
+
+  def collect_labels():
     print(f"collecting {run['label_set']} labels on {len(rows)} prompts of {args.prompts} (system {args.system!r}), "
           f"{run['max_new_tokens']} tokens each at T = {run['temperature']:g}", flush=True)
-    data = collect(target.config, target.params["params"], drafter.config, drafter.params["params"], prompt_ids,
+    return collect(target.config, target.params["params"], drafter.config, drafter.params["params"], prompt_ids,
                    label_set=run["label_set"], temperature=run["temperature"], max_new_tokens=run["max_new_tokens"],
                    seed=run["seed"], batch_size=run["collect_batch_size"], stop_ids=tuple(target.stop_ids),
                    first_row=args.first_row)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sprinter_lib.save_labels(labels_path, data, meta)  # kept: a rerun (another --json title, a failed write) reads it
+
+  data = transfer.collect_or_read(data, kept, meta, "labels", collect_labels, sprinter_lib.save_labels)
   result = score(head, data, run["thresholds"], [r["task"] for r in rows], args.first_row)
   print(format_score(result, f"SPRINTER head {args.head} on {args.prompts} (system {args.system!r})"))
-  path.write_text(json.dumps(dict(config=vars(args), run=run, seconds=time.perf_counter() - start, **result),
-                             indent=1) + "\n")
-  print(f"wrote {path}; {time.perf_counter() - start:.0f} s")
+  transfer.write_report(args, run, result, start)
   return 0
 
 

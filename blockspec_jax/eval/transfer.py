@@ -14,7 +14,8 @@ import argparse
 import hashlib
 import json
 import pathlib
-from typing import Sequence
+import time
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -22,7 +23,8 @@ from blockspec_jax import checks
 from blockspec_jax import runtime
 from blockspec_jax.data import formats
 
-__all__ = ["read_run", "add_prompt_options", "check_prompt_options", "data_key", "kept_path", "task_masks"]
+__all__ = ["read_run", "add_prompt_options", "check_prompt_options", "data_key", "kept_path", "read_kept",
+           "collect_or_read", "write_report", "task_masks"]
 
 
 def read_run(directory, fields: Sequence[str], *, flag: str, job: str, what: str,
@@ -78,6 +80,40 @@ def kept_path(report, suffix: str) -> pathlib.Path:
   """``<report stem>_<suffix>.npz`` beside the report."""
   report = pathlib.Path(report)
   return report.with_name(f"{report.stem}_{suffix}.npz")
+
+
+def read_kept(target, rows: list[dict], args: argparse.Namespace, run: dict, suffix: str, load: Callable):
+  """``(prompt_ids, kept, meta, data)``: the prompts' token ids (chat-templated in ``args.system``'s format with the
+  target's tokenizer), the kept data's file (:func:`kept_path`), its key (:func:`data_key`) and the data in it when
+  it was collected with that key (``load``: the file's reader; None when absent; another key is a UsageError)."""
+  from blockspec_jax.data import prompts as prompts_lib
+  from blockspec_jax.train import pools
+  prompt_ids = prompts_lib.encode_prompts(target, rows, True, args.system)
+  kept = kept_path(args.json, suffix)
+  meta = data_key(run, args, prompt_ids)
+  return prompt_ids, kept, meta, pools.read_cached(kept, meta, load, redo=str(kept))
+
+
+def collect_or_read(data, kept: pathlib.Path, meta: dict, what: str, collect: Callable[[], dict],
+                    save: Callable) -> dict:
+  """``data`` when :func:`read_kept` found it (said), else ``collect()``, saved at once as ``save(kept, data, meta)``
+  so that a rerun (another report title, a failed write) reads it."""
+  if data is not None:
+    print(f"{what} read from {kept} (collected with the same run, prompts and format)", flush=True)
+    return data
+  data = collect()
+  kept.parent.mkdir(parents=True, exist_ok=True)
+  save(kept, data, meta)
+  return data
+
+
+def write_report(args: argparse.Namespace, run: dict, result: dict, start: float) -> pathlib.Path:
+  """The report ``--json``: the options, the run's settings, the seconds since ``start`` and ``result``."""
+  path = pathlib.Path(args.json)
+  path.write_text(json.dumps(dict(config=vars(args), run=run, seconds=time.perf_counter() - start, **result),
+                             indent=1) + "\n")
+  print(f"wrote {path}; {time.perf_counter() - start:.0f} s")
+  return path
 
 
 def task_masks(row_of_item, tasks: Sequence[str], first_row: int = 0) -> dict[str, np.ndarray]:
