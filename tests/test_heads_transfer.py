@@ -4,6 +4,7 @@ the score is the job's held-out evaluation overall and per category, and the com
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -46,8 +47,8 @@ def _scored(data, config, target, tasks=None, first_row=0, heads=None):
 def test_score_is_the_jobs_evaluation_and_categories_combine_to_it():
   config, target, data = _collected()
   rng = np.random.default_rng(0)
-  trained = {k: jax.numpy.asarray(v) for k, v in heads_drafter.init_heads(config.d_model, 3, jax.random.key(1)).items()}
-  trained["w2_HxDxD"] = jax.numpy.asarray(rng.normal(size=trained["w2_HxDxD"].shape).astype(np.float32) * 0.3)
+  trained = {k: jnp.asarray(v) for k, v in heads_drafter.init_heads(config.d_model, 3, jax.random.key(1)).items()}
+  trained["w2_HxDxD"] = jnp.asarray(rng.normal(size=trained["w2_HxDxD"].shape).astype(np.float32) * 0.3)
   whole, (heads, lm_head_VxD, ngram) = _scored(data, config, target, heads=trained)
   labels_MxH = heads_lib.head_labels(data, 3)
   contexts = heads_lib.text_contexts(data, 3, 2, ngram.bos)

@@ -26,6 +26,7 @@ import time
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from blockspec_jax.decoding import speculative as spec
@@ -83,7 +84,7 @@ def score(heads, lm_head_VxD, ngram, data: dict, *, num_heads: int, top_k: int, 
   from blockspec_jax.train import heads as heads_lib
   vocab, d_model = np.shape(lm_head_VxD)
   config = heads_lib.lm_head_config(int(vocab), int(d_model))
-  lm_head_VxD = jax.numpy.asarray(lm_head_VxD, jax.numpy.float32)
+  lm_head_VxD = jnp.asarray(lm_head_VxD, jnp.float32)
   features_MxD = np.asarray(data["features_MxD"])
   labels_MxH = heads_lib.head_labels(data, num_heads)
   contexts_MxHxC = heads_lib.text_contexts(data, num_heads, ngram.order - 1, ngram.bos)
