@@ -32,7 +32,7 @@ import numpy as np
 from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.eval import transfer
 
-__all__ = ["RUN_FIELDS", "collect", "score", "format_score", "run_settings", "main"]
+__all__ = ["RUN_FIELDS", "PER_HEAD", "collect", "combine", "score", "format_score", "run_settings", "main"]
 
 #: What the heads' run recorded that decides how its held-out data is collected and scored (``heads_job``).
 RUN_FIELDS = ("target", "dtype", "temperature", "max_new_tokens", "seed", "collect_batch_size", "num_heads", "top_k",
