@@ -32,13 +32,11 @@ import numpy as np
 from blockspec_jax.decoding import speculative as spec
 from blockspec_jax.eval import transfer
 
-__all__ = ["RUN_FIELDS", "PER_HEAD", "collect", "combine", "score", "format_score", "run_settings", "main"]
+__all__ = ["RUN_FIELDS", "collect", "combine", "score", "format_score", "run_settings", "main"]
 
 #: What the heads' run recorded that decides how its held-out data is collected and scored (``heads_job``).
 RUN_FIELDS = ("target", "dtype", "temperature", "max_new_tokens", "seed", "collect_batch_size", "num_heads", "top_k",
               "lm_weight")
-#: Per-head figures of :func:`blockspec_jax.train.heads.evaluate_heads`, averaged over positions.
-PER_HEAD = ("ce_per_head", "top1_per_head", "in_topk_per_head", "top1_rescored_per_head")
 
 
 def collect(target_config, target_params, prompt_ids: Sequence[Sequence[int]], *, temperature: float,
@@ -58,19 +56,15 @@ def collect(target_config, target_params, prompt_ids: Sequence[Sequence[int]], *
 
 def combine(parts: Sequence[dict]) -> dict:
   """:func:`~blockspec_jax.train.heads.evaluate_heads` results of disjoint sets of positions as one result over
-  their union: each per-head figure weighted by its positions, the means over heads with positions."""
+  their union: each part's per-head figures times its positions are its sums, which add
+  (:func:`~blockspec_jax.train.heads.head_figures`)."""
+  from blockspec_jax.train import heads as heads_lib
   count_PxH = np.asarray([p["num_per_head"] for p in parts], np.float64)
-  total_H = count_PxH.sum(axis=0)
-  has_H = total_H > 0
-  out = {"num_per_head": total_H.astype(int).tolist()}
-  for name in PER_HEAD:
-    if name in parts[0]:
-      value_PxH = np.asarray([p[name] for p in parts], np.float64)
-      out[name] = ((value_PxH * count_PxH).sum(axis=0) / np.maximum(total_H, 1.0)).tolist()
-  for name, per_head in (("ce", "ce_per_head"), ("top1", "top1_per_head"), ("top1_rescored", "top1_rescored_per_head")):
-    if per_head in out:
-      out[name] = float(np.mean(np.asarray(out[per_head])[has_H]))
-  return out
+  totals = {"count_H": count_PxH.sum(axis=0)}
+  for name, per_head in heads_lib.HEAD_SUMS.items():
+    if per_head in parts[0]:
+      totals[name] = (np.asarray([p[per_head] for p in parts], np.float64) * count_PxH).sum(axis=0)
+  return heads_lib.head_figures(totals)
 
 
 def score(heads, lm_head_VxD, ngram, data: dict, *, num_heads: int, top_k: int, lm_weight: float,

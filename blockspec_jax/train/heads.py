@@ -41,7 +41,7 @@ from blockspec_jax.train import distill, pools, trainer
 
 __all__ = ["HIDDEN_FIELDS", "HEADS_JSON", "HEADS_NPZ", "LM_HEAD_NPY", "collect_hidden", "head_labels",
            "save_hidden", "load_hidden", "save_lm_head", "load_lm_head", "lm_head_config", "HeadsLoss", "train_heads",
-           "evaluate_heads", "text_contexts", "ngram_heldout_nll", "build_text_ngram", "save_heads", "load_heads"]
+           "evaluate_heads", "HEAD_SUMS", "head_figures", "text_contexts", "ngram_heldout_nll", "build_text_ngram", "save_heads", "load_heads"]
 
 HIDDEN_FIELDS = ("features_MxD", "seq_M", "position_M", "tokens_NxT", "length_N", "prompt_len_N", "row_N")
 LM_HEAD_NPY = "lm_head.npy"
@@ -348,16 +348,28 @@ def evaluate_heads(heads, lm_head_VxD, target_config: decoder_lib.DecoderConfig,
       sums = run()
     for name, value in sums.items():
       totals[name] = totals.get(name, 0.0) + np.asarray(value, np.float64)
-  count_H = np.maximum(totals["count_H"], 1.0)
-  has_H = totals["count_H"] > 0
-  out = {"ce_per_head": (totals["ce_H"] / count_H).tolist(), "top1_per_head": (totals["top1_H"] / count_H).tolist(),
-         "num_per_head": totals["count_H"].astype(int).tolist()}
-  out["ce"] = float(np.mean(np.asarray(out["ce_per_head"])[has_H]))
-  out["top1"] = float(np.mean(np.asarray(out["top1_per_head"])[has_H]))
-  if ngram is not None:
-    out["in_topk_per_head"] = (totals["in_topk_H"] / count_H).tolist()
-    out["top1_rescored_per_head"] = (totals["top1_rescored_H"] / count_H).tolist()
-    out["top1_rescored"] = float(np.mean(np.asarray(out["top1_rescored_per_head"])[has_H]))
+  return head_figures(totals)
+
+
+#: The sums :func:`evaluate_heads` adds over positions (per head ``H``) and the per-head means it divides them into.
+HEAD_SUMS = {"ce_H": "ce_per_head", "top1_H": "top1_per_head", "in_topk_H": "in_topk_per_head",
+             "top1_rescored_H": "top1_rescored_per_head"}
+
+
+def head_figures(totals: dict) -> dict:
+  """:func:`evaluate_heads`' result from its sums over positions: ``count_H`` (labelled positions per head) and those
+  of :data:`HEAD_SUMS` it has. Each per-head sum divided by the head's positions; ``ce`` / ``top1`` /
+  ``top1_rescored``: their means over the heads that have positions. Sums of disjoint sets of positions add, so
+  this also scores their union."""
+  count_H = np.asarray(totals["count_H"], np.float64)
+  has_H = count_H > 0
+  out = {"num_per_head": count_H.astype(int).tolist()}
+  for name, per_head in HEAD_SUMS.items():
+    if name in totals:
+      out[per_head] = (np.asarray(totals[name], np.float64) / np.maximum(count_H, 1.0)).tolist()
+  for name, per_head in (("ce", "ce_per_head"), ("top1", "top1_per_head"), ("top1_rescored", "top1_rescored_per_head")):
+    if per_head in out:
+      out[name] = float(np.mean(np.asarray(out[per_head])[has_H]))
   return out
 
 
