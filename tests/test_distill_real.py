@@ -231,6 +231,21 @@ def test_paired_drafters_summary_arithmetic():
   assert "| past the prompt | 2 | tuned | block | 2 |" in text and "paired within the group" in text
   with pytest.raises(ValueError, match="2 group labels for tables of \\[3\\] contexts"):
     paired_drafters.summarize_within({"base": ref}, ["a", "b"], ("token", "block"))
+  # A reference that accepts next to nothing (an untrained drafter: E[τ] ~ 1e-8) has no accepted-gain ratio (it
+  # would read +5,000,000%), and none at all (0 / 0) prints n/a, not nan; Δ and the BE gain still compare.
+  for nothing in (1e-8, 0.0):
+    rows = paired_drafters.summarize_drafters({"init": np.full_like(ref, nothing), "tuned": better},
+                                              ["code", "chat", "code"], ("token", "block"))
+    tuned_row = next(r for r in rows if r["drafter"] == "tuned" and r["rule"] == "block" and r["gamma"] == 2)
+    assert np.isnan(tuned_row["accepted_gain"]) and tuned_row["diff"] == pytest.approx(r["be"] - 1.0 - nothing)
+    assert tuned_row["gain"] == pytest.approx(r["be"] / (1.0 + nothing) - 1.0)
+    for text in (paired_drafters.format_drafters(rows, 1.0),
+                 paired_drafters.format_within([dict(row, group="all") for row in rows], 1.0)):
+      assert text.count("| n/a |") == len(rows) and "nan" not in text and "%" in text
+  above = 2 * paired_drafters.MIN_REFERENCE_ACCEPTED
+  rows = paired_drafters.summarize_drafters({"init": np.full_like(ref, above), "tuned": better},
+                                            ["code", "chat", "code"], ("token", "block"))
+  assert rows[-1]["accepted_gain"] == pytest.approx((rows[-1]["be"] - 1.0) / above - 1.0)  # above it, reported
 
 
 def test_verifier_settings_are_checked_and_reach_the_rule():

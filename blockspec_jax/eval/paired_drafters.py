@@ -22,7 +22,7 @@ import numpy as np
 from blockspec_jax.checks import check_int
 from blockspec_jax.theory.stats import mean_stderr
 
-__all__ = ["summarize_drafters", "format_drafters", "offset_bins", "prompt_split", "summarize_within",
+__all__ = ["MIN_REFERENCE_ACCEPTED", "summarize_drafters", "format_drafters", "offset_bins", "prompt_split", "summarize_within",
            "format_within"]
 
 
@@ -51,11 +51,23 @@ def _group_key(label: str):
   return (0, int(digits), "") if label[:1] == "+" and digits.isdigit() else (1, 0, label)
 
 
+#: Below this E[τ] (accepted tokens per target call) the reference accepts next to nothing, and a ratio over it is
+#: rounding noise (a drafter that accepts 1e-8 tokens a call makes a 0.06 gain read +5,000,000%): its
+#: ``accepted_gain`` is NaN, shown as n/a; ``diff`` and ``gain`` still compare the two.
+MIN_REFERENCE_ACCEPTED = 1e-3
+
+
+def _percent(value: float) -> str:
+  """``+12.3%``, or ``n/a`` where the ratio is not defined (NaN)."""
+  return "n/a" if np.isnan(value) else f"{100 * value:+.1f}%"
+
+
 def summarize_drafters(tables: dict, tasks: list[str], rules: tuple[str, ...], gammas=None) -> list[dict]:
   """Rows ``{drafter, rule, gamma, be, be_se, by_task: {task: be}, diff, diff_se, gain, accepted_gain}`` for every
   drafter (in the order of ``tables``: label → ``E_DxBxRxG``), rule and γ (all γ of the tables, or ``gammas``).
   ``tasks`` labels each context (a category or an offset). The first drafter is the reference of ``diff`` (BE −
-  reference BE, per context), ``gain`` (BE / reference BE − 1) and ``accepted_gain`` (E[τ] / reference E[τ] − 1)."""
+  reference BE, per context), ``gain`` (BE / reference BE − 1) and ``accepted_gain`` (E[τ] / reference E[τ] − 1;
+  NaN where the reference's E[τ] is below :data:`MIN_REFERENCE_ACCEPTED`)."""
   labels = list(tables)
   if not labels:
     raise ValueError("no drafter tables to summarize")
@@ -85,7 +97,8 @@ def summarize_drafters(tables: dict, tasks: list[str], rules: tuple[str, ...], g
         out.append(dict(drafter=label, rule=rule, gamma=g + 1, be=be, be_se=be_se,
                         by_task={t: float(be_B[tasks_B == t].mean()) for t in task_names},
                         diff=diff, diff_se=diff_se, gain=be / ref_be - 1.0,
-                        accepted_gain=(be - 1.0) / (ref_be - 1.0) - 1.0 if ref_be > 1.0 else float("nan"),
+                        accepted_gain=((be - 1.0) / (ref_be - 1.0) - 1.0 if ref_be - 1.0 >= MIN_REFERENCE_ACCEPTED
+                                       else float("nan")),
                         contexts=int(contexts)))
   return out
 
@@ -118,7 +131,7 @@ def format_within(rows: list[dict], temperature: float) -> str:
   for r in rows:
     lines.append(f"| {r['group']} | {r['contexts']} | {r['drafter']} | {r['rule']} | {r['gamma']} | "
                  f"{r['be']:.3f} ± {r['be_se']:.3f} | {r['diff']:+.3f} ± {r['diff_se']:.3f} | "
-                 f"{100 * r['gain']:+.1f}% | {100 * r['accepted_gain']:+.1f}% |")
+                 f"{_percent(r['gain'])} | {_percent(r['accepted_gain'])} |")
   return "\n".join(lines)
 
 
@@ -129,11 +142,11 @@ def format_drafters(rows: list[dict], temperature: float, groups: str = "categor
   head = (f"| drafter | rule | γ | BE ± se | {' | '.join(tasks)} | Δ vs {rows[0]['drafter']} ± se | gain | "
           "accepted gain |" if rows else "")
   lines = [f"T = {temperature:g}: block efficiency (1 + E[τ], Rao–Blackwellised) on the same contexts, by {groups}; "
-           "± one standard error over contexts; Δ paired by context; accepted gain = E[τ] / reference E[τ] − 1", "",
+           "± one standard error over contexts; Δ paired by context; accepted gain = E[τ] / reference E[τ] − 1 (n/a: "
+           "the reference accepts next to nothing)", "",
            head, "|" + "---|" * (7 + len(tasks))]
   for r in rows:
     by = " | ".join(f"{r['by_task'][t]:.3f}" for t in tasks)
     lines.append(f"| {r['drafter']} | {r['rule']} | {r['gamma']} | {r['be']:.3f} ± {r['be_se']:.3f} | {by} | "
-                 f"{r['diff']:+.3f} ± {r['diff_se']:.3f} | {100 * r['gain']:+.1f}% | "
-                 f"{100 * r['accepted_gain']:+.1f}% |")
+                 f"{r['diff']:+.3f} ± {r['diff_se']:.3f} | {_percent(r['gain'])} | {_percent(r['accepted_gain'])} |")
   return "\n".join(lines)
