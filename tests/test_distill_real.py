@@ -233,12 +233,13 @@ def test_paired_drafters_summary_arithmetic():
     paired_drafters.summarize_within({"base": ref}, ["a", "b"], ("token", "block"))
   # A reference that accepts next to nothing (an untrained drafter: E[τ] ~ 1e-8) has no accepted-gain ratio (it
   # would read +5,000,000%), and none at all (0 / 0) prints n/a, not nan; Δ and the BE gain still compare.
+  tuned_be = by[("tuned", "block", 2)]["be"]
   for nothing in (1e-8, 0.0):
     rows = paired_drafters.summarize_drafters({"init": np.full_like(ref, nothing), "tuned": better},
                                               ["code", "chat", "code"], ("token", "block"))
     tuned_row = next(r for r in rows if r["drafter"] == "tuned" and r["rule"] == "block" and r["gamma"] == 2)
-    assert np.isnan(tuned_row["accepted_gain"]) and tuned_row["diff"] == pytest.approx(r["be"] - 1.0 - nothing)
-    assert tuned_row["gain"] == pytest.approx(r["be"] / (1.0 + nothing) - 1.0)
+    assert np.isnan(tuned_row["accepted_gain"]) and tuned_row["diff"] == pytest.approx(tuned_be - 1.0 - nothing)
+    assert tuned_row["gain"] == pytest.approx(tuned_be / (1.0 + nothing) - 1.0)
     for text in (paired_drafters.format_drafters(rows, 1.0),
                  paired_drafters.format_within([dict(row, group="all") for row in rows], 1.0)):
       assert text.count("| n/a |") == len(rows) and "nan" not in text and "%" in text

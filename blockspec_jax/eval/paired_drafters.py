@@ -22,8 +22,8 @@ import numpy as np
 from blockspec_jax.checks import check_int
 from blockspec_jax.theory.stats import mean_stderr
 
-__all__ = ["MIN_REFERENCE_ACCEPTED", "summarize_drafters", "format_drafters", "offset_bins", "prompt_split", "summarize_within",
-           "format_within"]
+__all__ = ["MIN_REFERENCE_ACCEPTED", "summarize_drafters", "format_drafters", "offset_bins", "prompt_split",
+           "summarize_within", "format_within"]
 
 
 def offset_bins(offsets, width: int) -> list[str]:

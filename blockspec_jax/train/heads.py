@@ -41,7 +41,8 @@ from blockspec_jax.train import distill, pools, trainer
 
 __all__ = ["HIDDEN_FIELDS", "HEADS_JSON", "HEADS_NPZ", "LM_HEAD_NPY", "collect_hidden", "head_labels",
            "save_hidden", "load_hidden", "save_lm_head", "load_lm_head", "lm_head_config", "HeadsLoss", "train_heads",
-           "evaluate_heads", "HEAD_SUMS", "head_figures", "text_contexts", "ngram_heldout_nll", "build_text_ngram", "save_heads", "load_heads"]
+           "evaluate_heads", "HEAD_SUMS", "head_figures", "text_contexts", "ngram_heldout_nll", "build_text_ngram",
+           "save_heads", "load_heads"]
 
 HIDDEN_FIELDS = ("features_MxD", "seq_M", "position_M", "tokens_NxT", "length_N", "prompt_len_N", "row_N")
 LM_HEAD_NPY = "lm_head.npy"
