@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from blockspec_jax.models import Decoder, DecoderConfig, causal_mask, init_cache
+from blockspec_jax import contracts
+from blockspec_jax.models import Decoder, DecoderConfig, KVCache, causal_mask, init_cache
 
 S = 16  # cache length used throughout
 ATOL = 1e-5
@@ -405,3 +406,50 @@ def test_matches_transformers_gemma3_tiny():
     ref = hf(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits[0].numpy()
   ours, _ = forward(Decoder(config), params, tokens, arange_positions(1, 0, length), init_cache(config, 1, S))
   np.testing.assert_allclose(np.asarray(ours[0]), ref, atol=2e-4 * max(1.0, np.abs(ref).max()), rtol=0)
+
+
+def _reference_moves(x_LxBxSxKxH, src_BxM, dst_BxM, valid_BxM):
+  """numpy: gather every valid source first, then write each to its destination."""
+  out = np.array(x_LxBxSxKxH)
+  for b in range(src_BxM.shape[0]):
+    moved = {int(d): np.array(x_LxBxSxKxH[:, b, s]) for s, d, v in zip(src_BxM[b], dst_BxM[b], valid_BxM[b]) if v}
+    for d, value in moved.items():
+      out[:, b, d] = value
+  return out
+
+
+@pytest.mark.parametrize("in_loop", [False, True], ids=["one_call", "donated_loop"])
+def test_move_slots_gathers_every_source_before_writing(in_loop):
+  """The path commit's moves chain (slot ``length + path[j]`` is move ``i``'s destination for ``j < i``): every move
+  must read its source as it was before any write, also inside a jitted loop whose carried cache is updated in place
+  (where a fused in-place gather-and-scatter would read slots already written). Paths of every shape a tree commit
+  makes: the longest chain of overlapping moves (``path = [1, 2, …]``), sparse paths, τ = 0 and τ = γ; exact."""
+  layers, batch, slots, heads, dim, gamma, steps = 2, 4, 40, 2, 3, 6, 3
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((layers, batch, slots, heads, dim)).astype(np.float32)
+  cache = KVCache(jnp.asarray(x), jnp.asarray(-x))
+  paths, lengths, taus = [], [], []
+  for step in range(steps):
+    length_B = np.array([3 + step, 5, 9 + 2 * step, 4], np.int32)
+    path_BxG = np.stack([np.arange(1, gamma + 1),  # every destination is the previous move's source
+                         np.sort(rng.choice(np.arange(gamma + 8), gamma, replace=False)),
+                         np.arange(gamma) * 2 + 1,
+                         np.arange(gamma)]).astype(np.int32)  # path[i] = i: nothing moves
+    tau_B = np.array([gamma, rng.integers(0, gamma + 1), step, 0][:batch], np.int32)
+    paths.append(path_BxG), lengths.append(length_B), taus.append(tau_B)
+  moves = [contracts.path_slots(jnp.asarray(l), jnp.asarray(p), jnp.asarray(t)) for l, p, t in zip(lengths, paths, taus)]
+  src_TxBxM, dst_TxBxM, valid_TxBxM = (jnp.stack(parts) for parts in zip(*moves))
+
+  if in_loop:
+    def run(cache, src_TxBxM, dst_TxBxM, valid_TxBxM):
+      return jax.lax.fori_loop(0, steps, lambda t, c: c.move_slots(src_TxBxM[t], dst_TxBxM[t], valid_TxBxM[t]), cache)
+    moved = jax.jit(run, donate_argnums=0)(cache, src_TxBxM, dst_TxBxM, valid_TxBxM)
+  else:
+    moved = cache
+    for t in range(steps):
+      moved = jax.jit(KVCache.move_slots)(moved, src_TxBxM[t], dst_TxBxM[t], valid_TxBxM[t])
+  want_k = x
+  for t in range(steps):
+    want_k = _reference_moves(want_k, *(np.asarray(a[t]) for a in (src_TxBxM, dst_TxBxM, valid_TxBxM)))
+  np.testing.assert_array_equal(np.asarray(moved.k_LxBxSxKxH), want_k)
+  np.testing.assert_array_equal(np.asarray(moved.v_LxBxSxKxH), -want_k)
