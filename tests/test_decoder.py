@@ -422,8 +422,8 @@ def _reference_moves(x_LxBxSxKxH, src_BxM, dst_BxM, valid_BxM):
 def test_move_slots_gathers_every_source_before_writing(in_loop):
   """The path commit's moves chain (slot ``length + path[j]`` is move ``i``'s destination for ``j < i``): every move
   must read its source as it was before any write, also inside a jitted loop whose carried cache is updated in place
-  (where a fused in-place gather-and-scatter would read slots already written). Paths of every shape a tree commit
-  makes: the longest chain of overlapping moves (``path = [1, 2, …]``), sparse paths, τ = 0 and τ = γ; exact."""
+  (where a fused in-place gather-and-scatter would read slots already written). Paths of several shapes: the longest
+  chain of overlapping moves (``path = [1, 2, …]``), sparse paths, nothing moved, τ = 0 and τ = γ; exact."""
   layers, batch, slots, heads, dim, gamma, steps = 2, 4, 40, 2, 3, 6, 3
   rng = np.random.default_rng(0)
   x = rng.standard_normal((layers, batch, slots, heads, dim)).astype(np.float32)
@@ -435,9 +435,12 @@ def test_move_slots_gathers_every_source_before_writing(in_loop):
                          np.sort(rng.choice(np.arange(gamma + 8), gamma, replace=False)),
                          np.arange(gamma) * 2 + 1,
                          np.arange(gamma)]).astype(np.int32)  # path[i] = i: nothing moves
-    tau_B = np.array([gamma, rng.integers(0, gamma + 1), step, 0][:batch], np.int32)
-    paths.append(path_BxG), lengths.append(length_B), taus.append(tau_B)
-  moves = [contracts.path_slots(jnp.asarray(l), jnp.asarray(p), jnp.asarray(t)) for l, p, t in zip(lengths, paths, taus)]
+    tau_B = np.array([gamma, rng.integers(0, gamma + 1), step, 0], np.int32)
+    paths.append(path_BxG)
+    lengths.append(length_B)
+    taus.append(tau_B)
+  moves = [contracts.path_slots(jnp.asarray(length_B), jnp.asarray(path_BxG), jnp.asarray(tau_B))
+           for length_B, path_BxG, tau_B in zip(lengths, paths, taus)]
   src_TxBxM, dst_TxBxM, valid_TxBxM = (jnp.stack(parts) for parts in zip(*moves))
 
   if in_loop:
