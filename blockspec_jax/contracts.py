@@ -355,13 +355,15 @@ def tree_attention_mask(length_B: jax.Array, ancestors_BxNxN: jax.Array, cache_l
 
 def accepted_path(accepted_BxN: jax.Array, depth_BxN: jax.Array, gamma: int) -> jax.Array:
   """int32 ``[B, γ]``: the accepted node at depth ``i + 1`` (−1 where the path is shorter), from a bool ``[B, N]``
-  marking a root-to-node chain."""
-  batch, n_nodes = accepted_BxN.shape
-  depth_slot_BxN = jnp.where(accepted_BxN, depth_BxN - 1, gamma)  # rejected nodes land in a dropped column
-  path_BxG = jnp.full((batch, gamma), -1, jnp.int32)
-  rows_BxN = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, n_nodes))
-  nodes_BxN = jnp.broadcast_to(jnp.arange(n_nodes, dtype=jnp.int32)[None, :], (batch, n_nodes))
-  return path_BxG.at[rows_BxN, depth_slot_BxN].set(nodes_BxN, mode="drop")
+  marking a root-to-node chain.
+
+  A comparison and an argmax, not a scatter: XLA's GPU backend under ``--xla_gpu_deterministic_ops=true`` (JAX 0.11.2,
+  H200) mixes up the values of a ``.at[].set(mode="drop")`` scatter whose updates include repeated out-of-range
+  indices (an in-range slot received another slot's node), and the rejected nodes of a tree are exactly such
+  updates. The tree rules then committed the wrong path's cache entries through the loop (docs/results/gpu.md)."""
+  at_depth_BxGxN = accepted_BxN[:, None, :] & (
+      depth_BxN[:, None, :] == jnp.arange(1, gamma + 1, dtype=depth_BxN.dtype)[None, :, None])
+  return jnp.where(jnp.any(at_depth_BxGxN, axis=-1), jnp.argmax(at_depth_BxGxN, axis=-1).astype(jnp.int32), -1)
 
 
 def path_slots(length_B: jax.Array, path_BxG: jax.Array, num_accepted_B: jax.Array):

@@ -109,6 +109,26 @@ def test_tree_pass_scores_root_to_node_paths_and_path_commit_restores_the_cache(
   np.testing.assert_array_equal(cache.k_LxBxSxKxH[:, 0, :4], scored.target_cache.k_LxBxSxKxH[:, 0, :4])
 
 
+def test_accepted_path_matches_numpy_on_random_chains_and_uses_no_scatter():
+  """Root-to-node chains of every length 0..γ among nodes of random depths, exact against numpy. No scatter: on a GPU
+  with ``--xla_gpu_deterministic_ops=true`` (JAX 0.11.2) a dropping scatter with repeated out-of-range indices, as the
+  rejected nodes would be, put other nodes' numbers into the path (docs/results/gpu.md)."""
+  batch, n_nodes, gamma = 64, 12, 4
+  rng = np.random.default_rng(3)
+  accepted_BxN = np.zeros((batch, n_nodes), bool)
+  depth_BxN = rng.integers(1, gamma + 1, (batch, n_nodes)).astype(np.int32)
+  want_BxG = np.full((batch, gamma), -1, np.int32)
+  for b in range(batch):
+    nodes = rng.choice(n_nodes, b % (gamma + 1), replace=False)
+    accepted_BxN[b, nodes] = True
+    depth_BxN[b, nodes] = np.arange(1, len(nodes) + 1)
+    want_BxG[b, :len(nodes)] = nodes
+  path_fn = jax.jit(lambda a, d: contracts.accepted_path(a, d, gamma))
+  np.testing.assert_array_equal(path_fn(accepted_BxN, depth_BxN), want_BxG)
+  jaxpr = str(jax.make_jaxpr(path_fn)(accepted_BxN, depth_BxN))
+  assert "scatter" not in jaxpr, jaxpr
+
+
 def test_accepted_path_and_hidden_rows():
   depth_BxN = jnp.asarray([[1, 1, 2, 2, 2, 3]], jnp.int32)
   accepted = jnp.asarray([[False, True, False, False, True, False]])

@@ -192,16 +192,16 @@ class KVCache:
     commit); an invalid move writes its destination's own entry back. ``dst_BxM`` must hold distinct slots per row
     (slots ``≥ S`` are dropped).
 
-    All sources are gathered before any write, so a destination may be another move's source (the path commit's
-    ``length + path[j] = length + i`` for some ``j < i``). Inside the decoding loop the cache is updated in place, and
-    a compiler that fused the gather into the in-place scatter would let a move read a slot another move already
-    wrote; the optimisation barrier keeps the gathered entries a separate buffer, written only after all are read.
-    Every write lands on a distinct in-range slot in the normal case (no duplicate or dropped indices)."""
+    All sources are read before any write (a gather, then a scatter), so a destination may be another move's source
+    (the path commit's ``length + path[j] = length + i`` for some ``j < i``). Invalid moves keep their own in-range
+    destination rather than all going to one dropped index: XLA's GPU backend under
+    ``--xla_gpu_deterministic_ops=true`` mixes up the values of a dropping scatter whose indices repeat out of range
+    (see ``contracts.accepted_path``)."""
     rows_Bx1 = jnp.arange(src_BxM.shape[0], dtype=jnp.int32)[:, None]
     src_BxM = jnp.where(valid_BxM, src_BxM, dst_BxM)
 
     def move(x_LxBxSxKxH):
-      moved_LxBxMxKxH = jax.lax.optimization_barrier(x_LxBxSxKxH[:, rows_Bx1, src_BxM])
+      moved_LxBxMxKxH = x_LxBxSxKxH[:, rows_Bx1, src_BxM]
       return x_LxBxSxKxH.at[:, rows_Bx1, dst_BxM].set(moved_LxBxMxKxH, mode="drop")
 
     return KVCache(move(self.k_LxBxSxKxH), move(self.v_LxBxSxKxH))
