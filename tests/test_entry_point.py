@@ -20,6 +20,7 @@ EXPECTED = {"gin/theory_report.gin": "theory_report", "gin/bench/lossy_qwen.gin"
             "gin/bench/paired_six.gin": "paired", "gin/bench/paired_other_sd2.gin": "paired",
             "gin/bench/paired_other_distill.gin": "paired",
             "gin/bench/paired_other_mixed.gin": "paired",
+            "gin/bench/paired_other_heads.gin": "paired",
             "gin/bench/verify_small.gin": "bench_verify",
             "gin/bench/mesh_smollm2.gin": "bench_mesh", "gin/bench/mesh_jobs.gin": "bench_mesh"}
 
